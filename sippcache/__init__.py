@@ -1,0 +1,45 @@
+"""sippcache: llama.cpp prefix-state caching with pluggable storage.
+
+    import sippcache
+    with sippcache.open("lmdb:///var/cache/sipp?max_bytes=20GiB") as cache:
+        cache.store(tokens, blob, namespace="model-a")
+        match = cache.lookup(longer_tokens, namespace="model-a")
+
+See README.md and docs/ for the backends, the entry format and the llama-cpp-python adapter.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    BadOption,
+    BrokenPlugin,
+    CacheClosed,
+    CacheFull,
+    CorruptEntry,
+    MissingDependency,
+    SippcacheError,
+    UnknownBackend,
+)
+from .protocol import BaseBackend, CacheBackend, Match, Stats
+from .registry import BackendInfo, backends, default_url, open
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendInfo",
+    "BadOption",
+    "BaseBackend",
+    "BrokenPlugin",
+    "CacheBackend",
+    "CacheClosed",
+    "CacheFull",
+    "CorruptEntry",
+    "Match",
+    "MissingDependency",
+    "SippcacheError",
+    "Stats",
+    "UnknownBackend",
+    "backends",
+    "default_url",
+    "open",
+]

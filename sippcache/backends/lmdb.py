@@ -1,0 +1,144 @@
+"""`lmdb:///path`: a memory-mapped store shared by every process on the machine.
+
+Lookups return the blob as a view of the mapped page (no copy), valid until
+the `Match` is released. One LMDB environment is opened per path per process
+(LMDB forbids two) and reopened in a forked child. Readers never block the
+writer; writers take turns through LMDB's own lock.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import ClassVar, Optional, Union
+
+import lmdb
+
+from ..engine import KVBackend, KVTxn
+from ..errors import CacheFull
+from ..options import Size
+
+DEFAULT_MAX_BYTES = 8 * 1024**3
+#: Room in the map beyond max_bytes: LMDB needs free pages for copy-on-write
+#: and for pages still pinned by readers.
+MAP_HEADROOM = 256 * 1024**2
+
+
+class _SharedEnv:
+    """One LMDB environment per (path, process), counted by its users."""
+
+    _lock = threading.Lock()
+    _open: dict[tuple[str, int], _SharedEnv] = {}
+
+    def __init__(self, env: lmdb.Environment, key: tuple[str, int]) -> None:
+        self.env = env
+        self.key = key
+        self.users = 0
+
+    @classmethod
+    def acquire(cls, path: str, map_size: int, sync: bool, max_readers: int) -> _SharedEnv:
+        key = (path, os.getpid())
+        with cls._lock:
+            shared = cls._open.get(key)
+            if shared is None:
+                os.makedirs(path, mode=0o700, exist_ok=True)
+                env = lmdb.open(
+                    path, map_size=map_size, subdir=True, sync=sync, max_readers=max_readers,
+                    readahead=False, meminit=False, mode=0o600, max_dbs=0,
+                )  # fmt: skip
+                shared = cls._open[key] = _SharedEnv(env, key)
+            elif map_size > shared.env.info()["map_size"]:
+                shared.env.set_mapsize(map_size)
+            shared.users += 1
+            return shared
+
+    def release(self) -> None:
+        with self._lock:
+            self.users -= 1
+            if self.users == 0:
+                del self._open[self.key]
+                if self.key[1] == os.getpid():  # never close a parent's env in a forked child
+                    self.env.close()
+
+
+class _LMDBTxn:
+    def __init__(self, txn: lmdb.Transaction) -> None:
+        self._txn = txn
+
+    def get(self, key: bytes) -> Optional[Union[bytes, memoryview]]:
+        return self._txn.get(key)
+
+    def put(self, key: bytes, value: Union[bytes, memoryview]) -> None:
+        self._txn.put(key, value)
+
+    def delete(self, key: bytes) -> None:
+        self._txn.delete(key)
+
+    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, Union[bytes, memoryview]]]:
+        cursor = self._txn.cursor()
+        if not cursor.set_range(prefix):
+            return
+        for key, value in cursor:
+            key = bytes(key)
+            if not key.startswith(prefix):
+                return
+            yield key, value
+
+
+class LMDBBackend(KVBackend):
+    """A persistent, multi-process cache in an LMDB environment at `location` (a directory)."""
+
+    persistent: ClassVar[bool] = True
+    options: ClassVar[dict[str, type]] = {
+        "max_bytes": Size, "max_entries": int, "map_size": Size, "sync": bool, "max_readers": int,
+    }  # fmt: skip
+
+    def __init__(
+        self,
+        location: str,
+        *,
+        max_bytes: Optional[int] = DEFAULT_MAX_BYTES,
+        max_entries: Optional[int] = None,
+        map_size: Optional[int] = None,
+        sync: bool = True,
+        max_readers: int = 126,
+    ) -> None:
+        if not location:
+            raise ValueError("lmdb:// needs a directory, e.g. lmdb:///var/cache/sipp")
+        path = os.path.abspath(os.path.expanduser(location))
+        super().__init__(max_bytes=max_bytes, max_entries=max_entries, location=f"lmdb://{path}")
+        if map_size is None:
+            map_size = (max_bytes or DEFAULT_MAX_BYTES) * 2 + MAP_HEADROOM
+        self.path = path
+        self._env_args = (path, map_size, sync, max_readers)
+        self._shared = _SharedEnv.acquire(*self._env_args)
+
+    def _env(self) -> _SharedEnv:
+        if self._shared.key[1] != os.getpid():  # forked: this process needs its own environment
+            self._shared = _SharedEnv.acquire(*self._env_args)
+        return self._shared
+
+    @contextmanager
+    def _transaction(self) -> Iterator[KVTxn]:
+        try:
+            with self._env().env.begin(write=True) as txn:
+                yield _LMDBTxn(txn)
+        except lmdb.MapFullError:
+            raise CacheFull(f"{self.location}: the LMDB map is full (raise map_size)") from None
+
+    def _reader(self) -> tuple[KVTxn, Callable[[], None]]:
+        shared = self._env()
+        txn = shared.env.begin(buffers=True)
+        with shared._lock:
+            shared.users += 1  # an open reader keeps the environment open
+
+        def end() -> None:
+            txn.abort()
+            shared.release()
+
+        return _LMDBTxn(txn), end
+
+    def _close_store(self) -> None:
+        self._shared.release()

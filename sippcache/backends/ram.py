@@ -1,0 +1,74 @@
+"""`ram://`: entries in this process's memory; gone when it exits.
+
+Lookups return the stored bytes object itself: no copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import ClassVar, Optional, Union
+
+from ..engine import KVBackend, KVTxn
+from ..options import Size
+
+DEFAULT_MAX_BYTES = 1024**3
+
+
+class _DictTxn:
+    """Transactions on a dict. The engine's lock already serialises every
+    operation, so a write only has to be undoable: it logs what it overwrote."""
+
+    def __init__(self, data: dict[bytes, bytes], undo: Optional[list[tuple[bytes, Optional[bytes]]]]) -> None:
+        self._data = data
+        self._undo = undo
+
+    def get(self, key: bytes) -> Optional[bytes]:
+        return self._data.get(key)
+
+    def put(self, key: bytes, value: Union[bytes, memoryview]) -> None:
+        assert self._undo is not None, "write in a read transaction"
+        self._undo.append((key, self._data.get(key)))
+        # Keep an immutable bytes object as it is (no copy); copy anything mutable.
+        owner = value.obj if isinstance(value, memoryview) else value
+        self._data[key] = owner if type(owner) is bytes and len(owner) == len(value) else bytes(value)
+
+    def delete(self, key: bytes) -> None:
+        assert self._undo is not None, "write in a read transaction"
+        if key in self._data:
+            self._undo.append((key, self._data.pop(key)))
+
+    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        return ((k, v) for k, v in list(self._data.items()) if k.startswith(prefix))
+
+
+class RAMBackend(KVBackend):
+    """An in-process cache, bounded by `max_bytes` (default 1 GiB) and optionally `max_entries`."""
+
+    persistent: ClassVar[bool] = False
+    options: ClassVar[dict[str, type]] = {"max_bytes": Size, "max_entries": int}
+
+    def __init__(self, location: str = "", *, max_bytes: Optional[int] = DEFAULT_MAX_BYTES, max_entries: Optional[int] = None) -> None:
+        if location:
+            raise ValueError(f"ram:// takes no path, got {location!r}")
+        super().__init__(max_bytes=max_bytes, max_entries=max_entries, location="ram://")
+        self._data: dict[bytes, bytes] = {}
+
+    @contextmanager
+    def _transaction(self) -> Iterator[KVTxn]:
+        undo: list[tuple[bytes, Optional[bytes]]] = []
+        try:
+            yield _DictTxn(self._data, undo)
+        except BaseException:
+            for key, old in reversed(undo):
+                if old is None:
+                    self._data.pop(key, None)
+                else:
+                    self._data[key] = old
+            raise
+
+    def _reader(self) -> tuple[KVTxn, Callable[[], None]]:
+        return _DictTxn(self._data, None), lambda: None
+
+    def _close_store(self) -> None:
+        self._data.clear()

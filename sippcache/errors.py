@@ -1,0 +1,41 @@
+"""The exceptions sippcache raises.
+
+Each names what went wrong and what to do about it. They all derive from
+`SippcacheError`, and where a built-in exception fits too (ValueError for bad
+input, ImportError for a missing package) they derive from that as well, so
+callers can catch either.
+"""
+
+from __future__ import annotations
+
+
+class SippcacheError(Exception):
+    """Base class of every sippcache error."""
+
+
+class UnknownBackend(SippcacheError, ValueError):
+    """A URL scheme names no installed backend."""
+
+
+class MissingDependency(SippcacheError, ImportError):
+    """A backend's library is not installed; the message names the extra to install."""
+
+
+class BrokenPlugin(SippcacheError):
+    """A third-party backend's entry point failed to load."""
+
+
+class BadOption(SippcacheError, ValueError):
+    """A URL option is unknown or its value has the wrong form."""
+
+
+class CorruptEntry(SippcacheError, ValueError):
+    """A stored entry failed its integrity checks and must not be used."""
+
+
+class CacheFull(SippcacheError):
+    """The store has no room for an entry even after evicting."""
+
+
+class CacheClosed(SippcacheError):
+    """The cache was used after `close()`."""

@@ -1,0 +1,214 @@
+"""Prefix index: a radix tree over token ids, one tree per namespace.
+
+Both questions the cache asks (longest stored prefix of a query, and the entry
+sharing the longest common prefix with it) are one walk down the query, so a
+lookup costs O(query length) whatever the number of entries (the RadixAttention
+idea). Keys are the little-endian uint32 bytes of `sippcache.tokens.encode`, so
+edge comparisons are C-level `bytes.startswith` calls.
+
+Every node remembers the most recently used entry below it, so ties in a
+partial match go to that entry without visiting the subtree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+_TOKEN = 4  # bytes per token
+
+
+def common_prefix_bytes(a: bytes | memoryview, b: bytes | memoryview) -> int:
+    """Length in bytes of the longest common prefix of `a` and `b`."""
+    n = min(len(a), len(b))
+    diff = int.from_bytes(a[:n], "little") ^ int.from_bytes(b[:n], "little")
+    if not diff:
+        return n
+    return ((diff & -diff).bit_length() - 1) // 8
+
+
+class _Node:
+    __slots__ = ("edge", "parent", "children", "entry", "rank", "best", "best_rank")
+
+    def __init__(self, edge: bytes, parent: Optional[_Node]) -> None:
+        self.edge = edge
+        self.parent = parent
+        self.children: dict[bytes, _Node] = {}
+        self.entry: Optional[bytes] = None  # id of the entry whose key ends here
+        self.rank = -1  # that entry's recency
+        self.best: Optional[bytes] = None  # most recently used entry in this subtree
+        self.best_rank = -1
+
+
+@dataclass(frozen=True)
+class IndexHit:
+    """An index answer: the entry's id and how many query tokens it covers."""
+
+    entry_id: bytes
+    length: int
+
+
+class PrefixIndex:
+    """Radix trees of entry keys, per namespace, with per-subtree recency.
+
+    Entries are identified by opaque ids (the engine uses a hash of namespace
+    and key). `rank` is any integer that grows with recency of use.
+    """
+
+    def __init__(self) -> None:
+        self._roots: dict[str, _Node] = {}
+        self._nodes: dict[bytes, _Node] = {}
+        self._namespace: dict[bytes, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, entry_id: bytes) -> bool:
+        return entry_id in self._nodes
+
+    def namespaces(self) -> list[str]:
+        """Namespaces that hold at least one entry."""
+        return list(self._roots)
+
+    def namespace_of(self, entry_id: bytes) -> str:
+        return self._namespace[entry_id]
+
+    def key_of(self, entry_id: bytes) -> bytes:
+        """The full key (token bytes) of an indexed entry."""
+        parts = []
+        node: Optional[_Node] = self._nodes[entry_id]
+        while node is not None:
+            parts.append(node.edge)
+            node = node.parent
+        return b"".join(reversed(parts))
+
+    def insert(self, namespace: str, key: bytes, entry_id: bytes, rank: int) -> None:
+        """Index `key` as `entry_id`; an entry already at that key is replaced."""
+        if entry_id in self._nodes:
+            self.remove(entry_id)
+        node = self._roots.get(namespace)
+        if node is None:
+            node = self._roots[namespace] = _Node(b"", None)
+        pos = 0
+        while pos < len(key):
+            first = key[pos : pos + _TOKEN]
+            child = node.children.get(first)
+            if child is None:
+                leaf = _Node(key[pos:], node)
+                node.children[first] = leaf
+                node = leaf
+                break
+            edge = child.edge
+            if key.startswith(edge, pos):
+                pos += len(edge)
+                node = child
+                continue
+            split = common_prefix_bytes(memoryview(key)[pos:], edge) // _TOKEN * _TOKEN
+            mid = _Node(edge[:split], node)
+            mid.best, mid.best_rank = child.best, child.best_rank
+            node.children[first] = mid
+            child.edge = edge[split:]
+            child.parent = mid
+            mid.children[child.edge[:_TOKEN]] = child
+            node = mid
+            pos += split
+        replaced = node.entry
+        node.entry = entry_id
+        node.rank = rank
+        self._nodes[entry_id] = node
+        self._namespace[entry_id] = namespace
+        if replaced is not None:  # another id for the same key: forget it
+            del self._nodes[replaced]
+            del self._namespace[replaced]
+            self._lower_best(node, replaced)
+        self._raise_best(node, entry_id, rank)
+
+    def touch(self, entry_id: bytes, rank: int) -> None:
+        """Record a use of `entry_id` (no-op for unknown ids)."""
+        node = self._nodes.get(entry_id)
+        if node is None or rank <= node.rank:
+            return
+        node.rank = rank
+        self._raise_best(node, entry_id, rank)
+
+    def remove(self, entry_id: bytes) -> bool:
+        """Drop `entry_id` from the index; False if it was not there."""
+        node = self._nodes.pop(entry_id, None)
+        if node is None:
+            return False
+        namespace = self._namespace.pop(entry_id)
+        node.entry = None
+        node.rank = -1
+        # Prune an empty leaf, then merge a pass-through node into its only child.
+        parent = node.parent
+        if not node.children and parent is not None:
+            del parent.children[node.edge[:_TOKEN]]
+            node = parent
+        if node.entry is None and len(node.children) == 1 and node.parent is not None:
+            (child,) = node.children.values()
+            child.edge = node.edge + child.edge
+            child.parent = node.parent
+            node.parent.children[child.edge[:_TOKEN]] = child
+            node = child
+        self._lower_best(node, entry_id)
+        if not self._roots[namespace].children:
+            del self._roots[namespace]
+        return True
+
+    def clear(self) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def longest_prefix(self, namespace: str, query: bytes) -> Optional[IndexHit]:
+        """The entry whose key is the longest prefix of `query`, if any."""
+        node = self._roots.get(namespace)
+        found: Optional[IndexHit] = None
+        pos = 0
+        while node is not None:
+            if node.entry is not None:
+                found = IndexHit(node.entry, pos // _TOKEN)
+            if pos >= len(query):
+                break
+            child = node.children.get(query[pos : pos + _TOKEN])
+            if child is None or not query.startswith(child.edge, pos):
+                break
+            pos += len(child.edge)
+            node = child
+        return found
+
+    def longest_common(self, namespace: str, query: bytes) -> Optional[IndexHit]:
+        """The most recently used entry among those sharing the longest common prefix with `query`."""
+        node = self._roots.get(namespace)
+        if node is None:
+            return None
+        pos = 0
+        while pos < len(query):
+            child = node.children.get(query[pos : pos + _TOKEN])
+            if child is None:
+                break
+            if query.startswith(child.edge, pos):
+                pos += len(child.edge)
+                node = child
+                continue
+            # The query leaves the tree inside this edge: every entry below shares `pos + common`.
+            common = common_prefix_bytes(memoryview(query)[pos:], child.edge) // _TOKEN * _TOKEN
+            node, pos = child, pos + common
+            break
+        if pos == 0 or node.best is None:
+            return None
+        return IndexHit(node.best, pos // _TOKEN)
+
+    def _raise_best(self, node: Optional[_Node], entry_id: bytes, rank: int) -> None:
+        while node is not None and (rank >= node.best_rank or node.best == entry_id):
+            node.best, node.best_rank = entry_id, max(rank, node.best_rank)
+            node = node.parent
+
+    def _lower_best(self, node: Optional[_Node], removed: bytes) -> None:
+        """Recompute `best` on the path to the root wherever it pointed at the removed entry."""
+        while node is not None:
+            if node.best == removed:
+                best, best_rank = node.entry, node.rank
+                for child in node.children.values():
+                    if child.best_rank > best_rank:
+                        best, best_rank = child.best, child.best_rank
+                node.best, node.best_rank = best, best_rank
+            node = node.parent

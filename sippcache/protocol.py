@@ -1,0 +1,250 @@
+"""The `CacheBackend` protocol every backend implements, and the values it returns.
+
+A backend maps token sequences (per namespace) to opaque bytes and answers
+prefix questions about them. It never parses the bytes: the format belongs to
+`sippcache.frame`. `BaseBackend` supplies the parts every backend shares
+(input validation, the context-manager protocol, URL option parsing), so a
+third-party backend only writes its storage.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, ClassVar, Optional, Protocol, Union, runtime_checkable
+
+from . import tokens as _tokens
+from .errors import CacheClosed
+from .options import coerce_options
+
+Blob = Union[bytes, memoryview]
+
+
+class Match:
+    """A lookup answer.
+
+    `length` is how many query tokens the entry covers: ``len(key)`` for a
+    prefix hit, the longest common prefix for a partial one. `blob` is the
+    stored bytes; for backends that return zero-copy views (LMDB) it stays
+    valid until `release()` is called or the `with` block around the match
+    ends, after which reading it raises ValueError. Release matches promptly:
+    an unreleased LMDB match pins its snapshot.
+    """
+
+    __slots__ = ("length", "key", "blob", "namespace", "_release", "__weakref__")
+
+    def __init__(
+        self,
+        length: int,
+        key: tuple[int, ...],
+        blob: Blob,
+        namespace: str = "",
+        release: Optional[Callable[[], None]] = None,
+    ) -> None:
+        self.length = length
+        self.key = key
+        self.blob = blob
+        self.namespace = namespace
+        self._release = release
+
+    def release(self) -> None:
+        """End the blob's validity and free what pins it (idempotent)."""
+        release, self._release = self._release, None
+        if release is not None:
+            if isinstance(self.blob, memoryview):
+                self.blob.release()  # BufferError if a derived view still exists
+            release()
+
+    def __enter__(self) -> Match:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # a derived view outlives us; the snapshot goes with the GC
+            pass
+
+    def __repr__(self) -> str:
+        return f"Match(length={self.length}, key=<{len(self.key)} tokens>, blob=<{len(self.blob)} bytes>, namespace={self.namespace!r})"
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot of a cache's size and this handle's counters.
+
+    `entries`, `bytes` and `namespaces` describe the whole store (every
+    process); `hits`, `misses`, `stores`, `evictions` and `refused` count what
+    this handle did since it was opened.
+    """
+
+    backend: str
+    location: str
+    entries: int
+    bytes: int
+    max_bytes: Optional[int]
+    max_entries: Optional[int]
+    namespaces: int
+    hits: int = 0
+    misses: int = 0
+    stores: int = 0
+    evictions: int = 0
+    refused: int = 0
+
+
+@runtime_checkable
+class CacheBackend(Protocol):
+    """What sippcache needs of a store of prefix states.
+
+    Keys are token sequences (ints in 0..2**31-1), values opaque bytes, each
+    under a namespace; namespaces never see each other's entries.
+    """
+
+    #: Entries survive close/reopen and are shared between processes.
+    persistent: ClassVar[bool]
+
+    def store(self, tokens: _tokens.Tokens, blob: Blob, *, namespace: str = "") -> None:
+        """Store `blob` under `tokens`, replacing an entry with the same key."""
+
+    def lookup(self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False) -> Optional[Match]:
+        """The entry with the longest stored prefix of `tokens` (or, with
+        `partial`, the longest common prefix); ties go to the most recently used."""
+
+    def delete(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
+        """Remove the entry stored under exactly `tokens`; True if there was one."""
+
+    def clear(self) -> None:
+        """Remove every entry in every namespace."""
+
+    def stats(self) -> Stats:
+        """Size and counters."""
+
+    def close(self) -> None:
+        """Release files and memory; the handle is unusable afterwards."""
+
+    def __len__(self) -> int: ...
+
+    def __enter__(self) -> CacheBackend: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class BaseBackend(ABC):
+    """Shared defaults for backends: argument checks, context manager, URL options.
+
+    Subclasses implement the `_store`, `_lookup`, `_delete`, `_clear`, `_stats`,
+    `_len` and `_close` hooks, which receive validated arguments: tokens as
+    little-endian uint32 bytes (`sippcache.tokens.encode`), a str namespace,
+    a non-empty bytes-like blob.
+    """
+
+    persistent: ClassVar[bool] = False
+    #: URL query options this backend accepts: name -> type (int, float, bool, str
+    #: or `sippcache.options.Size`); coerced by `sippcache.options.coerce_options`.
+    options: ClassVar[Mapping[str, type]] = {}
+
+    def __init__(self) -> None:
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, location: str, options: Mapping[str, str]) -> BaseBackend:
+        """Build a backend from a URL's location and raw query options."""
+        return cls(location, **coerce_options(cls.__name__, options, cls.options))  # type: ignore[call-arg]
+
+    # -- public API: validate, then delegate ---------------------------------
+
+    def store(self, tokens: _tokens.Tokens, blob: Blob, *, namespace: str = "") -> None:
+        key = _tokens.encode(tokens)
+        if not key:
+            raise ValueError("cannot store an empty token sequence")
+        _check_namespace(namespace)
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise TypeError(f"blob must be bytes-like, not {type(blob).__name__}")
+        view = memoryview(blob)
+        if view.nbytes == 0:
+            raise ValueError("cannot store an empty blob")
+        self._check_open()
+        self._store(key, view if view.contiguous else memoryview(view.tobytes()), namespace)
+
+    def lookup(self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False) -> Optional[Match]:
+        key = _tokens.encode(tokens)
+        _check_namespace(namespace)
+        self._check_open()
+        if not key:
+            return None
+        return self._lookup(key, namespace, bool(partial))
+
+    def delete(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
+        key = _tokens.encode(tokens)
+        _check_namespace(namespace)
+        self._check_open()
+        return bool(key) and self._delete(key, namespace)
+
+    def clear(self) -> None:
+        self._check_open()
+        self._clear()
+
+    def stats(self) -> Stats:
+        self._check_open()
+        return self._stats()
+
+    def __len__(self) -> int:
+        self._check_open()
+        return self._len()
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> BaseBackend:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheClosed(f"{type(self).__name__} is closed")
+
+    # -- storage hooks -------------------------------------------------------
+
+    @abstractmethod
+    def _store(self, key: bytes, blob: memoryview, namespace: str) -> None: ...
+
+    @abstractmethod
+    def _lookup(self, key: bytes, namespace: str, partial: bool) -> Optional[Match]: ...
+
+    @abstractmethod
+    def _delete(self, key: bytes, namespace: str) -> bool: ...
+
+    @abstractmethod
+    def _clear(self) -> None: ...
+
+    @abstractmethod
+    def _stats(self) -> Stats: ...
+
+    @abstractmethod
+    def _len(self) -> int: ...
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+
+def _check_namespace(namespace: Any) -> None:
+    if not isinstance(namespace, str):
+        raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
+    if len(namespace.encode("utf-8")) > 1024:
+        raise ValueError("namespace is longer than 1024 bytes")
