@@ -10,6 +10,9 @@ See README.md and docs/ for the backends, the entry format and the llama-cpp-pyt
 
 from __future__ import annotations
 
+# Import the `backends` subpackage before binding the `backends()` function: a
+# first import of the subpackage later would otherwise rebind the name.
+from . import backends as _backends_package  # noqa: F401
 from .errors import (
     BadOption,
     BrokenPlugin,

@@ -1,0 +1,514 @@
+"""The conformance suite every backend runs unchanged, built-in or third-party.
+
+Subclass `BackendTests` in a test module and give it one fixture, `cache_url`,
+returning the URL of a fresh, empty store (the backend must be installed, so
+its entry point resolves). Persistent backends also mix in
+`PersistentBackendTests`::
+
+    import pytest
+    from sippcache.testing import BackendTests, PersistentBackendTests
+
+    class TestMyBackend(PersistentBackendTests, BackendTests):
+        @pytest.fixture
+        def cache_url(self, tmp_path):
+            return f"mybackend://{tmp_path}/store"
+
+The suite opens stores through `sippcache.open`, so the URL scheme, the
+entry point and the shared options (`max_bytes`, `max_entries`) are tested
+too. Needs pytest (and numpy for the array-type test).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+from array import array
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
+from urllib.parse import parse_qsl, urlencode
+
+import pytest
+
+import sippcache
+from sippcache import CacheBackend, CacheClosed, Match
+
+Opener = Callable[..., CacheBackend]
+
+
+def _with_options(url: str, options: dict[str, Any]) -> str:
+    """`url` with `options` added to (or replacing those in) its query string."""
+    base, _, query = url.partition("?")
+    merged = dict(parse_qsl(query, keep_blank_values=True))
+    merged.update({name: str(value) for name, value in options.items()})
+    return f"{base}?{urlencode(merged)}" if merged else base
+
+
+def _blob(match: Optional[Match]) -> Optional[bytes]:
+    """The match's bytes (released afterwards), or None for a miss."""
+    if match is None:
+        return None
+    with match:
+        return bytes(match.blob)
+
+
+class BackendTests:
+    """Behaviour every `CacheBackend` must have. Provide the `cache_url` fixture."""
+
+    @pytest.fixture
+    def cache_url(self) -> str:
+        raise NotImplementedError("subclasses provide a cache_url fixture returning a fresh store's URL")
+
+    @pytest.fixture
+    def open_cache(self, cache_url: str) -> Iterator[Opener]:
+        """Open the store under test with extra URL options; closed at teardown."""
+        opened: list[CacheBackend] = []
+
+        def opener(**options: Any) -> CacheBackend:
+            cache = sippcache.open(_with_options(cache_url, options))
+            opened.append(cache)
+            return cache
+
+        yield opener
+        for cache in opened:
+            cache.close()
+
+    @pytest.fixture
+    def cache(self, open_cache: Opener) -> CacheBackend:
+        return open_cache()
+
+    # -- the protocol ----------------------------------------------------------
+
+    def test_implements_protocol(self, cache: CacheBackend) -> None:
+        assert isinstance(cache, CacheBackend)
+        assert isinstance(type(cache).persistent, bool)
+
+    def test_empty_store_misses(self, cache: CacheBackend) -> None:
+        assert len(cache) == 0
+        assert cache.lookup([1, 2, 3]) is None
+        assert cache.lookup([1, 2, 3], partial=True) is None
+        assert cache.stats().entries == 0
+
+    def test_store_then_exact_lookup(self, cache: CacheBackend) -> None:
+        cache.store([5, 6, 7], b"state")
+        match = cache.lookup([5, 6, 7])
+        assert match is not None
+        with match:
+            assert match.length == 3
+            assert tuple(match.key) == (5, 6, 7)
+            assert bytes(match.blob) == b"state"
+        assert len(cache) == 1
+
+    def test_longest_stored_prefix(self, cache: CacheBackend) -> None:
+        cache.store([1], b"a")
+        cache.store([1, 2], b"ab")
+        cache.store([1, 2, 3], b"abc")
+        cache.store([1, 2, 3, 4, 5, 6], b"abcdef")
+        assert _blob(cache.lookup([1, 2, 3, 4])) == b"abc"
+        assert _blob(cache.lookup([1, 2, 9])) == b"ab"
+        assert _blob(cache.lookup([1, 7])) == b"a"
+        assert _blob(cache.lookup([1, 2, 3, 4, 5, 6, 7])) == b"abcdef"
+        assert cache.lookup([2, 1]) is None
+        match = cache.lookup([1, 2, 3, 4, 5, 6, 0, 0])
+        assert match is not None and match.length == 6 and tuple(match.key) == (1, 2, 3, 4, 5, 6)
+        match.release()
+
+    def test_prefix_lookup_never_returns_longer_key(self, cache: CacheBackend) -> None:
+        cache.store([1, 2, 3], b"abc")
+        assert cache.lookup([1, 2]) is None
+        assert cache.lookup([1, 2, 4]) is None
+
+    def test_partial_returns_longest_common_prefix(self, cache: CacheBackend) -> None:
+        cache.store([1, 2, 3, 4, 5], b"long")
+        cache.store([1, 2, 8], b"short")
+        match = cache.lookup([1, 2, 3, 4, 9, 9], partial=True)
+        assert match is not None
+        with match:
+            assert match.length == 4
+            assert tuple(match.key) == (1, 2, 3, 4, 5)
+            assert bytes(match.blob) == b"long"
+        match = cache.lookup([1, 2, 3], partial=True)  # query shorter than the key
+        assert match is not None and match.length == 3 and bytes(match.blob) == b"long"
+        match.release()
+        assert cache.lookup([7, 1, 2], partial=True) is None
+
+    def test_partial_exact_and_prefix_keys_count_as_common(self, cache: CacheBackend) -> None:
+        cache.store([4, 5], b"prefix")
+        match = cache.lookup([4, 5, 6], partial=True)
+        assert match is not None and match.length == 2 and bytes(match.blob) == b"prefix"
+        match.release()
+
+    def test_partial_tie_goes_to_most_recently_used(self, cache: CacheBackend) -> None:
+        cache.store([1, 2, 3, 5], b"first")
+        cache.store([1, 2, 3, 6], b"second")
+        assert _blob(cache.lookup([1, 2, 3, 7], partial=True)) == b"second"
+        assert _blob(cache.lookup([1, 2, 3, 5])) == b"first"  # a hit is a use
+        assert _blob(cache.lookup([1, 2, 3, 7], partial=True)) == b"first"
+
+    def test_token_sequence_types(self, cache: CacheBackend) -> None:
+        numpy = pytest.importorskip("numpy")
+        cache.store(array("i", [9, 8, 7]), b"x")
+        for query in ([9, 8, 7], (9, 8, 7), array("I", [9, 8, 7]), array("q", [9, 8, 7]),
+                      numpy.array([9, 8, 7], dtype=numpy.int32), numpy.array([9, 8, 7], dtype=numpy.int64),
+                      numpy.array([9, 8, 7], dtype=numpy.uint32), range(9, 6, -1)):  # fmt: skip
+            assert _blob(cache.lookup(query)) == b"x", type(query)
+        assert cache.delete(numpy.array([9, 8, 7], dtype=numpy.int64))
+
+    def test_largest_token_id(self, cache: CacheBackend) -> None:
+        top = 2**31 - 1
+        cache.store([0, top], b"edge")
+        assert _blob(cache.lookup([0, top, top])) == b"edge"
+
+    @pytest.mark.parametrize(
+        "tokens, error, position",
+        [([1, -1, 2], ValueError, "position 1"), ([0, 1, 2**31], ValueError, "position 2"),
+         ([1, 2**70], ValueError, "position 1"), ([1.0, 2], TypeError, "position 0"),
+         ("abc", TypeError, "str"), (b"abc", TypeError, "bytes"), ([1, None], TypeError, "position 1")],
+    )  # fmt: skip
+    def test_bad_tokens_rejected_and_nothing_written(
+        self, cache: CacheBackend, tokens: Any, error: type, position: str
+    ) -> None:
+        for call in (lambda: cache.store(tokens, b"x"), lambda: cache.lookup(tokens),
+                     lambda: cache.delete(tokens)):  # fmt: skip
+            with pytest.raises(error, match=position):
+                call()
+        assert len(cache) == 0
+
+    def test_empty_sequences(self, cache: CacheBackend) -> None:
+        with pytest.raises(ValueError, match="empty"):
+            cache.store([], b"x")
+        assert cache.lookup([]) is None
+        assert cache.lookup([], partial=True) is None
+        assert cache.delete([]) is False
+        assert len(cache) == 0
+
+    @pytest.mark.parametrize("blob, error", [(b"", ValueError), ("text", TypeError), (None, TypeError), (123, TypeError)])
+    def test_bad_blob_rejected(self, cache: CacheBackend, blob: Any, error: type) -> None:
+        with pytest.raises(error):
+            cache.store([1, 2], blob)
+        assert len(cache) == 0
+
+    def test_bad_namespace_rejected(self, cache: CacheBackend) -> None:
+        with pytest.raises(TypeError):
+            cache.store([1], b"x", namespace=None)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            cache.lookup([1], namespace=b"ns")  # type: ignore[arg-type]
+        assert len(cache) == 0
+
+    def test_blob_is_copied_on_store(self, cache: CacheBackend) -> None:
+        data = bytearray(b"original")
+        cache.store([3], data)
+        data[:] = b"mutated!"
+        assert _blob(cache.lookup([3])) == b"original"
+        cache.store([4], memoryview(b"abcdef")[1:4])
+        assert _blob(cache.lookup([4])) == b"bcd"
+
+    def test_overwrite_replaces(self, cache: CacheBackend) -> None:
+        cache.store([1, 2], b"old")
+        cache.store([1, 2], b"new, longer")
+        assert len(cache) == 1
+        assert _blob(cache.lookup([1, 2, 3])) == b"new, longer"
+        assert cache.stats().bytes == len(b"new, longer") + 2 * 4
+
+    def test_delete(self, cache: CacheBackend) -> None:
+        cache.store([1], b"a")
+        cache.store([1, 2], b"ab")
+        assert cache.delete([1, 2]) is True
+        assert cache.delete([1, 2]) is False
+        assert cache.delete([1, 2, 3]) is False
+        assert _blob(cache.lookup([1, 2, 3])) == b"a"
+        assert len(cache) == 1
+
+    def test_clear(self, cache: CacheBackend) -> None:
+        for i in range(10):
+            cache.store([i, i], b"x" * (i + 1), namespace=f"ns{i % 3}")
+        cache.clear()
+        assert len(cache) == 0
+        assert cache.stats().bytes == 0
+        assert cache.lookup([1, 1], namespace="ns1") is None
+        cache.store([1, 1], b"again", namespace="ns1")
+        assert _blob(cache.lookup([1, 1], namespace="ns1")) == b"again"
+
+    def test_namespaces_are_isolated(self, cache: CacheBackend) -> None:
+        cache.store([1, 2, 3], b"tenant-a", namespace="a")
+        cache.store([1, 2], b"tenant-b", namespace="b")
+        assert _blob(cache.lookup([1, 2, 3, 4], namespace="a")) == b"tenant-a"
+        assert _blob(cache.lookup([1, 2, 3, 4], namespace="b")) == b"tenant-b"
+        assert cache.lookup([1, 2, 3, 4]) is None
+        assert cache.lookup([1, 2, 3], namespace="c", partial=True) is None
+        assert cache.delete([1, 2, 3], namespace="b") is False
+        assert cache.delete([1, 2, 3], namespace="a") is True
+        assert _blob(cache.lookup([1, 2, 3], namespace="b")) == b"tenant-b"
+        assert cache.stats().namespaces == 1
+
+    def test_namespaces_with_tricky_names(self, cache: CacheBackend) -> None:
+        names = ["", "a", "a\x00", "\x00a", "ü/é:?&=#", "x" * 1000]
+        for i, name in enumerate(names):
+            cache.store([7, 7], bytes([i + 1]), namespace=name)
+        for i, name in enumerate(names):
+            assert _blob(cache.lookup([7, 7], namespace=name)) == bytes([i + 1])
+        assert len(cache) == len(names)
+
+    def test_one_token_keys(self, cache: CacheBackend) -> None:
+        for t in range(0, 2000, 7):
+            cache.store([t], t.to_bytes(4, "little"))
+        for t in range(0, 2000, 7):
+            assert _blob(cache.lookup([t, 1, 2])) == t.to_bytes(4, "little")
+        assert cache.lookup([1]) is None
+
+    def test_chain_of_prefix_keys(self, cache: CacheBackend) -> None:
+        base = list(range(100, 150))
+        for n in range(1, 51):
+            cache.store(base[:n], str(n).encode())
+        for n in range(1, 51, 5):
+            assert _blob(cache.lookup(base[:n] + [0])) == str(n).encode()
+        for n in range(2, 50, 2):
+            assert cache.delete(base[:n])
+        assert _blob(cache.lookup(base[:20])) == b"19"
+        assert _blob(cache.lookup(base)) == b"50"
+        assert len(cache) == 26
+
+    def test_hundred_thousand_token_key(self, cache: CacheBackend) -> None:
+        rng = random.Random(1)
+        key = [rng.randrange(2**31) for _ in range(100_000)]
+        cache.store(key, b"long key")
+        match = cache.lookup(key + [1, 2, 3])
+        assert match is not None
+        with match:
+            assert match.length == 100_000 and list(match.key) == key
+        diverging = key[:60_000] + [key[60_000] ^ 1]
+        match = cache.lookup(diverging, partial=True)
+        assert match is not None and match.length == 60_000
+        match.release()
+        assert cache.lookup(key[:-1]) is None
+
+    def test_large_blob(self, cache: CacheBackend) -> None:
+        blob = random.Random(2).randbytes(24 * 1024 * 1024)
+        cache.store([1, 2, 3], blob)
+        match = cache.lookup([1, 2, 3, 4])
+        assert match is not None
+        with match:
+            assert len(match.blob) == len(blob)
+            assert bytes(match.blob) == blob
+
+    def test_max_bytes_evicts_least_recently_used(self, open_cache: Opener) -> None:
+        cache = open_cache(max_bytes=3500)
+        for i in range(3):
+            cache.store([i], bytes(1000))  # 1004 bytes each with the key
+        assert _blob(cache.lookup([0])) is not None  # entry 0 becomes the most recent
+        cache.store([3], bytes(1000))
+        assert cache.lookup([1]) is None  # the least recently used went
+        for i in (0, 2, 3):
+            assert cache.lookup([i]) is not None
+        stats = cache.stats()
+        assert stats.entries == 3 and stats.bytes <= 3500 and stats.evictions >= 1
+
+    def test_byte_budget_holds_under_churn(self, open_cache: Opener) -> None:
+        cache = open_cache(max_bytes=20_000)
+        rng = random.Random(3)
+        for i in range(300):
+            cache.store([rng.randrange(50), i], bytes(rng.randrange(1, 3000)))
+            if i % 7 == 0:
+                cache.lookup([rng.randrange(50)], partial=True)
+            assert cache.stats().bytes <= 20_000
+        assert len(cache) > 0
+
+    def test_oversized_entry_refused_without_evicting(
+        self, open_cache: Opener, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        cache = open_cache(max_bytes=10_000)
+        cache.store([1], bytes(3000))
+        cache.store([2], bytes(3000))
+        with caplog.at_level(logging.WARNING, logger="sippcache"):
+            cache.store([3], bytes(10_000))
+        assert "max_bytes" in caplog.text
+        assert cache.lookup([3]) is None
+        assert cache.lookup([1]) is not None and cache.lookup([2]) is not None
+        assert len(cache) == 2 and cache.stats().refused == 1
+
+    def test_max_entries(self, open_cache: Opener) -> None:
+        cache = open_cache(max_entries=5)
+        for i in range(8):
+            cache.store([i], b"x")
+        assert len(cache) == 5
+        assert cache.lookup([2]) is None and cache.lookup([3]) is not None
+
+    def test_unknown_option_rejected(self, cache_url: str) -> None:
+        with pytest.raises(sippcache.BadOption, match="no_such_option"):
+            sippcache.open(_with_options(cache_url, {"no_such_option": 1}))
+        with pytest.raises(sippcache.BadOption, match="max_bytes"):
+            sippcache.open(_with_options(cache_url, {"max_bytes": "lots"}))
+
+    def test_stats_counts(self, cache: CacheBackend) -> None:
+        cache.store([1, 2], b"abc")
+        _blob(cache.lookup([1, 2, 3]))
+        assert cache.lookup([9]) is None
+        stats = cache.stats()
+        assert (stats.entries, stats.bytes, stats.hits, stats.misses, stats.stores) == (1, 3 + 8, 1, 1, 1)
+
+    def test_close(self, open_cache: Opener) -> None:
+        cache = open_cache()
+        with cache:
+            cache.store([1], b"x")
+        for call in (lambda: cache.store([1], b"x"), lambda: cache.lookup([1]), lambda: len(cache)):
+            with pytest.raises(CacheClosed):
+                call()
+        cache.close()  # idempotent
+
+    def test_match_release_is_idempotent(self, cache: CacheBackend) -> None:
+        cache.store([1], b"x")
+        match = cache.lookup([1])
+        assert match is not None
+        match.release()
+        match.release()
+
+    def test_threads_share_one_instance(self, cache: CacheBackend) -> None:
+        errors: list[BaseException] = []
+
+        def worker(n: int) -> None:
+            try:
+                rng = random.Random(n)
+                for i in range(150):
+                    key = [n, i % 20, rng.randrange(4)]
+                    cache.store(key, f"{n}-{key}".encode())
+                    match = cache.lookup(key + [9])
+                    assert match is not None
+                    with match:
+                        assert bytes(match.blob) == f"{n}-{key}".encode()
+                    cache.lookup([rng.randrange(8)], partial=True)
+                    if i % 10 == 0:
+                        cache.delete([n, rng.randrange(20), rng.randrange(4)])
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in threads), "deadlock"
+        assert not errors, errors
+        assert 0 < len(cache) <= 8 * 80
+
+    def test_matches_a_reference_model(self, cache: CacheBackend) -> None:
+        """Random stores, deletes and lookups agree with a brute-force model."""
+        rng = random.Random(4)
+        model: dict[tuple[int, ...], bytes] = {}
+        for step in range(400):
+            key = tuple(rng.randrange(3) for _ in range(rng.randrange(1, 7)))
+            if rng.random() < 0.5:
+                model[key] = f"{step}".encode()
+                cache.store(key, model[key])
+            elif rng.random() < 0.3:
+                assert cache.delete(key) == (model.pop(key, None) is not None)
+            query = tuple(rng.randrange(3) for _ in range(rng.randrange(0, 9)))
+            prefixes = [k for k in model if query[: len(k)] == k]
+            expected = model[max(prefixes, key=len)] if prefixes and query else None
+            assert _blob(cache.lookup(query)) == expected, (step, query)
+            match = cache.lookup(query, partial=True)
+            best = max((_common(k, query) for k in model), default=0)
+            assert (match.length if match else 0) == best, (step, query)
+            if match is not None:
+                assert _common(tuple(match.key), query) == best
+                assert model[tuple(match.key)] == bytes(match.blob)
+                match.release()
+        assert len(cache) == len(model)
+
+
+def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, sippcache
+    url, action, first, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    with sippcache.open(url) as cache:
+        for i in range(first, first + count):
+            if action == "store":
+                cache.store([42, i], b"from-child-%d" % i)
+            else:
+                assert cache.delete([42, i])
+    """
+)
+
+
+def run_in_child(url: str, action: str, first: int, count: int) -> subprocess.Popen[bytes]:
+    """Start another Python process that stores (or deletes) keys [42, i] in the store at `url`."""
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(sippcache.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return subprocess.Popen([sys.executable, "-c", _CHILD, url, action, str(first), str(count)], env=env)
+
+
+def _wait(*children: subprocess.Popen[bytes]) -> None:
+    for child in children:
+        assert child.wait(timeout=120) == 0
+
+
+class PersistentBackendTests:
+    """Extra behaviour for backends whose `persistent` is True: mix into `BackendTests`."""
+
+    def test_declares_persistent(self, cache: CacheBackend) -> None:
+        assert type(cache).persistent is True
+
+    def test_survives_close_and_reopen(self, open_cache: Opener) -> None:
+        first = open_cache()
+        first.store([1, 2, 3], b"kept", namespace="ns")
+        first.store([1, 2], b"also kept")
+        first.close()
+        again = open_cache()
+        assert len(again) == 2
+        assert _blob(again.lookup([1, 2, 3, 4], namespace="ns")) == b"kept"
+        assert _blob(again.lookup([1, 2, 3, 4])) == b"also kept"
+        assert again.stats().bytes == len(b"kept") + len(b"also kept") + 5 * 4
+
+    def test_recency_survives_reopen(self, open_cache: Opener) -> None:
+        first = open_cache(max_bytes=3500)
+        for i in range(3):
+            first.store([i], bytes(1000))
+        assert first.lookup([0]) is not None
+        first.close()
+        again = open_cache(max_bytes=3500)
+        again.store([3], bytes(1000))
+        assert again.lookup([1]) is None and again.lookup([0]) is not None
+
+    def test_two_handles_in_one_process(self, open_cache: Opener) -> None:
+        a, b = open_cache(), open_cache()
+        a.store([5, 5], b"from a")
+        assert _blob(b.lookup([5, 5, 5])) == b"from a"
+        b.delete([5, 5])
+        assert a.lookup([5, 5]) is None
+        a.close()
+        b.store([6], b"b still works")
+        assert _blob(b.lookup([6])) == b"b still works"
+
+    def test_other_process_writes_are_visible_without_reopening(self, cache_url: str, cache: CacheBackend) -> None:
+        cache.store([1], b"mine")
+        assert cache.lookup([42, 0]) is None
+        _wait(run_in_child(cache_url, "store", 0, 5))
+        assert _blob(cache.lookup([42, 3, 7])) == b"from-child-3"
+        assert len(cache) == 6
+        _wait(run_in_child(cache_url, "delete", 0, 2))
+        assert cache.lookup([42, 0]) is None
+        assert len(cache) == 4
+        assert _blob(cache.lookup([1])) == b"mine"
+
+    def test_concurrent_writer_processes(self, cache_url: str, cache: CacheBackend) -> None:
+        children = [run_in_child(cache_url, "store", n * 100, 40) for n in range(3)]
+        for i in range(40):
+            cache.store([43, i], b"parent")
+        _wait(*children)
+        assert len(cache) == 160
+        for n in range(3):
+            for i in range(n * 100, n * 100 + 40, 13):
+                assert _blob(cache.lookup([42, i])) == b"from-child-%d" % i

@@ -1,0 +1,83 @@
+"""Third-party backends: real distributions, built and installed into a temporary
+directory, found through the `sippcache.backends` entry point group."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import sippcache
+from sippcache import BrokenPlugin, UnknownBackend
+
+PLUGINS = Path(__file__).parent / "plugins"
+
+
+@pytest.fixture(scope="module")
+def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding the installed toy distributions (as a site-packages)."""
+    site = tmp_path_factory.mktemp("site")
+    for name in ("sqlite_toy", "broken_toy"):
+        source = tmp_path_factory.mktemp("src") / name
+        shutil.copytree(PLUGINS / name, source)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+             "--no-index", "--target", str(site), str(source)],
+            check=True,
+        )  # fmt: skip
+    assert list(site.glob("sippcache_sqlite_toy-1.0.dist-info/entry_points.txt"))
+    return site
+
+
+@pytest.fixture
+def with_plugins(plugin_site: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.syspath_prepend(str(plugin_site))
+    return plugin_site
+
+
+def test_plugin_opens_by_url(with_plugins: Path, tmp_path: Path) -> None:
+    with sippcache.open(f"sqlitetoy://{tmp_path}/db?max_bytes=1MiB") as cache:
+        assert type(cache).__module__ == "sippcache_sqlite_toy"
+        cache.store([1, 2, 3], b"plugin")
+        match = cache.lookup([1, 2, 3, 4])
+        assert match is not None and bytes(match.blob) == b"plugin"
+
+
+def test_backends_lists_plugins_and_problems(with_plugins: Path) -> None:
+    info = sippcache.backends()
+    assert info["sqlitetoy"].usable and info["sqlitetoy"].origin == "sippcache-sqlite-toy 1.0"
+    assert not info["brokentoy"].usable
+    assert "broken on purpose" in (info["brokentoy"].problem or "")
+    assert not info["ghosttoy"].usable
+    assert all(info[name].usable for name in ("ram", "lmdb", "diskcache"))
+
+
+def test_broken_plugin_names_entry_point_and_distribution(with_plugins: Path) -> None:
+    with pytest.raises(BrokenPlugin, match=r"brokentoy = sippcache_broken_toy:Backend in sippcache-broken-toy 0\.1"):
+        sippcache.open("brokentoy:///x")
+    with pytest.raises(BrokenPlugin, match="ModuleNotFoundError"):
+        sippcache.open("ghosttoy:///x")
+    with sippcache.open("ram://") as cache:  # a broken plugin breaks nothing else
+        cache.store([1], b"fine")
+
+
+def test_unknown_scheme_lists_plugins(with_plugins: Path) -> None:
+    with pytest.raises(UnknownBackend, match="brokentoy, diskcache, ghosttoy, lmdb, ram, sqlitetoy"):
+        sippcache.open("nope://")
+
+
+def test_conformance_suite_passes_on_the_plugin(plugin_site: Path, tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(plugin_site), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+         str(PLUGINS / "sqlite_toy" / "test_conformance.py")],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    summary = result.stdout.strip().splitlines()[-1]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+    assert int(summary.split(" passed")[0].split()[-1]) >= 45
