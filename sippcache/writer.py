@@ -1,0 +1,62 @@
+"""A background writer: framing and storing off the caller's thread.
+
+The llama context is not thread-safe, so the state is copied on the calling
+thread; everything after that (hashing, framing, the store's write
+transaction) happens here. The queue is bounded, so a slow store applies
+back-pressure instead of growing memory. A failing store logs and drops the
+entry: caching must never fail the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("sippcache")
+
+_STOP = object()
+
+
+class BackgroundWriter:
+    """Runs `write(item)` for each submitted item on one daemon thread, in order."""
+
+    def __init__(self, write: Callable[[Any], None], *, max_pending: int = 4, name: str = "sippcache-writer") -> None:
+        if max_pending < 1:
+            raise ValueError("max_pending must be at least 1")
+        self._write = write
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_pending)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self.failures = 0
+
+    def submit(self, item: Any) -> None:
+        """Queue `item`; blocks while `max_pending` items are already waiting."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the background writer is closed")
+        self._queue.put(item)
+
+    def flush(self) -> None:
+        """Wait until every submitted item has been written (or has failed)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the thread (idempotent)."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                self._write(item)
+            except Exception as exc:
+                self.failures += 1
+                log.warning("sippcache: could not store a cache entry: %s: %s", type(exc).__name__, exc)
+            finally:
+                self._queue.task_done()

@@ -1,0 +1,70 @@
+"""Shared fixtures: real llama.cpp models (a generated tiny one, and gemma-3-270m)."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from sippcache.tinymodel import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from sippcache.tinymodel import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-other.gguf", seed=1)
+
+
+@pytest.fixture(scope="session")
+def gemma_model() -> Path:
+    from sippcache.models import gemma_model_path
+
+    return gemma_model_path()
+
+
+@pytest.fixture
+def make_llama() -> Iterator[Callable[..., object]]:
+    """Build `llama_cpp.Llama` (or a subclass) instances, closed at teardown."""
+    import llama_cpp
+
+    made = []
+
+    def make(model_path: Path, cls: type = llama_cpp.Llama, **kwargs: object) -> object:
+        options = dict(n_ctx=2048, n_batch=512, verbose=False)
+        options.update(kwargs)
+        llm = cls(model_path=str(model_path), **options)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        llm.close()
+
+
+def last_logits(llm: object) -> np.ndarray:
+    """A copy of the logits of the last evaluated token, read from the llama context."""
+    import llama_cpp
+
+    n_vocab = llm.n_vocab()  # type: ignore[attr-defined]
+    pointer = llama_cpp.llama_get_logits_ith(llm.ctx, -1)  # type: ignore[attr-defined]
+    return np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)).copy()
+
+
+def reference_logits(make_llama: Callable[..., object], model: Path, tokens: list[int], **kwargs: object) -> tuple[np.ndarray, np.ndarray]:
+    """Never-cached logits after `tokens`: (single eval, eval of all but the last then the last)."""
+    llm = make_llama(model, **kwargs)
+    llm.eval(tokens)  # type: ignore[attr-defined]
+    whole = last_logits(llm)
+    llm.reset()  # type: ignore[attr-defined]
+    llm.eval(tokens[:-1])  # type: ignore[attr-defined]
+    llm.eval(tokens[-1:])  # type: ignore[attr-defined]
+    return whole, last_logits(llm)

@@ -1,0 +1,318 @@
+"""The llama-cpp-python adapter on a real (tiny, generated) llama.cpp model.
+
+Every hit is checked against the never-cached path: bit-identical logits
+where the batch split is the same, and within float noise otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+
+import sippcache
+from sippcache import frame
+from sippcache.llama import LlamaCache, PrefixCache
+from sippcache.llama import Llama as SippLlama
+from tests.conftest import last_logits, reference_logits
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(3, 260) for _ in range(n - 1)]
+
+
+def assert_close(a: np.ndarray, b: np.ndarray) -> None:
+    assert int(np.argmax(a)) == int(np.argmax(b))
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> str:
+    return f"lmdb://{tmp_path}/cache"
+
+
+def test_miss_then_hit_in_a_fresh_context(make_llama, tiny_model, url) -> None:
+    tokens = prompt(600)
+    whole, split = reference_logits(make_llama, tiny_model, tokens)
+    with PrefixCache(make_llama(tiny_model), url) as first:
+        assert first.prefill(tokens) == 0
+        assert_close(last_logits(first.llm), whole)
+        first.flush()
+        assert first.stats()["entries_written"] == 1
+    llm = make_llama(tiny_model)
+    with PrefixCache(llm, url) as second:
+        assert second.prefill(tokens) == 599
+        assert llm.n_tokens == 600 and list(llm.input_ids[:600]) == tokens
+        np.testing.assert_array_equal(last_logits(llm), split)  # same split: bit-identical
+        stats = second.stats()
+        assert (stats["hits"], stats["tokens_reused"], stats["tokens_evaluated"]) == (1, 599, 1)
+        assert stats["bytes_read"] > 0 and stats["restore_seconds"] > 0
+
+
+def test_longer_query_reuses_the_stored_prefix(make_llama, tiny_model, url) -> None:
+    base = prompt(400)
+    longer = base + prompt(150, seed=1)[1:]
+    whole, _ = reference_logits(make_llama, tiny_model, longer)
+    with PrefixCache(make_llama(tiny_model), url) as pc:
+        pc.prefill(base)
+    llm = make_llama(tiny_model)
+    with PrefixCache(llm, url) as pc:
+        assert pc.prefill(longer) == 399
+        assert_close(last_logits(llm), whole)
+
+
+def test_diverging_query_truncates_a_longer_entry(make_llama, tiny_model, url) -> None:
+    a = prompt(500)
+    b = a[:300] + prompt(100, seed=2)[1:]
+    whole, _ = reference_logits(make_llama, tiny_model, b)
+    with PrefixCache(make_llama(tiny_model), url) as pc:
+        pc.prefill(a)
+    llm = make_llama(tiny_model)
+    with PrefixCache(llm, url) as pc:
+        assert pc.prefill(b) == 300  # the longest common prefix, from the 499-token entry
+        assert_close(last_logits(llm), whole)
+
+
+def test_live_context_is_reused_without_the_cache(make_llama, tiny_model) -> None:
+    a = prompt(300)
+    b = a[:200] + prompt(50, seed=3)[1:]
+    whole, _ = reference_logits(make_llama, tiny_model, b)
+    llm = make_llama(tiny_model)
+    with PrefixCache(llm, "ram://") as pc:
+        pc.prefill(a)
+        pc.cache.clear()
+        assert pc.prefill(b) == 200
+        assert pc.stats()["context_tokens_reused"] == 200
+        assert_close(last_logits(llm), whole)
+
+
+def test_generation_continues_after_prefill(make_llama, tiny_model, url) -> None:
+    tokens = prompt(300)
+    plain = make_llama(tiny_model)
+    plain.eval(tokens)
+    expected = [plain.sample(temp=0.0) for _ in range(1)]
+    with PrefixCache(make_llama(tiny_model), url) as pc:
+        pc.prefill(tokens)
+    llm = make_llama(tiny_model)
+    with PrefixCache(llm, url) as pc:
+        assert pc.prefill(tokens) == 299
+        assert [llm.sample(temp=0.0)] == expected
+        generated = llm.generate(tokens, temp=0.0)
+        assert next(generated) == expected[0]
+
+
+def test_restart_in_another_process(tiny_model, url, make_llama, tmp_path) -> None:
+    tokens = prompt(700)
+    _, split = reference_logits(make_llama, tiny_model, tokens)
+    script = textwrap.dedent(
+        """
+        import sys, json, ctypes, numpy as np, llama_cpp
+        from sippcache.llama import PrefixCache
+        model, url, out = sys.argv[1], sys.argv[2], sys.argv[3]
+        tokens = json.loads(sys.stdin.read())
+        llm = llama_cpp.Llama(model_path=model, n_ctx=2048, n_batch=512, verbose=False)
+        with PrefixCache(llm, url) as pc:
+            reused = pc.prefill(tokens)
+        pointer = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        logits = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(llm.n_vocab(),))
+        np.save(out, logits)
+        print(reused)
+        """
+    )
+    import json
+
+    runs = []
+    for i in range(2):
+        out = tmp_path / f"logits{i}.npy"
+        result = subprocess.run(
+            [sys.executable, "-c", script, str(tiny_model), url, str(out)],
+            input=json.dumps(tokens), capture_output=True, text=True, timeout=300, check=True,
+        )  # fmt: skip
+        runs.append((int(result.stdout.strip()), np.load(out)))
+    assert runs[0][0] == 0 and runs[1][0] == 699
+    np.testing.assert_array_equal(runs[1][1], split)
+
+
+def test_other_weights_never_hit(make_llama, tiny_model, tiny_model_other_weights, url) -> None:
+    tokens = prompt(300)
+    with PrefixCache(make_llama(tiny_model), url) as pc:
+        pc.prefill(tokens)
+    with PrefixCache(make_llama(tiny_model_other_weights), url) as pc:
+        assert pc.prefill(tokens) == 0
+
+
+@pytest.mark.parametrize("change", [dict(type_k=llama_cpp.GGML_TYPE_F32), dict(type_v=llama_cpp.GGML_TYPE_F32),
+                                    dict(flash_attn=True)])  # fmt: skip
+def test_other_cache_settings_never_hit(make_llama, tiny_model, url, change) -> None:
+    tokens = prompt(300)
+    with PrefixCache(make_llama(tiny_model), url) as pc:
+        pc.prefill(tokens)
+    llm = make_llama(tiny_model, **change)
+    with PrefixCache(llm, url) as pc:
+        assert pc.prefill(tokens) == 0
+        _, split = reference_logits(make_llama, tiny_model, tokens, **change)
+        np.testing.assert_array_equal(last_logits(llm), split)
+
+
+def test_scopes_are_isolated(make_llama, tiny_model, url) -> None:
+    tokens = prompt(300)
+    with PrefixCache(make_llama(tiny_model), url, scope="tenant-a") as pc:
+        pc.prefill(tokens)
+    with PrefixCache(make_llama(tiny_model), url, scope="tenant-b") as pc:
+        assert pc.prefill(tokens) == 0
+    with PrefixCache(make_llama(tiny_model), url, scope="tenant-a") as pc:
+        assert pc.prefill(tokens) == 299
+
+
+def test_corrupt_entry_is_a_miss_and_dropped(make_llama, tiny_model, caplog) -> None:
+    tokens = prompt(300)
+    cache = sippcache.open("ram://")
+    with PrefixCache(make_llama(tiny_model), cache) as pc:
+        pc.prefill(tokens)
+        pc.flush()
+        namespace = pc.namespace
+    match = cache.lookup(tokens[:-1], namespace=namespace)
+    damaged = bytearray(match.blob)
+    damaged[-100] ^= 0xFF  # one bit pattern inside the KV payload
+    cache.store(tokens[:-1], damaged, namespace=namespace)
+    llm = make_llama(tiny_model)
+    whole, _ = reference_logits(make_llama, tiny_model, tokens)
+    with caplog.at_level(logging.WARNING, logger="sippcache"), PrefixCache(llm, cache) as pc:
+        assert pc.prefill(tokens) == 0
+        assert pc.stats()["corrupt_entries"] == 1
+        assert_close(last_logits(llm), whole)
+    assert "corrupt" in caplog.text
+    decoded = frame.decode(cache.lookup(tokens[:-1], namespace=namespace).blob)  # dropped, then stored afresh
+    assert decoded.kind == "llama.seq"
+
+
+def test_entries_are_framed_sequence_states(make_llama, tiny_model) -> None:
+    tokens = prompt(300)
+    cache = sippcache.open("ram://")
+    llm = make_llama(tiny_model)
+    with PrefixCache(llm, cache) as pc:
+        pc.prefill(tokens)
+        pc.flush()
+        match = cache.lookup(tokens, namespace=pc.namespace)
+    entry = frame.decode(match.blob)
+    assert entry.tokens == tuple(tokens[:-1]) and entry.kind == "llama.seq"
+    assert entry.fingerprint == pc.fingerprint.digest
+    assert entry.payload_size < llama_cpp.llama_state_get_size(llm.ctx)  # a sequence, not the context
+
+
+def test_checkpoints_and_min_tokens(make_llama, tiny_model) -> None:
+    cache = sippcache.open("ram://")
+    with PrefixCache(make_llama(tiny_model), cache, checkpoint_interval=256, min_tokens=8) as pc:
+        pc.prefill(prompt(1000))
+        pc.prefill(prompt(5, seed=9))  # shorter than min_tokens: nothing stored
+        pc.flush()
+        lengths = sorted(len(cache.lookup(prompt(1000)[:n], namespace=pc.namespace).key) for n in (256, 512, 768, 999))
+    assert lengths == [256, 512, 768, 999] and len(cache) == 4
+
+
+def test_bad_input(make_llama, tiny_model) -> None:
+    llm = make_llama(tiny_model)
+    with PrefixCache(llm, "ram://") as pc:
+        with pytest.raises(ValueError, match="empty"):
+            pc.prefill([])
+        with pytest.raises(ValueError, match="position 1"):
+            pc.prefill([1, -5])
+        with pytest.raises(ValueError, match="n_ctx"):
+            pc.prefill(prompt(3000))
+    with pytest.raises(ValueError):
+        PrefixCache(llm, "ram://", min_tokens=0)
+    with pytest.raises(sippcache.UnknownBackend):
+        PrefixCache(llm, "nosuch://")
+
+
+def test_a_failing_store_never_fails_the_request(make_llama, tiny_model, caplog) -> None:
+    tokens = prompt(200)
+    cache = sippcache.open("ram://")
+    llm = make_llama(tiny_model)
+    whole, _ = reference_logits(make_llama, tiny_model, tokens)
+    with PrefixCache(llm, cache) as pc:
+        cache.close()  # every store now raises CacheClosed
+        with caplog.at_level(logging.WARNING, logger="sippcache"):
+            assert pc.prefill(tokens) == 0
+            pc.flush()
+        assert pc.stats()["write_failures"] == 1
+        assert_close(last_logits(llm), whole)
+    assert "could not store" in caplog.text
+
+
+def test_restore_from_lmdb_is_zero_copy(make_llama, tiny_model, url, monkeypatch) -> None:
+    tokens = prompt(400)
+    with PrefixCache(make_llama(tiny_model), url) as pc:
+        pc.prefill(tokens)
+    llm = make_llama(tiny_model)
+    pc = PrefixCache(llm, url)
+    blobs, pointers = [], []
+    real_lookup, real_set = pc.cache.lookup, llama_cpp.llama_state_seq_set_data
+
+    def lookup(*args, **kwargs):
+        match = real_lookup(*args, **kwargs)
+        if match is not None:
+            assert isinstance(match.blob, memoryview)
+            view = np.frombuffer(match.blob, dtype=np.uint8)
+            blobs.append((view.ctypes.data, view.nbytes))
+            del view
+        return match
+
+    def set_data(ctx, src, size, seq):
+        pointers.append(ctypes_address(src))
+        return real_set(ctx, src, size, seq)
+
+    monkeypatch.setattr(pc.cache, "lookup", lookup)
+    monkeypatch.setattr(llama_cpp, "llama_state_seq_set_data", set_data)
+    assert pc.prefill(tokens) == 399
+    pc.close()
+    assert pointers and any(start < pointers[0] < start + size for start, size in blobs)
+
+
+def ctypes_address(pointer) -> int:
+    import ctypes
+
+    return ctypes.cast(pointer, ctypes.c_void_p).value
+
+
+@pytest.mark.parametrize("llama_class", [llama_cpp.Llama, SippLlama])
+def test_llama_cache_drop_in(make_llama, tiny_model, url, llama_class) -> None:
+    a, b = "The quick brown fox jumps over the lazy dog. " * 20, "Pack my box with five dozen liquor jugs. " * 20
+    plain = make_llama(tiny_model)
+    expected = {p: plain.create_completion(p, max_tokens=4, temperature=0.0)["choices"][0]["text"] for p in (a, b)}
+    llm = make_llama(tiny_model, cls=llama_class)
+    cache = LlamaCache(url)
+    llm.set_cache(cache)
+    for p in (a, b, a):
+        assert llm.create_completion(p, max_tokens=4, temperature=0.0)["choices"][0]["text"] == expected[p]
+    stats = cache.prefix_cache(llm).stats()
+    assert stats["hits"] == 1 and stats["tokens_reused"] == len(llm.tokenize(a.encode())) - 1
+    cache.close()
+    # a new process-like start: another model instance, same store
+    again = make_llama(tiny_model, cls=llama_class)
+    cache = LlamaCache(url)
+    again.set_cache(cache)
+    assert again.create_completion(b, max_tokens=4, temperature=0.0)["choices"][0]["text"] == expected[b]
+    assert cache.prefix_cache(again).stats()["hits"] == 1
+    cache.close()
+
+
+def test_sipp_llama_save_state_has_no_scores(make_llama, tiny_model) -> None:
+    llm = make_llama(tiny_model, cls=SippLlama)
+    tokens = prompt(100)
+    llm.eval(tokens)
+    state = llm.save_state()
+    assert state.scores.size == 0 and state.n_tokens == 100
+    other = make_llama(tiny_model, cls=SippLlama)
+    other.load_state(state)
+    other.eval(prompt(10, seed=5)[1:])
+    llm.eval(prompt(10, seed=5)[1:])
+    np.testing.assert_array_equal(last_logits(other), last_logits(llm))
