@@ -231,17 +231,21 @@ class KVBackend(BaseBackend):
     ) -> None:
         """Run `change` in a write transaction together with pending touches and its
         log records; then `applied` updates memory. On `CacheFull` (the store itself
-        has no room), evict down to half the stored bytes and retry once."""
+        has no room), retry once (the backend may have made room: LMDB grows its
+        map), then evict down to half the stored bytes and retry a last time."""
         with self._lock:
             try:
                 self._write_once(change)
             except CacheFull:
-                if not self._total:
-                    raise
-                log.warning("sippcache: %s is full; evicting down to half its stored bytes", self.location)
-                half = self._total // 2
-                self._write_once(lambda txn, records: self._evict(txn, records, max_bytes=half, max_entries=None))
-                self._write_once(change)
+                try:
+                    self._write_once(change)
+                except CacheFull:
+                    if not self._total:
+                        raise
+                    log.warning("sippcache: %s is full; evicting down to half its stored bytes", self.location)
+                    half = self._total // 2
+                    self._write_once(lambda txn, records: self._evict(txn, records, max_bytes=half, max_entries=None))
+                    self._write_once(change)
             if applied is not None:
                 applied()
 

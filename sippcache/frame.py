@@ -38,6 +38,7 @@ _PREFIX = struct.Struct("<8sHIQ")
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 
 Buffer = Union[bytes, bytearray, memoryview]
+_META_TYPES = (str, int, float, bool, bytes)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,10 @@ def encode(
     versions); `kind` what the payload is (e.g. ``"llama.seq"``); `meta` holds
     small extra fields (str/int/float/bool/bytes values only).
     """
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in (versions or {}).items()):
+        raise TypeError("versions must map str to str")
+    if not all(isinstance(k, str) and isinstance(v, _META_TYPES) for k, v in (meta or {}).items()):
+        raise TypeError("meta must map str to str, int, float, bool or bytes")
     payload_hash = xxhash.xxh3_64()
     sizes = []
     for section in sections:

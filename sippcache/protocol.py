@@ -17,7 +17,7 @@ from types import TracebackType
 from typing import Any, ClassVar, Optional, Protocol, Union, runtime_checkable
 
 from . import tokens as _tokens
-from .errors import CacheClosed
+from .errors import BadOption, CacheClosed
 from .options import coerce_options
 
 Blob = Union[bytes, memoryview]
@@ -30,8 +30,10 @@ class Match:
     prefix hit, the longest common prefix for a partial one. `blob` is the
     stored bytes; for backends that return zero-copy views (LMDB) it stays
     valid until `release()` is called or the `with` block around the match
-    ends, after which reading it raises ValueError. Release matches promptly:
-    an unreleased LMDB match pins its snapshot.
+    ends, after which reading it raises ValueError. Slices and other views
+    made from it are not invalidated: do not use them after release (they
+    may show other data). Release matches promptly: an unreleased LMDB match
+    pins its snapshot.
     """
 
     __slots__ = ("length", "key", "blob", "namespace", "_release", "__weakref__")
@@ -51,12 +53,17 @@ class Match:
         self._release = release
 
     def release(self) -> None:
-        """End the blob's validity and free what pins it (idempotent)."""
+        """End the blob's validity and free what pins it (idempotent).
+
+        Raises BufferError while an object made from the blob with the buffer
+        protocol (a numpy array, say) is alive; delete it and call again.
+        """
+        if self._release is None:
+            return
+        if isinstance(self.blob, memoryview):
+            self.blob.release()
         release, self._release = self._release, None
-        if release is not None:
-            if isinstance(self.blob, memoryview):
-                self.blob.release()  # BufferError if a derived view still exists
-            release()
+        release()
 
     def __enter__(self) -> Match:
         return self
@@ -155,7 +162,11 @@ class BaseBackend(ABC):
     @classmethod
     def from_url(cls, location: str, options: Mapping[str, str]) -> BaseBackend:
         """Build a backend from a URL's location and raw query options."""
-        return cls(location, **coerce_options(cls.__name__, options, cls.options))  # type: ignore[call-arg]
+        kwargs = coerce_options(cls.__name__, options, cls.options)
+        try:
+            return cls(location, **kwargs)  # type: ignore[call-arg]
+        except ValueError as exc:  # out-of-range values, a missing or extra path
+            raise BadOption(f"{cls.__name__}: {exc}") from exc
 
     # -- public API: validate, then delegate ---------------------------------
 

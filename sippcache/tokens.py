@@ -39,6 +39,8 @@ def _as_int_array(tokens: Tokens) -> array:
         if view.format[:1] in "<>!" and (view.format[0] == "<") != (sys.byteorder == "little"):
             out.byteswap()
         return out
+    if not isinstance(tokens, Sequence):
+        tokens = list(tokens)  # an iterator is read once; errors below iterate again
     try:
         return array("q", tokens)
     except OverflowError:

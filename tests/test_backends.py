@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import pytest
+
+import sippcache
 
 from sippcache.testing import BackendTests, PersistentBackendTests
 
@@ -25,3 +28,28 @@ class TestDiskCacheBackend(PersistentBackendTests, BackendTests):
     @pytest.fixture
     def cache_url(self, tmp_path: Path) -> str:
         return f"diskcache://{tmp_path}/store"
+
+
+def test_lmdb_grows_a_full_map(tmp_path: Path) -> None:
+    with sippcache.open(f"lmdb://{tmp_path}/small?map_size=1MiB&max_bytes=64MiB") as cache:
+        for i in range(40):
+            cache.store([i], bytes(200_000))
+        assert len(cache) == 40
+        assert all(cache.lookup([i]) is not None for i in range(40))
+    assert (tmp_path / "small" / "data.mdb").stat().st_size > 8 * 200_000  # beyond the 1 MiB map it began with
+
+
+def test_lmdb_match_release_can_be_retried(tmp_path: Path) -> None:
+    """A release refused because the blob is exported (BufferError) leaves the match releasable."""
+    with sippcache.open(f"lmdb://{tmp_path}/db") as cache:
+        cache.store([1], b"abcdef")
+        match = cache.lookup([1])
+        assert match is not None and isinstance(match.blob, memoryview)
+        exporter = struct.iter_unpack("B", match.blob)  # holds a buffer export of the blob
+        with pytest.raises(BufferError):
+            match.release()
+        assert bytes(match.blob) == b"abcdef"  # still valid: nothing was released
+        del exporter
+        match.release()
+        with pytest.raises(ValueError):
+            bytes(match.blob)

@@ -88,6 +88,12 @@ def test_well_hashed_but_invalid_headers_are_corrupt(header) -> None:
         frame.decode(_reframe(header))
 
 
+@pytest.mark.parametrize("extra", [dict(meta={1: "x"}), dict(meta={"k": [1]}), dict(versions={"a": 1})])
+def test_encode_refuses_fields_decode_would_refuse(extra) -> None:
+    with pytest.raises(TypeError):
+        frame.encode([1], [b"x"], fingerprint="f", kind="k", **extra)
+
+
 def test_header_cannot_claim_more_than_the_buffer() -> None:
     data = bytearray(make())
     struct.pack_into("<I", data, 10, 2**31)

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import logging
 import random
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import llama_cpp
@@ -21,7 +18,7 @@ import sippcache
 from sippcache import frame
 from sippcache.llama import LlamaCache, PrefixCache
 from sippcache.llama import Llama as SippLlama
-from tests.conftest import last_logits, reference_logits
+from tests.conftest import last_logits, prefill_in_new_process, reference_logits
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -109,36 +106,13 @@ def test_generation_continues_after_prefill(make_llama, tiny_model, url) -> None
         assert next(generated) == expected[0]
 
 
-def test_restart_in_another_process(tiny_model, url, make_llama, tmp_path) -> None:
+def test_restart_in_another_process(tiny_model, url, make_llama) -> None:
     tokens = prompt(700)
     _, split = reference_logits(make_llama, tiny_model, tokens)
-    script = textwrap.dedent(
-        """
-        import sys, json, ctypes, numpy as np, llama_cpp
-        from sippcache.llama import PrefixCache
-        model, url, out = sys.argv[1], sys.argv[2], sys.argv[3]
-        tokens = json.loads(sys.stdin.read())
-        llm = llama_cpp.Llama(model_path=model, n_ctx=2048, n_batch=512, verbose=False)
-        with PrefixCache(llm, url) as pc:
-            reused = pc.prefill(tokens)
-        pointer = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-        logits = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(llm.n_vocab(),))
-        np.save(out, logits)
-        print(reused)
-        """
-    )
-    import json
-
-    runs = []
-    for i in range(2):
-        out = tmp_path / f"logits{i}.npy"
-        result = subprocess.run(
-            [sys.executable, "-c", script, str(tiny_model), url, str(out)],
-            input=json.dumps(tokens), capture_output=True, text=True, timeout=300, check=True,
-        )  # fmt: skip
-        runs.append((int(result.stdout.strip()), np.load(out)))
-    assert runs[0][0] == 0 and runs[1][0] == 699
-    np.testing.assert_array_equal(runs[1][1], split)
+    first = prefill_in_new_process(tiny_model, url, tokens)
+    second = prefill_in_new_process(tiny_model, url, tokens)
+    assert first[0] == 0 and second[0] == 699
+    np.testing.assert_array_equal(second[1], split)
 
 
 def test_other_weights_never_hit(make_llama, tiny_model, tiny_model_other_weights, url) -> None:

@@ -37,7 +37,9 @@ def test_not_a_url(url) -> None:
     "url, message",
     [("ram://?max_bytes=1GiB&max_bytes=2GiB", "twice"), ("ram://?max_bytes", "max_bytes"),
      ("ram://#frag", "fragment"), ("ram://?max_bytes=-1", "max_bytes"), ("ram://?max_entries=many", "whole number"),
-     ("lmdb:///tmp/x?sync=maybe", "true/false"), ("ram://?colour=red", "no option 'colour'")],
+     ("lmdb:///tmp/x?sync=maybe", "true/false"), ("ram://?colour=red", "no option 'colour'"),
+     ("ram://?max_bytes=0", "max_bytes must be positive"), ("ram://?max_entries=0", "max_entries"),
+     ("ram:///some/path", "takes no path"), ("lmdb://", "needs a directory"), ("diskcache://", "needs a directory")],
 )  # fmt: skip
 def test_bad_options(url, message) -> None:
     with pytest.raises(BadOption, match=message):

@@ -38,6 +38,12 @@ def test_bad_token_inputs(value, error) -> None:
         tokens.encode(value)
 
 
+def test_iterators_are_read_once() -> None:
+    assert tokens.encode(iter([4, 5])) == tokens.encode([4, 5])
+    with pytest.raises(ValueError, match="position 1"):
+        tokens.encode(iter([1, 2**70]))
+
+
 def test_error_names_the_position() -> None:
     with pytest.raises(ValueError, match="token id -3 at position 1"):
         tokens.encode(numpy.array([1, -3], dtype=numpy.int32))

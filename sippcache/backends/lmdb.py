@@ -27,7 +27,12 @@ MAP_HEADROOM = 256 * 1024**2
 
 
 class _SharedEnv:
-    """One LMDB environment per (path, process), counted by its users."""
+    """One LMDB environment per (path, process), counted by its users.
+
+    The first handle's settings (map size, sync, readers) hold for every
+    handle of that path in the process. Open readers are counted because the
+    map may only be resized while none is open.
+    """
 
     _lock = threading.Lock()
     _open: dict[tuple[str, int], _SharedEnv] = {}
@@ -36,6 +41,7 @@ class _SharedEnv:
         self.env = env
         self.key = key
         self.users = 0
+        self.readers = 0
 
     @classmethod
     def acquire(cls, path: str, map_size: int, sync: bool, max_readers: int) -> _SharedEnv:
@@ -49,10 +55,16 @@ class _SharedEnv:
                     readahead=False, meminit=False, mode=0o600, max_dbs=0,
                 )  # fmt: skip
                 shared = cls._open[key] = _SharedEnv(env, key)
-            elif map_size > shared.env.info()["map_size"]:
-                shared.env.set_mapsize(map_size)
             shared.users += 1
             return shared
+
+    def resize(self, map_size: int) -> bool:
+        """Set the map size (0: adopt another process's larger map); False while readers are open."""
+        with self._lock:
+            if self.readers:
+                return False
+            self.env.set_mapsize(map_size)
+            return True
 
     def release(self) -> None:
         with self._lock:
@@ -122,23 +134,43 @@ class LMDBBackend(KVBackend):
 
     @contextmanager
     def _transaction(self) -> Iterator[KVTxn]:
+        shared = self._env()
         try:
-            with self._env().env.begin(write=True) as txn:
+            with self._begin(shared, write=True) as txn:
                 yield _LMDBTxn(txn)
         except lmdb.MapFullError:
-            raise CacheFull(f"{self.location}: the LMDB map is full (raise map_size)") from None
+            # Freed pages are reused only a few commits later: grow the map so the
+            # caller's evict-and-retry can succeed (impossible while readers are open).
+            size = shared.env.info()["map_size"]
+            grown = shared.resize(size * 2)
+            raise CacheFull(
+                f"{self.location}: the LMDB map ({size} bytes) is full"
+                + ("; doubled it" if grown else "; raise map_size")
+            ) from None
 
     def _reader(self) -> tuple[KVTxn, Callable[[], None]]:
         shared = self._env()
-        txn = shared.env.begin(buffers=True)
+        txn = self._begin(shared, write=False)
         with shared._lock:
             shared.users += 1  # an open reader keeps the environment open
+            shared.readers += 1
 
         def end() -> None:
             txn.abort()
+            with shared._lock:
+                shared.readers -= 1
             shared.release()
 
         return _LMDBTxn(txn), end
+
+    @staticmethod
+    def _begin(shared: _SharedEnv, write: bool) -> lmdb.Transaction:
+        try:
+            return shared.env.begin(write=write, buffers=not write)
+        except lmdb.MapResizedError:  # another process grew the map: adopt its size
+            if not shared.resize(0):
+                raise
+            return shared.env.begin(write=write, buffers=not write)
 
     def _close_store(self) -> None:
         self._shared.release()

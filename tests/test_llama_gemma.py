@@ -1,0 +1,113 @@
+"""End-to-end on gemma-3-270m, a real sliding-window (iSWA) model: the trap
+DESIGN.md describes (truncating a restored state silently corrupts logits)
+must never reach the user."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from sippcache.llama import LlamaCache, PrefixCache
+from sippcache.llama import Llama as SippLlama
+from tests.conftest import last_logits, prefill_in_new_process, reference_logits
+
+pytestmark = pytest.mark.gemma
+
+N_CTX = 4096
+DOCUMENT = (
+    "The lighthouse keeper kept a log of every ship that passed the northern cape. "
+    "Each entry named the vessel, its flag, the hour, the weather and the state of the sea. "
+    "Over forty years the log grew to eleven volumes, and historians now read it to learn "
+    "how trade moved along the coast before the railway arrived. "
+)
+
+
+@pytest.fixture(scope="module")
+def tokens(gemma_model: Path) -> list[int]:
+    llm = llama_cpp.Llama(model_path=str(gemma_model), n_ctx=N_CTX, vocab_only=True, verbose=False)
+    ids = llm.tokenize((DOCUMENT * 30).encode())
+    llm.close()
+    return ids
+
+
+def close(a: np.ndarray, b: np.ndarray) -> None:
+    """Same next token, and logits within the noise of another batch split."""
+    assert int(np.argmax(a)) == int(np.argmax(b))
+    assert float(np.max(np.abs(a - b))) < 0.5
+
+
+def test_sliding_window_model(gemma_model: Path, make_llama) -> None:
+    llm = make_llama(gemma_model, n_ctx=N_CTX)
+    assert llama_cpp.llama_model_n_swa(llm.model) == 512
+
+
+def test_exact_repeat_in_a_fresh_context(gemma_model, make_llama, tokens, tmp_path) -> None:
+    prompt = tokens[:1200]
+    whole, split = reference_logits(make_llama, gemma_model, prompt, n_ctx=N_CTX)
+    url = f"lmdb://{tmp_path}/cache"
+    with PrefixCache(make_llama(gemma_model, n_ctx=N_CTX), url) as pc:
+        assert pc.prefill(prompt) == 0
+    llm = make_llama(gemma_model, n_ctx=N_CTX)
+    with PrefixCache(llm, url) as pc:
+        assert pc.prefill(prompt) == 1199
+        np.testing.assert_array_equal(last_logits(llm), split)
+    close(last_logits(llm), whole)
+
+
+def diverging_case(gemma_model, make_llama, tokens, url: str) -> tuple[list[int], np.ndarray]:
+    """Store checkpoints of A (1,400 tokens, every 512); return B, which shares
+    A's first 1,000 tokens, and B's never-cached logits."""
+    a = tokens[:1400]
+    b = a[:1000] + tokens[2000:2200]
+    with PrefixCache(make_llama(gemma_model, n_ctx=N_CTX), url, checkpoint_interval=512) as pc:
+        pc.prefill(a)
+    whole, _ = reference_logits(make_llama, gemma_model, b, n_ctx=N_CTX)
+    return b, whole
+
+
+def test_diverging_query_never_truncates_unsafely(gemma_model, make_llama, tokens, tmp_path) -> None:
+    b, whole = diverging_case(gemma_model, make_llama, tokens, f"lmdb://{tmp_path}/cache")
+    llm = make_llama(gemma_model, n_ctx=N_CTX)
+    with PrefixCache(llm, f"lmdb://{tmp_path}/cache", checkpoint_interval=512) as pc:
+        # Entries sharing 1,000 tokens exist (1,024 and 1,399 tokens), but a restored
+        # iSWA state cannot be cut back to 1,000; the 512-token checkpoint can be used whole.
+        assert pc.prefill(b) == 512
+        assert pc.stats()["rejected_entries"] >= 1
+        close(last_logits(llm), whole)
+
+
+def test_the_trap_is_real_without_the_rule(gemma_model, make_llama, tokens, tmp_path, monkeypatch) -> None:
+    """Remove the truncation rule and the same hit gives wrong logits: the test above guards a real failure."""
+    b, whole = diverging_case(gemma_model, make_llama, tokens, f"lmdb://{tmp_path}/cache")
+    monkeypatch.setattr(PrefixCache, "_can_truncate", lambda self, length: True)
+    llm = make_llama(gemma_model, n_ctx=N_CTX)
+    with PrefixCache(llm, f"lmdb://{tmp_path}/cache", checkpoint_interval=512) as pc:
+        assert pc.prefill(b) == 1000
+    assert float(np.max(np.abs(last_logits(llm) - whole))) > 1.0
+
+
+def test_restart_in_another_process(gemma_model, make_llama, tokens, tmp_path) -> None:
+    prompt = tokens[:900]
+    _, split = reference_logits(make_llama, gemma_model, prompt, n_ctx=N_CTX)
+    url = f"lmdb://{tmp_path}/cache"
+    assert prefill_in_new_process(gemma_model, url, prompt, n_ctx=N_CTX)[0] == 0
+    reused, logits = prefill_in_new_process(gemma_model, url, prompt, n_ctx=N_CTX)
+    assert reused == 899
+    np.testing.assert_array_equal(logits, split)
+
+
+def test_llama_cache_completions_match_uncached(gemma_model, make_llama, tokens, tmp_path) -> None:
+    plain = make_llama(gemma_model, n_ctx=N_CTX)
+    a = DOCUMENT * 12 + "Question: what did the keeper record? Answer:"
+    b = DOCUMENT * 10 + "Question: why do historians read the log? Answer:"
+    expected = {p: plain.create_completion(p, max_tokens=8, temperature=0.0)["choices"][0]["text"] for p in (a, b)}
+    llm = make_llama(gemma_model, cls=SippLlama, n_ctx=N_CTX)
+    cache = LlamaCache(f"lmdb://{tmp_path}/cache")
+    llm.set_cache(cache)
+    for p in (a, b, a):
+        assert llm.create_completion(p, max_tokens=8, temperature=0.0)["choices"][0]["text"] == expected[p]
+    assert cache.prefix_cache(llm).stats()["hits"] >= 1
+    cache.close()
