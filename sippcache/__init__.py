@@ -23,7 +23,7 @@ from .errors import (
     SippcacheError,
     UnknownBackend,
 )
-from .protocol import BaseBackend, CacheBackend, Match, Stats
+from .protocol import BaseBackend, CacheBackend, EntryInfo, Match, Stats
 from .registry import BackendInfo, backends, default_url, open
 
 __version__ = "0.1.0"
@@ -37,6 +37,7 @@ __all__ = [
     "CacheClosed",
     "CacheFull",
     "CorruptEntry",
+    "EntryInfo",
     "Match",
     "MissingDependency",
     "SippcacheError",

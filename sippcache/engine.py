@@ -38,7 +38,7 @@ import xxhash
 from . import tokens as _tokens
 from .errors import CacheFull
 from .index import PrefixIndex
-from .protocol import BaseBackend, Match, Stats
+from .protocol import BaseBackend, EntryInfo, Match, Stats
 
 log = logging.getLogger("sippcache")
 
@@ -170,7 +170,7 @@ class KVBackend(BaseBackend):
                 end = None  # type: ignore[assignment]
             self._touch(hit.entry_id)
             self._counters["hits"] += 1
-            stored_key = _tokens.decode(self._index.key_of(hit.entry_id))
+            stored_key = self._index.key_of(hit.entry_id)
             self._flush_touches_if_due()
         return Match(hit.length, stored_key, blob, namespace, end)
 
@@ -209,6 +209,25 @@ class KVBackend(BaseBackend):
                 namespaces=len(self._index.namespaces()),
                 **self._counters,
             )
+
+    def _entries(self, namespace: Optional[str]) -> list[EntryInfo]:
+        with self._lock:
+            txn, end = self._reader()
+            try:
+                self._sync(txn)
+                found = []
+                for eid in self._lru:  # least recently used first
+                    if namespace is not None and self._index.namespace_of(eid) != namespace:
+                        continue
+                    meta = txn.get(b"M" + eid)
+                    if meta is None:
+                        continue
+                    ns, key, size, created = msgpack.unpackb(meta, raw=False)
+                    used = max(self._pending.get(eid, 0), _u64(txn.get(b"U" + eid)) or created)
+                    found.append(EntryInfo(ns, _tokens.decode(key), size, created / 1e9, used / 1e9))
+                return found
+            finally:
+                end()
 
     def _len(self) -> int:
         with self._lock:
@@ -297,7 +316,7 @@ class KVBackend(BaseBackend):
         Memory is updated after commit."""
         total = self._total - self._sizes.get(keep, 0)
         count = len(self._sizes) - (keep in self._sizes)
-        victims = iter([eid for eid in self._lru if eid != keep])
+        victims = (eid for eid in self._lru if eid != keep)  # _lru changes only after commit
         while (max_bytes is not None and total > max_bytes) or (max_entries is not None and count > max_entries):
             victim = next(victims, None)
             if victim is None:

@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
@@ -130,11 +131,19 @@ class PrefixCache:
 
     # -- public API ------------------------------------------------------------
 
-    def prefill(self, tokens: _tokens.Tokens) -> int:
+    def prefill(
+        self,
+        tokens: _tokens.Tokens,
+        *,
+        restore: bool = True,
+        progress: Optional[Callable[[int, int], None]] = None,
+    ) -> int:
         """Bring the context to exactly `tokens` with fresh logits for the last one.
 
         Returns how many tokens were not evaluated: taken from the cache, or
-        already in the context from an earlier call.
+        already in the context from an earlier call. With `restore=False` the
+        whole prompt is evaluated from scratch (snapshots are still stored);
+        `progress(done, total)` is called as tokens are evaluated.
         """
         ids = list(_tokens.decode(_tokens.encode(tokens)))
         if not ids:
@@ -144,8 +153,12 @@ class PrefixCache:
         if self._closed:
             raise RuntimeError("PrefixCache is closed")
         with self._lock:
-            start = self._reuse(ids)
-            self._evaluate(ids, start)
+            if restore:
+                start = self._reuse(ids)
+            else:
+                self._clear_context()
+                start = 0
+            self._evaluate(ids, start, progress=progress)
         return start
 
     def flush(self) -> None:
@@ -299,7 +312,14 @@ class PrefixCache:
 
     # -- evaluating and storing -------------------------------------------------
 
-    def _evaluate(self, ids: list[int], start: int, *, evaluate_last: bool = True) -> None:
+    def _evaluate(
+        self,
+        ids: list[int],
+        start: int,
+        *,
+        evaluate_last: bool = True,
+        progress: Optional[Callable[[int, int], None]] = None,
+    ) -> None:
         """Evaluate `ids[start:]`, snapshotting at checkpoint boundaries and at
         len(ids) - 1; with `evaluate_last=False`, stop before the last token."""
         last = len(ids) - 1
@@ -307,15 +327,26 @@ class PrefixCache:
         boundaries = [b for b in range(first_boundary, last, self.checkpoint_interval) if b >= self.min_tokens]
         if last > start and last >= self.min_tokens:
             boundaries.append(last)
-        position = start
-        for boundary in boundaries:
-            self.llm.eval(ids[position:boundary])
-            position = boundary
-            self._checkpoint(ids[:boundary])
         end = len(ids) if evaluate_last else last
-        if position < end:
-            self.llm.eval(ids[position:end])
+        position = start
+        for boundary in [*boundaries, end]:
+            self._eval(ids, position, boundary, start, end, progress)
+            position = max(position, boundary)
+            if boundary != end or not evaluate_last:
+                self._checkpoint(ids[:boundary])
         self._stats.tokens_evaluated += end - start
+
+    def _eval(
+        self, ids: list[int], begin: int, stop: int, start: int, end: int,
+        progress: Optional[Callable[[int, int], None]],
+    ) -> None:  # fmt: skip
+        """`llm.eval(ids[begin:stop])`, in n_batch pieces when reporting progress
+        (the same split llm.eval makes itself, so the results are identical)."""
+        step = self.llm.n_batch if progress is not None else max(1, stop - begin)
+        for piece in range(begin, stop, step):
+            self.llm.eval(ids[piece : min(stop, piece + step)])
+            if progress is not None:
+                progress(min(stop, piece + step) - start, end - start)
 
     def _checkpoint(self, key: list[int]) -> None:
         """Copy sequence 0's state now (the context is not thread-safe); store it in the background."""
@@ -341,7 +372,7 @@ class PrefixCache:
             fingerprint=self.fingerprint.digest,
             kind=KIND,
             versions={"llama_cpp_python": llama_cpp.__version__},
-            meta={"n_swa": self.n_swa, "scope": self.scope},
+            meta={"n_swa": self.n_swa, "scope": self.scope, "pid": os.getpid()},
         )
         self.cache.store(key, blob, namespace=self.namespace)
         self._stats.entries_written += 1

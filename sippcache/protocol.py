@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar, Optional, Protocol, Union, runtime_checkable
@@ -36,21 +36,28 @@ class Match:
     pins its snapshot.
     """
 
-    __slots__ = ("length", "key", "blob", "namespace", "_release", "__weakref__")
+    __slots__ = ("length", "_key", "blob", "namespace", "_release", "__weakref__")
 
     def __init__(
         self,
         length: int,
-        key: tuple[int, ...],
+        key: Union[tuple[int, ...], bytes],
         blob: Blob,
         namespace: str = "",
         release: Optional[Callable[[], None]] = None,
     ) -> None:
         self.length = length
-        self.key = key
+        self._key = key  # token ids, or their `sippcache.tokens.encode` bytes (decoded when read)
         self.blob = blob
         self.namespace = namespace
         self._release = release
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        """The stored token sequence."""
+        if isinstance(self._key, bytes):
+            self._key = _tokens.decode(self._key)
+        return tuple(self._key)
 
     def release(self) -> None:
         """End the blob's validity and free what pins it (idempotent).
@@ -79,6 +86,17 @@ class Match:
 
     def __repr__(self) -> str:
         return f"Match(length={self.length}, key=<{len(self.key)} tokens>, blob=<{len(self.blob)} bytes>, namespace={self.namespace!r})"
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """One stored entry, as listed by `CacheBackend.entries` (no blob)."""
+
+    namespace: str
+    key: tuple[int, ...]
+    size: int  # bytes counted against max_bytes: blob + 4 per key token
+    created: float  # seconds since the epoch
+    last_used: float  # seconds since the epoch (recency is saved in batches)
 
 
 @dataclass(frozen=True)
@@ -130,6 +148,9 @@ class CacheBackend(Protocol):
 
     def stats(self) -> Stats:
         """Size and counters."""
+
+    def entries(self, namespace: Optional[str] = None) -> Iterator[EntryInfo]:
+        """Every stored entry (of one namespace, if given), least recently used first."""
 
     def close(self) -> None:
         """Release files and memory; the handle is unusable afterwards."""
@@ -205,6 +226,12 @@ class BaseBackend(ABC):
         self._check_open()
         return self._stats()
 
+    def entries(self, namespace: Optional[str] = None) -> Iterator[EntryInfo]:
+        if namespace is not None:
+            _check_namespace(namespace)
+        self._check_open()
+        return iter(self._entries(namespace))
+
     def __len__(self) -> int:
         self._check_open()
         return self._len()
@@ -249,6 +276,9 @@ class BaseBackend(ABC):
 
     @abstractmethod
     def _len(self) -> int: ...
+
+    @abstractmethod
+    def _entries(self, namespace: Optional[str]) -> list[EntryInfo]: ...
 
     @abstractmethod
     def _close(self) -> None: ...

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from array import array
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
@@ -349,6 +350,20 @@ class BackendTests:
         assert cache.lookup([9]) is None
         stats = cache.stats()
         assert (stats.entries, stats.bytes, stats.hits, stats.misses, stats.stores) == (1, 3 + 8, 1, 1, 1)
+
+    def test_entries_lists_every_entry_least_recently_used_first(self, cache: CacheBackend) -> None:
+        before = time.time()
+        cache.store([1, 2], b"aa", namespace="x")
+        cache.store([3], b"bbb", namespace="y")
+        cache.store([4, 5, 6], b"c", namespace="x")
+        assert cache.lookup([1, 2], namespace="x") is not None  # now the most recent
+        listed = list(cache.entries())
+        assert [(e.namespace, tuple(e.key), e.size) for e in listed] == [
+            ("y", (3,), 3 + 4), ("x", (4, 5, 6), 1 + 12), ("x", (1, 2), 2 + 8)
+        ]
+        assert all(before - 1 <= e.created <= e.last_used <= time.time() + 1 for e in listed)
+        assert [tuple(e.key) for e in cache.entries(namespace="x")] == [(4, 5, 6), (1, 2)]
+        assert list(cache.entries(namespace="nobody")) == []
 
     def test_close(self, open_cache: Opener) -> None:
         cache = open_cache()

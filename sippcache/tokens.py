@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 #: Largest token id accepted (llama.cpp's ``llama_token`` is an int32).
 MAX_TOKEN_ID = 2**31 - 1
@@ -19,41 +19,43 @@ MAX_TOKEN_ID = 2**31 - 1
 Tokens = Union[Sequence[int], Any]
 
 _BUFFER_FORMATS = {"b", "B", "h", "H", "i", "I", "l", "L", "q", "Q"}
+_VALID_HIGH_BYTES = bytes(range(0x80))  # the top byte of a little-endian id in 0..2**31-1
 
 
-def _as_int_array(tokens: Tokens) -> array:
-    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or tokens is None:
-        raise TypeError(f"tokens must be a sequence of ints, not {type(tokens).__name__}")
-    try:
-        view = memoryview(tokens)  # numpy arrays and array.array: no per-item Python objects
-    except TypeError:
-        view = None
-    if view is not None:
-        fmt = view.format.lstrip("@=<>!")
-        if view.ndim != 1 or fmt not in _BUFFER_FORMATS:
-            raise TypeError(f"tokens must be a 1-d integer array, got format {view.format!r} with {view.ndim} dims")
-        out = array(fmt)
-        if out.itemsize != view.itemsize:
-            raise TypeError(f"tokens: unsupported integer buffer format {view.format!r}")
-        out.frombytes(view.tobytes())
-        if view.format[:1] in "<>!" and (view.format[0] == "<") != (sys.byteorder == "little"):
-            out.byteswap()
-        return out
-    if not isinstance(tokens, Sequence):
-        tokens = list(tokens)  # an iterator is read once; errors below iterate again
-    try:
-        return array("q", tokens)
-    except OverflowError:
-        pass  # an id beyond int64: report its position below
-    except TypeError as exc:
-        for i, t in enumerate(tokens):
-            if not isinstance(t, int) and not hasattr(t, "__index__"):
-                raise TypeError(f"token at position {i} is {type(t).__name__}, not int") from exc
-        raise TypeError(f"tokens must be a sequence of ints: {exc}") from exc
+def _error(tokens: Any, cause: Optional[BaseException] = None) -> Exception:
+    """The exception for invalid `tokens`, naming the first bad position (slow path)."""
     for i, t in enumerate(tokens):
+        if not isinstance(t, int) and not hasattr(t, "__index__"):
+            return TypeError(f"token at position {i} is {type(t).__name__}, not int")
         if not 0 <= t <= MAX_TOKEN_ID:
-            raise ValueError(f"token id {t} at position {i} is outside 0..{MAX_TOKEN_ID}")
-    raise AssertionError("unreachable")  # pragma: no cover
+            return ValueError(f"token id {t} at position {i} is outside 0..{MAX_TOKEN_ID}")
+    return TypeError(f"tokens must be a sequence of ints: {cause}")
+
+
+def _from_buffer(view: memoryview) -> bytes:
+    """Little-endian uint32 bytes of a 1-d integer buffer (numpy array, array.array)."""
+    fmt = view.format.lstrip("@=<>!")
+    if view.ndim != 1 or fmt not in _BUFFER_FORMATS or array(fmt).itemsize != view.itemsize:
+        raise TypeError(f"tokens must be a 1-d integer array, got format {view.format!r} with {view.ndim} dims")
+    big_endian = view.format[:1] in ">!" or (view.format[:1] not in "<" and sys.byteorder == "big")
+    if view.itemsize == 4 and not big_endian:
+        return view.tobytes()
+    if view.itemsize == 8 and not big_endian:
+        raw = view.tobytes()
+        if raw[4::8].translate(None, b"\0") or raw[5::8].translate(None, b"\0") or \
+                raw[6::8].translate(None, b"\0") or raw[7::8].translate(None, b"\0"):  # fmt: skip
+            raise _error(array(fmt, raw))
+        out = bytearray(len(raw) // 2)
+        for k in range(4):
+            out[k::4] = raw[k::8]
+        return bytes(out)
+    ids = array(fmt, view.tobytes())
+    if big_endian:
+        ids.byteswap()
+    try:
+        return array("I", ids).tobytes()
+    except OverflowError:
+        raise _error(ids) from None
 
 
 def encode(tokens: Tokens) -> bytes:
@@ -62,17 +64,26 @@ def encode(tokens: Tokens) -> bytes:
     Raises TypeError for non-integer input and ValueError naming the first
     position whose id is outside 0..2**31-1.
     """
-    ids = _as_int_array(tokens)
-    if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
-        for i, t in enumerate(ids):
-            if not 0 <= t <= MAX_TOKEN_ID:
-                raise ValueError(f"token id {t} at position {i} is outside 0..{MAX_TOKEN_ID}")
-    out = array("I", ids) if ids.typecode != "I" else ids
-    if out.itemsize != 4:  # pragma: no cover - platforms with 8-byte 'I'
-        raise RuntimeError("unsupported platform: array('I') is not 32-bit")
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or tokens is None:
+        raise TypeError(f"tokens must be a sequence of ints, not {type(tokens).__name__}")
     if sys.byteorder != "little":  # pragma: no cover
-        out.byteswap()
-    return out.tobytes()
+        raise RuntimeError("sippcache supports little-endian machines only")
+    try:
+        view: Optional[memoryview] = memoryview(tokens)  # numpy arrays, array.array: no Python ints
+    except TypeError:
+        view = None
+    if view is not None:
+        data = _from_buffer(view)
+        ids: Any = tokens
+    else:
+        ids = tokens if isinstance(tokens, Sequence) else list(tokens)  # read an iterator once
+        try:
+            data = array("I", ids).tobytes()  # refuses negatives, > 2**32-1 and non-ints
+        except (OverflowError, TypeError) as exc:
+            raise _error(ids, exc) from None
+    if data[3::4].translate(None, _VALID_HIGH_BYTES):  # an id of 2**31 or more
+        raise _error(ids)
+    return data
 
 
 def decode(data: bytes | memoryview) -> tuple[int, ...]:

@@ -68,14 +68,18 @@ def last_logits(llm: object) -> np.ndarray:
     return np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)).copy()
 
 
-def reference_logits(make_llama: Callable[..., object], model: Path, tokens: list[int], **kwargs: object) -> tuple[np.ndarray, np.ndarray]:
-    """Never-cached logits after `tokens`: (single eval, eval of all but the last then the last)."""
+def reference_logits(
+    make_llama: Callable[..., object], model: Path, tokens: list[int], splits: tuple[int, ...] = (), **kwargs: object
+) -> tuple[np.ndarray, np.ndarray]:
+    """Never-cached logits after `tokens`: (one eval of everything, evals split at
+    `splits` and before the last token: the batch split a cached prefill makes)."""
     llm = make_llama(model, **kwargs)
     llm.eval(tokens)  # type: ignore[attr-defined]
     whole = last_logits(llm)
     llm.reset()  # type: ignore[attr-defined]
-    llm.eval(tokens[:-1])  # type: ignore[attr-defined]
-    llm.eval(tokens[-1:])  # type: ignore[attr-defined]
+    bounds = [0, *splits, len(tokens) - 1, len(tokens)]
+    for begin, end in zip(bounds, bounds[1:]):
+        llm.eval(tokens[begin:end])  # type: ignore[attr-defined]
     return whole, last_logits(llm)
 
 

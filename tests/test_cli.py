@@ -1,4 +1,4 @@
-"""The `sippcache` command, run as a user would: a subprocess."""
+"""The `sippcache` command, run as a user would: a subprocess, on real LMDB and diskcache stores."""
 
 from __future__ import annotations
 
@@ -6,16 +6,90 @@ import json
 import os
 import subprocess
 import sys
+import time
+from datetime import datetime
 from pathlib import Path
 
+import pytest
+
+import sippcache
+from sippcache import frame
 
 # The console script pip installed beside this interpreter (not whatever is first on PATH).
 SCRIPT = Path(sys.executable).with_name("sippcache")
 
+MODEL = "0123456789abcdef0123456789abcdef"
+LLAMA_NS = f"llama:{MODEL}/chat"
+PLAIN_NS = "tenant-a"
+#: (namespace, tokens, payload), stored in this order (so the first is the least recently used).
+ENTRIES = [
+    (PLAIN_NS, [1, 2, 3], b"a" * 100),
+    (PLAIN_NS, [1, 2, 3, 4, 5], b"b" * 200),
+    (LLAMA_NS, [1, 2, 3], b"c" * 300),
+    (LLAMA_NS, [7] * 40, b"d" * 400),
+    (LLAMA_NS, [7] * 40 + [8], b"e" * 500),
+]
 
-def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+
+def run(*args: str, stdin: str | None = None, **env: str) -> subprocess.CompletedProcess[str]:
     assert SCRIPT.exists(), f"the sippcache console script is not installed at {SCRIPT}"
-    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    # Wide tables, so long cells are not wrapped in the captured output.
+    environment = {**os.environ, "COLUMNS": "200", **env}
+    return subprocess.run(
+        [str(SCRIPT), *args], capture_output=True, text=True, timeout=120, env=environment, input=stdin
+    )
+
+
+def run_json(*args: str, **env: str) -> object:
+    result = run(*args, "--json", **env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def encode(tokens: list[int], payload: bytes) -> bytes:
+    return frame.encode(tokens, [payload], fingerprint=MODEL, kind="llama.seq")
+
+
+def store_entries(url: str, entries: list[tuple[str, list[int], bytes]] = ENTRIES) -> None:
+    with sippcache.open(url) as cache:
+        for namespace, tokens, payload in entries:
+            cache.store(tokens, encode(tokens, payload), namespace=namespace)
+
+
+def contents(url: str) -> dict[tuple[str, tuple[int, ...]], bytes]:
+    """(namespace, key) -> blob bytes of every entry."""
+    out = {}
+    with sippcache.open(url) as cache:
+        for entry in cache.entries():
+            with cache.lookup(list(entry.key), namespace=entry.namespace) as match:
+                assert match is not None and match.length == len(entry.key)
+                out[(entry.namespace, entry.key)] = bytes(match.blob)
+    return out
+
+
+def sizes(url: str) -> list[tuple[str, tuple[int, ...], int]]:
+    with sippcache.open(url) as cache:
+        return [(e.namespace, e.key, e.size) for e in cache.entries()]
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), lines[0]
+    return lines[0]
+
+
+@pytest.fixture(params=["lmdb", "diskcache"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A store of `request.param`'s kind holding ENTRIES (closed again)."""
+    location = f"{request.param}://{tmp_path / request.param}"
+    store_entries(location)
+    return location
+
+
+# -- backends -------------------------------------------------------------------------
 
 
 def test_backends_table() -> None:
@@ -36,3 +110,233 @@ def test_backends_json() -> None:
 def test_unknown_command_fails_cleanly() -> None:
     result = run("no-such-command")
     assert result.returncode != 0 and "Traceback" not in result.stderr
+
+
+# -- stats ------------------------------------------------------------------------------
+
+
+def test_stats_json(url: str) -> None:
+    stored = sizes(url)
+    info = run_json("stats", url)
+    assert info["entries"] == len(ENTRIES)
+    assert info["bytes"] == sum(size for _, _, size in stored)
+    assert info["max_bytes"] == 8 * 1024**3  # the backends' default
+    assert "hits" not in info and "misses" not in info  # per-handle counters: always 0 here
+    by_name = {row["namespace"]: row for row in info["namespaces"]}
+    assert set(by_name) == {PLAIN_NS, LLAMA_NS}
+    assert by_name[PLAIN_NS] == {
+        "namespace": PLAIN_NS, "model": None, "scope": None, "entries": 2,
+        "bytes": sum(size for ns, _, size in stored if ns == PLAIN_NS),
+    }  # fmt: skip
+    assert by_name[LLAMA_NS]["model"] == MODEL and by_name[LLAMA_NS]["scope"] == "chat"
+    assert by_name[LLAMA_NS]["entries"] == 3
+
+
+def test_stats_table(url: str) -> None:
+    result = run("stats", url)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for text in ("entries", "max_bytes", PLAIN_NS, MODEL, "chat", "namespace", "model", "scope"):
+        assert text in out
+    assert LLAMA_NS not in out  # shown split into model and scope
+    assert "hits" not in out
+
+
+def test_stats_url_by_option_and_environment(url: str) -> None:
+    assert run_json("stats", "--cache", url)["entries"] == len(ENTRIES)
+    assert run_json("stats", SIPPCACHE_URL=url)["entries"] == len(ENTRIES)
+
+
+# -- ls ---------------------------------------------------------------------------------
+
+
+def test_ls_json(url: str) -> None:
+    rows = run_json("ls", url)
+    assert isinstance(rows, list)
+    # least recently used first: the order they were stored in
+    assert [(r["namespace"], r["tokens"]) for r in rows] == [(ns, len(tokens)) for ns, tokens, _ in ENTRIES]
+    assert [r["bytes"] for r in rows] == [size for _, _, size in sizes(url)]
+    for row in rows:
+        created = row["created"]
+        assert created.startswith("20") and "T" in created and created.endswith("+00:00")
+        assert abs(time.time() - _epoch(row["last_used"])) < 600
+
+    only = run_json("ls", url, "--namespace", PLAIN_NS)
+    assert [r["tokens"] for r in only] == [3, 5]
+    assert run_json("ls", url, "--namespace", "nobody") == []
+
+
+def _epoch(iso: str) -> float:
+    return datetime.fromisoformat(iso).timestamp()
+
+
+def test_ls_table(url: str) -> None:
+    result = run("ls", url)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for text in ("namespace", "tokens", "bytes", "created", "last used", PLAIN_NS, LLAMA_NS, "41"):
+        assert text in out
+    assert time.strftime("%Y-") in out  # local, human-readable times
+    result = run("ls", url, "-n", LLAMA_NS)
+    assert result.returncode == 0 and PLAIN_NS not in result.stdout
+
+
+# -- verify -----------------------------------------------------------------------------
+
+
+def test_verify_good_store(url: str) -> None:
+    before = contents(url)
+    report = run_json("verify", url)
+    assert report == {"checked": len(ENTRIES), "bad": [], "deleted": 0}
+    result = run("verify", url)
+    assert result.returncode == 0, result.stderr
+    assert "0 bad" in result.stdout
+    assert contents(url) == before
+
+
+def test_verify_finds_and_deletes_corrupt_entries(url: str) -> None:
+    damaged = bytearray(encode([5, 6], b"x" * 64))
+    damaged[-1] ^= 0xFF  # payload no longer matches its checksum
+    with sippcache.open(url) as cache:
+        cache.store([5, 6], bytes(damaged), namespace=PLAIN_NS)
+        cache.store([9, 9, 9], encode([1, 2], b"y" * 10), namespace=LLAMA_NS)  # frame of another key
+        cache.store([4], b"not a sippcache frame, just some bytes", namespace="")
+
+    result = run("verify", url, "--json")
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    assert report["checked"] == len(ENTRIES) + 3 and report["deleted"] == 0
+    bad = {(row["namespace"], row["tokens"]): row["reason"] for row in report["bad"]}
+    assert set(bad) == {(PLAIN_NS, 2), (LLAMA_NS, 3), ("", 1)}
+    assert "checksum" in bad[(PLAIN_NS, 2)]
+    assert "tokens" in bad[(LLAMA_NS, 3)]
+    assert "magic" in bad[("", 1)]
+
+    table = run("verify", url)
+    assert table.returncode == 1 and "checksum" in table.stdout and "3 bad" in table.stdout
+
+    result = run("verify", url, "--delete", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["deleted"] == 3
+    assert run_json("verify", url) == {"checked": len(ENTRIES), "bad": [], "deleted": 0}
+    assert {key for _, key, _ in sizes(url)} == {tuple(tokens) for _, tokens, _ in ENTRIES}
+
+
+# -- prune ------------------------------------------------------------------------------
+
+
+def test_prune_max_bytes_deletes_least_recently_used(url: str) -> None:
+    stored = sizes(url)
+    total = sum(size for _, _, size in stored)
+    limit = total - stored[0][2] - stored[1][2]  # room for all but the two oldest
+    result = run_json("prune", url, "--max-bytes", str(limit))
+    assert result == {
+        "deleted": 2, "bytes": stored[0][2] + stored[1][2],
+        "remaining_entries": len(stored) - 2, "remaining_bytes": limit,
+    }  # fmt: skip
+    assert sizes(url) == stored[2:]
+
+
+def test_prune_max_bytes_in_one_namespace(url: str) -> None:
+    stored = sizes(url)
+    llama = [row for row in stored if row[0] == LLAMA_NS]
+    result = run("prune", url, "--max-bytes", "1KiB", "--namespace", LLAMA_NS)
+    assert result.returncode == 0, result.stderr
+    assert "deleted" in result.stdout and "left" in result.stdout
+    kept = sizes(url)
+    assert [row for row in kept if row[0] == PLAIN_NS] == [row for row in stored if row[0] == PLAIN_NS]
+    kept_llama = [row for row in kept if row[0] == LLAMA_NS]
+    assert sum(size for *_, size in kept_llama) <= 1024 < sum(size for *_, size in llama)
+    assert kept_llama == llama[len(llama) - len(kept_llama) :]  # the most recent survive
+
+
+def test_prune_older_than(tmp_path: Path) -> None:
+    url = f"lmdb://{tmp_path / 'aged'}"
+    store_entries(url, ENTRIES[:2])
+    time.sleep(1.1)
+    store_entries(url, ENTRIES[2:])
+    result = run_json("prune", url, "--older-than", "1s")
+    assert result["deleted"] == 2 and result["remaining_entries"] == len(ENTRIES) - 2
+    assert [key for _, key, _ in sizes(url)] == [tuple(tokens) for _, tokens, _ in ENTRIES[2:]]
+    assert run_json("prune", url, "--older-than", "7d")["deleted"] == 0
+
+
+def test_prune_needs_a_limit(url: str) -> None:
+    result = run("prune", url)
+    assert "--max-bytes" in assert_one_line_error(result)
+    assert len(sizes(url)) == len(ENTRIES)
+
+
+# -- clear ------------------------------------------------------------------------------
+
+
+def test_clear(url: str) -> None:
+    declined = run("clear", url, stdin="n\n")
+    assert declined.returncode == 1 and "Traceback" not in declined.stderr
+    assert len(sizes(url)) == len(ENTRIES)
+
+    result = run("clear", url, "--yes")
+    assert result.returncode == 0, result.stderr
+    assert str(len(ENTRIES)) in result.stdout
+    assert sizes(url) == []
+    assert run_json("stats", url)["entries"] == 0
+
+
+# -- copy -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("src_kind", "dst_kind"), [("lmdb", "diskcache"), ("diskcache", "lmdb")])
+def test_copy_between_backends(tmp_path: Path, src_kind: str, dst_kind: str) -> None:
+    src = f"{src_kind}://{tmp_path / 'src'}"
+    dst = f"{dst_kind}://{tmp_path / 'dst'}"
+    store_entries(src)
+    result = run("copy", src, dst, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)  # the progress bar stays off stdout
+    assert report["copied"] == len(ENTRIES) and report["skipped"] == 0 and report["evicted"] == 0
+    assert contents(dst) == contents(src)
+    assert sizes(dst) == sizes(src)  # same sizes, same recency order
+    assert run_json("verify", dst)["bad"] == []
+
+
+def test_copy_one_namespace(tmp_path: Path) -> None:
+    src, dst = f"lmdb://{tmp_path / 'src'}", f"diskcache://{tmp_path / 'dst'}"
+    store_entries(src)
+    result = run("copy", src, dst, "--namespace", PLAIN_NS)
+    assert result.returncode == 0, result.stderr
+    assert "copied 2 entries" in result.stdout
+    assert set(contents(dst)) == {(PLAIN_NS, (1, 2, 3)), (PLAIN_NS, (1, 2, 3, 4, 5))}
+
+
+def test_copy_refuses_same_store(url: str) -> None:
+    assert "same store" in assert_one_line_error(run("copy", url, url))
+
+
+# -- bad input --------------------------------------------------------------------------
+
+
+def test_bad_input_is_one_line_error(tmp_path: Path, url: str) -> None:
+    missing = tmp_path / "missing"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        ("stats", "nosuch:///x"),
+        ("stats", "not a url"),
+        ("prune", url, "--max-bytes", "12 parsecs"),
+        ("prune", url, "--older-than", "soon"),
+        ("stats", f"lmdb://{missing}"),
+        ("ls", f"diskcache://{missing}"),
+        ("verify", f"lmdb://{missing}"),
+        ("copy", f"lmdb://{missing}", f"diskcache://{tmp_path / 'dst'}"),
+        ("stats", f"lmdb://{empty}"),
+        ("stats", f"{url}?max_bytes=lots"),
+        ("stats", url, "--cache", "ram://"),
+        ("ls", url, "--no-such-option"),
+    ]
+    for args in cases:
+        message = assert_one_line_error(run(*args))
+        assert len(message) > len("error: "), args
+    assert "no cache at" in assert_one_line_error(run("stats", f"lmdb://{missing}"))
+    assert not missing.exists() and list(empty.iterdir()) == []  # nothing was created
+    assert not (tmp_path / "dst").exists()
+    assert len(sizes(url)) == len(ENTRIES)
