@@ -163,8 +163,10 @@ def entry_bytes(cache) -> int:
 
     if cache is None:
         return 0
-    if isinstance(cache, LlamaRAMCache):
-        return cache.cache_size // max(1, len(cache.cache_state))
+    if isinstance(cache, LlamaRAMCache):  # its cache_size counts llama_state only, not the scores it holds
+        states = list(cache.cache_state.values())
+        held = sum(len(s.llama_state) + s.scores.nbytes + s.input_ids.nbytes for s in states)
+        return held // max(1, len(states))
     if isinstance(cache, LlamaDiskCache):
         return cache.cache.volume() // max(1, len(cache.cache))
     if isinstance(cache, LlamaCache):

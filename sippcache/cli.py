@@ -362,7 +362,7 @@ def ls(url: Optional[str], cache_option: Optional[str], namespace: Optional[str]
 
 def _check_entry(cache: CacheBackend, entry: EntryInfo) -> Optional[str]:
     """Why `entry` is bad, or None if its blob is an intact frame for its key."""
-    match = cache.lookup(list(entry.key), namespace=entry.namespace)
+    match = cache.lookup(list(entry.key), namespace=entry.namespace, touch=False)
     if match is None or match.length != len(entry.key) or tuple(match.key) != tuple(entry.key):
         if match is not None:
             match.release()
@@ -387,8 +387,8 @@ def _check_entry(cache: CacheBackend, entry: EntryInfo) -> Optional[str]:
 def verify(url: Optional[str], cache_option: Optional[str], delete: bool, as_json: bool) -> None:
     """Read every entry and check its frame (checksums, sizes, tokens = key).
 
-    Exit code 1 if bad entries were found and not deleted. Reading an entry
-    counts as using it: afterwards every entry's last use is now.
+    Exit code 1 if bad entries were found and not deleted. Reading does not
+    count as a use: recency and last-used times stay as they were.
     """
     url = _resolve_url(url, cache_option)
     bad: list[dict[str, Any]] = []
@@ -504,7 +504,7 @@ def _copy_entries(
     copied = size = skipped = 0
     for entry in entries:
         key = list(entry.key)
-        match = src.lookup(key, namespace=entry.namespace)
+        match = src.lookup(key, namespace=entry.namespace, touch=False)
         if match is None or match.length != len(key):  # deleted since it was listed
             if match is not None:
                 match.release()
@@ -533,7 +533,7 @@ def copy(src_url: str, dst_url: str, namespace: Optional[str], as_json: bool) ->
     The destination is created if needed; its own limits apply, so it may
     evict. Entries are copied least recently used first, so the destination
     keeps the source's recency order, but their times become the copy's.
-    Reading the source counts as using its entries.
+    Reading the source does not count as a use.
     """
     src_where, dst_where = _store_path(src_url), _store_path(dst_url)
     if src_where is not None and src_where == dst_where:

@@ -23,6 +23,7 @@ process's store is visible at once without reopening.
 from __future__ import annotations
 
 import logging
+import os
 import struct
 import threading
 import time
@@ -62,6 +63,13 @@ class KVTxn(Protocol):
 
     def scan(self, prefix: bytes) -> Iterator[tuple[bytes, Union[bytes, memoryview]]]:
         """Every (key, value) whose key starts with `prefix`."""
+
+
+def directory_path(scheme: str, location: str) -> str:
+    """The absolute directory a persistent store at `scheme://location` lives in (`~` expanded)."""
+    if not location:
+        raise ValueError(f"{scheme}:// needs a directory, e.g. {scheme}:///var/cache/sipp")
+    return os.path.abspath(os.path.expanduser(location))
 
 
 def entry_id(namespace: str, key: bytes) -> bytes:
@@ -149,7 +157,7 @@ class KVBackend(BaseBackend):
             self._write(put, applied=lambda: self._apply_put(eid, namespace, key, size, now))
             self._counters["stores"] += 1
 
-    def _lookup(self, key: bytes, namespace: str, partial: bool) -> Optional[Match]:
+    def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Optional[Match]:
         with self._lock:
             txn, end = self._reader()
             try:
@@ -168,7 +176,8 @@ class KVBackend(BaseBackend):
             if not isinstance(blob, memoryview):
                 end()
                 end = None  # type: ignore[assignment]
-            self._touch(hit.entry_id)
+            if touch:
+                self._touch(hit.entry_id)
             self._counters["hits"] += 1
             stored_key = self._index.key_of(hit.entry_id)
             self._flush_touches_if_due()

@@ -136,9 +136,13 @@ class CacheBackend(Protocol):
     def store(self, tokens: _tokens.Tokens, blob: Blob, *, namespace: str = "") -> None:
         """Store `blob` under `tokens`, replacing an entry with the same key."""
 
-    def lookup(self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False) -> Optional[Match]:
+    def lookup(
+        self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False, touch: bool = True
+    ) -> Optional[Match]:
         """The entry with the longest stored prefix of `tokens` (or, with
-        `partial`, the longest common prefix); ties go to the most recently used."""
+        `partial`, the longest common prefix); ties go to the most recently used.
+        A hit counts as a use for eviction unless `touch` is False (for tools
+        that read entries without using them)."""
 
     def delete(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
         """Remove the entry stored under exactly `tokens`; True if there was one."""
@@ -204,13 +208,15 @@ class BaseBackend(ABC):
         self._check_open()
         self._store(key, view if view.contiguous else memoryview(view.tobytes()), namespace)
 
-    def lookup(self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False) -> Optional[Match]:
+    def lookup(
+        self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False, touch: bool = True
+    ) -> Optional[Match]:
         key = _tokens.encode(tokens)
         _check_namespace(namespace)
         self._check_open()
         if not key:
             return None
-        return self._lookup(key, namespace, bool(partial))
+        return self._lookup(key, namespace, bool(partial), bool(touch))
 
     def delete(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
         key = _tokens.encode(tokens)
@@ -263,7 +269,7 @@ class BaseBackend(ABC):
     def _store(self, key: bytes, blob: memoryview, namespace: str) -> None: ...
 
     @abstractmethod
-    def _lookup(self, key: bytes, namespace: str, partial: bool) -> Optional[Match]: ...
+    def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Optional[Match]: ...
 
     @abstractmethod
     def _delete(self, key: bytes, namespace: str) -> bool: ...

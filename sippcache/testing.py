@@ -308,6 +308,15 @@ class BackendTests:
         stats = cache.stats()
         assert stats.entries == 3 and stats.bytes <= 3500 and stats.evictions >= 1
 
+    def test_lookup_without_touch_leaves_recency_alone(self, open_cache: Opener) -> None:
+        cache = open_cache(max_bytes=3500)
+        for i in range(3):
+            cache.store([i], bytes(1000))
+        assert _blob(cache.lookup([0], touch=False)) is not None
+        cache.store([3], bytes(1000))
+        assert cache.lookup([0]) is None and cache.lookup([1]) is not None
+        assert [tuple(e.key) for e in cache.entries()][-1] == (1,)
+
     def test_byte_budget_holds_under_churn(self, open_cache: Opener) -> None:
         cache = open_cache(max_bytes=20_000)
         rng = random.Random(3)

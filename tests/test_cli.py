@@ -340,3 +340,15 @@ def test_bad_input_is_one_line_error(tmp_path: Path, url: str) -> None:
     assert not missing.exists() and list(empty.iterdir()) == []  # nothing was created
     assert not (tmp_path / "dst").exists()
     assert len(sizes(url)) == len(ENTRIES)
+
+
+def test_verify_and_copy_leave_recency_alone(tmp_path: Path) -> None:
+    source = f"lmdb://{tmp_path}/recency"
+    with sippcache.open(source) as cache:
+        for i in range(3):
+            cache.store([i, i], encode([i, i], b"state"))
+        before = [(tuple(e.key), e.last_used) for e in cache.entries()]
+    assert run("verify", source).returncode == 0
+    assert run("copy", source, f"diskcache://{tmp_path}/copy").returncode == 0
+    with sippcache.open(source) as cache:
+        assert [(tuple(e.key), e.last_used) for e in cache.entries()] == before

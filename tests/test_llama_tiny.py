@@ -138,6 +138,15 @@ def test_other_cache_settings_never_hit(make_llama, tiny_model, url, change) -> 
         np.testing.assert_array_equal(last_logits(llm), split)
 
 
+def test_another_library_version_never_hits(make_llama, tiny_model, url, monkeypatch) -> None:
+    tokens = prompt(300)
+    with PrefixCache(make_llama(tiny_model), url) as pc:
+        pc.prefill(tokens)
+    monkeypatch.setattr(llama_cpp, "__version__", "99.0.0")
+    with PrefixCache(make_llama(tiny_model), url) as pc:
+        assert pc.prefill(tokens) == 0
+
+
 def test_scopes_are_isolated(make_llama, tiny_model, url) -> None:
     tokens = prompt(300)
     with PrefixCache(make_llama(tiny_model), url, scope="tenant-a") as pc:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Optional, Union
 
 import diskcache
 
-from ..engine import KVBackend, KVTxn
+from ..engine import KVBackend, KVTxn, directory_path
 from ..errors import CacheFull
 from ..options import Size
 
@@ -83,9 +83,7 @@ class DiskCacheBackend(KVBackend):
         max_entries: Optional[int] = None,
         timeout: float = 60.0,
     ) -> None:
-        if not location:
-            raise ValueError("diskcache:// needs a directory, e.g. diskcache:///var/cache/sipp")
-        path = os.path.abspath(os.path.expanduser(location))
+        path = directory_path("diskcache", location)
         super().__init__(max_bytes=max_bytes, max_entries=max_entries, location=f"diskcache://{path}")
         self.path = path
         os.makedirs(path, mode=0o700, exist_ok=True)

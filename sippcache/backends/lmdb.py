@@ -16,7 +16,7 @@ from typing import ClassVar, Optional, Union
 
 import lmdb
 
-from ..engine import KVBackend, KVTxn
+from ..engine import KVBackend, KVTxn, directory_path
 from ..errors import CacheFull
 from ..options import Size
 
@@ -117,9 +117,7 @@ class LMDBBackend(KVBackend):
         sync: bool = True,
         max_readers: int = 126,
     ) -> None:
-        if not location:
-            raise ValueError("lmdb:// needs a directory, e.g. lmdb:///var/cache/sipp")
-        path = os.path.abspath(os.path.expanduser(location))
+        path = directory_path("lmdb", location)
         super().__init__(max_bytes=max_bytes, max_entries=max_entries, location=f"lmdb://{path}")
         if map_size is None:
             map_size = (max_bytes or DEFAULT_MAX_BYTES) * 2 + MAP_HEADROOM
