@@ -27,6 +27,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -37,7 +38,7 @@ import msgpack
 import xxhash
 
 from . import tokens as _tokens
-from .errors import CacheFull
+from .errors import CacheFull, CorruptStore
 from .index import PrefixIndex
 from .protocol import BaseBackend, EntryInfo, Match, Stats
 
@@ -72,6 +73,17 @@ def directory_path(scheme: str, location: str) -> str:
     return os.path.abspath(os.path.expanduser(location))
 
 
+def prepare_directory(path: str, files: tuple[str, ...]) -> None:
+    """Create the store directory (0700: entries hold users' prompts) and refuse
+    store files that are symbolic links, so nothing is written through them."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    if not os.path.isdir(path):
+        raise NotADirectoryError(f"{path} is not a directory")
+    for name in files:
+        if os.path.islink(os.path.join(path, name)):
+            raise CorruptStore(f"{os.path.join(path, name)} is a symbolic link; refusing to use it")
+
+
 def entry_id(namespace: str, key: bytes) -> bytes:
     """The 16-byte id of `key` (token bytes) in `namespace`."""
     ns = namespace.encode("utf-8")
@@ -79,7 +91,54 @@ def entry_id(namespace: str, key: bytes) -> bytes:
 
 
 def _u64(raw: Optional[Union[bytes, memoryview]]) -> int:
-    return _U64.unpack(raw)[0] if raw is not None else 0
+    """A stored u64; 0 when absent or damaged (the callers treat 0 as 'unknown')."""
+    return _U64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
+
+
+def _meta(eid: bytes, raw: Union[bytes, memoryview]) -> Optional[tuple[str, bytes, int, int]]:
+    """An M record as (namespace, key, size, created), or None if it is damaged
+    (does not parse, has wrong types, or does not belong to `eid`)."""
+    try:
+        namespace, key, size, created = msgpack.unpackb(raw, raw=False)
+    except Exception:
+        return None
+    if not (
+        isinstance(namespace, str) and isinstance(key, bytes) and key and len(key) % 4 == 0
+        and isinstance(size, int) and size > 0 and isinstance(created, int)
+        and entry_id(namespace, key) == eid
+    ):  # fmt: skip
+        return None
+    return namespace, key, size, created
+
+
+def _record(raw: Union[bytes, memoryview]) -> Optional[list[Any]]:
+    """A log record, or None if it is damaged."""
+    try:
+        record = msgpack.unpackb(raw, raw=False)
+    except Exception:
+        return None
+    valid = isinstance(record, list) and record and (
+        (record[0] in ("p", "d") and len(record) == 2 and isinstance(record[1], bytes))
+        or (record[0] == "t" and len(record) == 2 and isinstance(record[1], list)
+            and all(isinstance(t, list) and len(t) == 2 and isinstance(t[0], bytes) and isinstance(t[1], int)
+                    for t in record[1]))
+        or record == ["c"]
+    )  # fmt: skip
+    return record if valid else None
+
+
+_open_backends: weakref.WeakSet[KVBackend] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child inherits locks that another thread may have held: replace
+    them, and rebuild each index from the store on its next use."""
+    for backend in list(_open_backends):
+        backend._lock = threading.RLock()
+        backend._seq = -1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class KVBackend(BaseBackend):
@@ -106,9 +165,11 @@ class KVBackend(BaseBackend):
         self._total = 0
         self._seq = -1  # newest log record applied; -1 forces a rebuild
         self._pending: dict[bytes, int] = {}  # id -> use time not yet written
+        self._damaged: set[bytes] = set()  # ids whose M record is damaged: removed on the next write
         self._pending_since = 0.0
         self._last_time = 0
         self._counters = dict(hits=0, misses=0, stores=0, evictions=0, refused=0)
+        _open_backends.add(self)
 
     # -- storage hooks ---------------------------------------------------------
 
@@ -228,10 +289,11 @@ class KVBackend(BaseBackend):
                 for eid in self._lru:  # least recently used first
                     if namespace is not None and self._index.namespace_of(eid) != namespace:
                         continue
-                    meta = txn.get(b"M" + eid)
+                    raw = txn.get(b"M" + eid)
+                    meta = _meta(eid, raw) if raw is not None else None
                     if meta is None:
                         continue
-                    ns, key, size, created = msgpack.unpackb(meta, raw=False)
+                    ns, key, size, created = meta
                     used = max(self._pending.get(eid, 0), _u64(txn.get(b"U" + eid)) or created)
                     found.append(EntryInfo(ns, _tokens.decode(key), size, created / 1e9, used / 1e9))
                 return found
@@ -286,6 +348,8 @@ class KVBackend(BaseBackend):
                     if txn.get(b"M" + eid) is not None:
                         txn.put(b"U" + eid, _U64.pack(used))
                 records.append(["t", list(self._pending.items())])
+            for eid in self._damaged:
+                self._remove_entry(txn, records, eid)
             change(txn, records)
             seq = self._seq
             for record in records:
@@ -297,6 +361,7 @@ class KVBackend(BaseBackend):
         # Committed: bring memory to the state after our records. Puts are applied
         # by the caller, which has their data; touches are in memory already.
         self._pending.clear()
+        self._damaged.clear()
         self._seq = seq
         for record in records:
             if record[0] == "d":
@@ -359,19 +424,27 @@ class KVBackend(BaseBackend):
             return
         for number in range(self._seq + 1, seq + 1):
             raw = txn.get(b"L" + _SEQ_KEY.pack(number))
-            if raw is None:  # trimmed while we read
+            record = _record(raw) if raw is not None else None
+            if record is None:  # trimmed while we read, or damaged: start from the entries
                 self._rebuild(txn, seq)
                 return
-            self._apply(txn, msgpack.unpackb(raw, raw=False))
+            self._apply(txn, record)
         self._seq = seq
 
     def _rebuild(self, txn: KVTxn, seq: int) -> None:
         self._apply_clear()
         found = []
-        for key, meta in txn.scan(b"M"):
+        for key, raw in txn.scan(b"M"):
             eid = bytes(key[1:])
-            namespace, tokens, size, created = msgpack.unpackb(meta, raw=False)
+            meta = _meta(eid, raw)
+            if meta is None:
+                self._damaged.add(eid)
+                continue
+            namespace, tokens, size, created = meta
             found.append((_u64(txn.get(b"U" + eid)) or created, eid, namespace, tokens, size))
+        if self._damaged:
+            log.warning("sippcache: %s has %d damaged entries; they are removed on the next write",
+                        self.location, len(self._damaged))  # fmt: skip
         for used, eid, namespace, tokens, size in sorted(found):
             self._apply_put(eid, namespace, tokens, size, used)
         self._seq = seq
@@ -380,10 +453,13 @@ class KVBackend(BaseBackend):
         op = record[0]
         if op == "p":
             eid = record[1]
-            meta = txn.get(b"M" + eid)
-            if meta is not None:  # else deleted by a later record
-                namespace, tokens, size, created = msgpack.unpackb(meta, raw=False)
+            raw = txn.get(b"M" + eid)
+            meta = _meta(eid, raw) if raw is not None else None  # None: deleted by a later record
+            if meta is not None:
+                namespace, tokens, size, created = meta
                 self._apply_put(eid, namespace, tokens, size, _u64(txn.get(b"U" + eid)) or created)
+            elif raw is not None:
+                self._damaged.add(eid)
         elif op == "d":
             self._apply_delete(record[1])
         elif op == "t":

@@ -33,6 +33,11 @@ class CorruptEntry(SippcacheError, ValueError):
     """A stored entry failed its integrity checks and must not be used."""
 
 
+class CorruptStore(SippcacheError):
+    """The store's files are damaged, are not a sippcache store, or are not what
+    they should be (e.g. a symbolic link planted in the store directory)."""
+
+
 class CacheFull(SippcacheError):
     """The store has no room for an entry even after evicting."""
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar, Optional, Protocol, Union, runtime_checkable
 
 from . import tokens as _tokens
-from .errors import BadOption, CacheClosed
+from .errors import BadOption, CacheClosed, CorruptStore
 from .options import coerce_options
 
 Blob = Union[bytes, memoryview]
@@ -176,6 +177,9 @@ class BaseBackend(ABC):
     """
 
     persistent: ClassVar[bool] = False
+    #: Exceptions of the backend's library that mean damaged files; the public
+    #: methods re-raise them as `CorruptStore`.
+    damage_errors: ClassVar[tuple[type[BaseException], ...]] = ()
     #: URL query options this backend accepts: name -> type (int, float, bool, str
     #: or `sippcache.options.Size`); coerced by `sippcache.options.coerce_options`.
     options: ClassVar[Mapping[str, type]] = {}
@@ -206,7 +210,8 @@ class BaseBackend(ABC):
         if view.nbytes == 0:
             raise ValueError("cannot store an empty blob")
         self._check_open()
-        self._store(key, view if view.contiguous else memoryview(view.tobytes()), namespace)
+        with self._damage_as_corrupt_store():
+            self._store(key, view if view.contiguous else memoryview(view.tobytes()), namespace)
 
     def lookup(
         self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False, touch: bool = True
@@ -216,31 +221,37 @@ class BaseBackend(ABC):
         self._check_open()
         if not key:
             return None
-        return self._lookup(key, namespace, bool(partial), bool(touch))
+        with self._damage_as_corrupt_store():
+            return self._lookup(key, namespace, bool(partial), bool(touch))
 
     def delete(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
         key = _tokens.encode(tokens)
         _check_namespace(namespace)
         self._check_open()
-        return bool(key) and self._delete(key, namespace)
+        with self._damage_as_corrupt_store():
+            return bool(key) and self._delete(key, namespace)
 
     def clear(self) -> None:
         self._check_open()
-        self._clear()
+        with self._damage_as_corrupt_store():
+            self._clear()
 
     def stats(self) -> Stats:
         self._check_open()
-        return self._stats()
+        with self._damage_as_corrupt_store():
+            return self._stats()
 
     def entries(self, namespace: Optional[str] = None) -> Iterator[EntryInfo]:
         if namespace is not None:
             _check_namespace(namespace)
         self._check_open()
-        return iter(self._entries(namespace))
+        with self._damage_as_corrupt_store():
+            return iter(self._entries(namespace))
 
     def __len__(self) -> int:
         self._check_open()
-        return self._len()
+        with self._damage_as_corrupt_store():
+            return self._len()
 
     def close(self) -> None:
         with self._close_lock:
@@ -258,6 +269,13 @@ class BaseBackend(ABC):
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+    @contextmanager
+    def _damage_as_corrupt_store(self) -> Iterator[None]:
+        try:
+            yield
+        except self.damage_errors as exc:
+            raise CorruptStore(f"{type(self).__name__}: the store's files are damaged: {exc}") from exc
 
     def _check_open(self) -> None:
         if self._closed:

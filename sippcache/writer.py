@@ -10,6 +10,7 @@ entry: caching must never fail the request.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -27,24 +28,34 @@ class BackgroundWriter:
         if max_pending < 1:
             raise ValueError("max_pending must be at least 1")
         self._write = write
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_pending)
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._max_pending, self._name = max_pending, name
         self.failures = 0
+        self._closed = False
+        self._start()
+
+    def _start(self) -> None:
+        self._pid = os.getpid()
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=self._max_pending)
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
 
     def submit(self, item: Any) -> None:
         """Queue `item`; blocks while `max_pending` items are already waiting."""
-        if not self._thread.is_alive():
+        if self._closed:
             raise RuntimeError("the background writer is closed")
+        if self._pid != os.getpid():  # a forked child has no writer thread: start its own
+            self._start()
         self._queue.put(item)
 
     def flush(self) -> None:
         """Wait until every submitted item has been written (or has failed)."""
-        self._queue.join()
+        if self._pid == os.getpid():
+            self._queue.join()
 
     def close(self) -> None:
         """Write what is queued, then stop the thread (idempotent)."""
-        if self._thread.is_alive():
+        self._closed = True
+        if self._pid == os.getpid() and self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join()
 

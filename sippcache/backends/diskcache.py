@@ -9,6 +9,8 @@ run code.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import sqlite3
 from collections.abc import Callable, Iterator
@@ -17,15 +19,27 @@ from typing import Any, ClassVar, Optional, Union
 
 import diskcache
 
-from ..engine import KVBackend, KVTxn, directory_path
-from ..errors import CacheFull
+from ..engine import KVBackend, KVTxn, directory_path, prepare_directory
+from ..errors import CacheFull, CorruptStore
 from ..options import Size
 
 DEFAULT_MAX_BYTES = 8 * 1024**3
 
+log = logging.getLogger("sippcache")
+
 
 class BytesOnlyDisk(diskcache.Disk):
-    """A diskcache `Disk` that stores bytes keys and values and never unpickles."""
+    """A diskcache `Disk` that stores bytes keys and values, never unpickles,
+    never touches a value file outside its directory (the file name comes from
+    the database, which may have been tampered with), and keeps value files
+    0600 in 0700 folders (entries hold users' prompts)."""
+
+    def _inside(self, filename: str) -> str:
+        root = os.path.realpath(self._directory)
+        full = os.path.realpath(os.path.join(root, filename))
+        if not full.startswith(root + os.sep):
+            raise CorruptStore(f"refusing value file {filename!r}: it is outside {root}")
+        return full
 
     def put(self, key: Any) -> tuple[Any, bool]:
         if type(key) is not bytes:
@@ -40,12 +54,25 @@ class BytesOnlyDisk(diskcache.Disk):
     def store(self, value: Any, read: bool, key: Any = diskcache.core.UNKNOWN) -> Any:
         if type(value) is not bytes:
             raise TypeError("sippcache stores only bytes values in diskcache")
-        return super().store(value, read, key)
+        stored = super().store(value, read, key)
+        filename = stored[2]
+        if filename:
+            full = self._inside(filename)
+            os.chmod(full, 0o600)
+            for folder in (os.path.dirname(full), os.path.dirname(os.path.dirname(full))):
+                os.chmod(folder, 0o700)
+        return stored
 
     def fetch(self, mode: int, filename: Any, value: Any, read: bool) -> Any:
         if mode not in (diskcache.core.MODE_RAW, diskcache.core.MODE_BINARY):
-            raise ValueError(f"refusing to decode a diskcache value stored in mode {mode}")
+            raise CorruptStore(f"refusing to decode a diskcache value stored in mode {mode}")
+        if filename is not None:
+            self._inside(filename)
         return super().fetch(mode, filename, value, read)
+
+    def remove(self, file_path: str) -> None:
+        self._inside(file_path)
+        super().remove(file_path)
 
 
 class _DiskCacheTxn:
@@ -53,7 +80,11 @@ class _DiskCacheTxn:
         self._cache = cache
 
     def get(self, key: bytes) -> Optional[bytes]:
-        return self._cache.get(key, retry=True)
+        try:
+            return self._cache.get(key, retry=True)
+        except CorruptStore as exc:  # a tampered row: its value is not read
+            log.warning("sippcache: %s", exc)
+            return None
 
     def put(self, key: bytes, value: Union[bytes, memoryview]) -> None:
         self._cache.set(key, value if type(value) is bytes else bytes(value), retry=True)
@@ -73,6 +104,7 @@ class DiskCacheBackend(KVBackend):
     """A persistent, multi-process cache in a diskcache directory at `location`."""
 
     persistent: ClassVar[bool] = True
+    damage_errors = (sqlite3.DatabaseError,)
     options: ClassVar[dict[str, type]] = {"max_bytes": Size, "max_entries": int, "timeout": float}
 
     def __init__(
@@ -86,11 +118,17 @@ class DiskCacheBackend(KVBackend):
         path = directory_path("diskcache", location)
         super().__init__(max_bytes=max_bytes, max_entries=max_entries, location=f"diskcache://{path}")
         self.path = path
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        self._cache = diskcache.Cache(
-            path, timeout=timeout, disk=BytesOnlyDisk,
-            eviction_policy="none", size_limit=2**62, cull_limit=0, statistics=False, tag_index=False,
-        )  # fmt: skip
+        prepare_directory(path, ("cache.db", "cache.db-wal", "cache.db-shm"))
+        try:
+            self._cache = diskcache.Cache(
+                path, timeout=timeout, disk=BytesOnlyDisk,
+                eviction_policy="none", size_limit=2**62, cull_limit=0, statistics=False, tag_index=False,
+            )  # fmt: skip
+        except sqlite3.DatabaseError as exc:
+            raise CorruptStore(f"{path} is not a readable diskcache store: {exc}") from exc
+        for name in ("cache.db", "cache.db-wal", "cache.db-shm"):  # SQLite creates them 0644
+            if os.path.exists(os.path.join(path, name)):
+                os.chmod(os.path.join(path, name), 0o600)
 
     @contextmanager
     def _transaction(self) -> Iterator[KVTxn]:
@@ -100,6 +138,10 @@ class DiskCacheBackend(KVBackend):
         except sqlite3.OperationalError as exc:
             if "full" in str(exc):
                 raise CacheFull(f"{self.location}: {exc}") from None
+            raise
+        except OSError as exc:  # a value file could not be written
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise CacheFull(f"{self.location}: {exc}") from exc
             raise
 
     def _reader(self) -> tuple[KVTxn, Callable[[], None]]:

@@ -16,8 +16,8 @@ from typing import ClassVar, Optional, Union
 
 import lmdb
 
-from ..engine import KVBackend, KVTxn, directory_path
-from ..errors import CacheFull
+from ..engine import KVBackend, KVTxn, directory_path, prepare_directory
+from ..errors import CacheFull, CorruptStore
 from ..options import Size
 
 DEFAULT_MAX_BYTES = 8 * 1024**3
@@ -49,11 +49,15 @@ class _SharedEnv:
         with cls._lock:
             shared = cls._open.get(key)
             if shared is None:
-                os.makedirs(path, mode=0o700, exist_ok=True)
-                env = lmdb.open(
-                    path, map_size=map_size, subdir=True, sync=sync, max_readers=max_readers,
-                    readahead=False, meminit=False, mode=0o600, max_dbs=0,
-                )  # fmt: skip
+                prepare_directory(path, ("data.mdb", "lock.mdb"))
+                try:
+                    env = lmdb.open(
+                        path, map_size=map_size, subdir=True, sync=sync, max_readers=max_readers,
+                        readahead=False, meminit=False, mode=0o600, max_dbs=0,
+                    )  # fmt: skip
+                except LMDBBackend.damage_errors as exc:
+                    raise CorruptStore(f"{path} is not a readable LMDB store: {exc}") from exc
+                _check_file_length(env, path)
                 shared = cls._open[key] = _SharedEnv(env, key)
             shared.users += 1
             return shared
@@ -73,6 +77,16 @@ class _SharedEnv:
                 del self._open[self.key]
                 if self.key[1] == os.getpid():  # never close a parent's env in a forked child
                     self.env.close()
+
+
+def _check_file_length(env: lmdb.Environment, path: str) -> None:
+    """Refuse a data file shorter than its pages: touching mapped pages past the
+    end of a file kills the process with SIGBUS."""
+    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    actual = os.path.getsize(os.path.join(path, "data.mdb"))
+    if actual < needed:
+        env.close()
+        raise CorruptStore(f"{path}/data.mdb is {actual} bytes but its pages need {needed}: the file was cut short")
 
 
 class _LMDBTxn:
@@ -103,6 +117,8 @@ class LMDBBackend(KVBackend):
     """A persistent, multi-process cache in an LMDB environment at `location` (a directory)."""
 
     persistent: ClassVar[bool] = True
+    damage_errors = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
+                     lmdb.PanicError, lmdb.BadTxnError)  # fmt: skip
     options: ClassVar[dict[str, type]] = {
         "max_bytes": Size, "max_entries": int, "map_size": Size, "sync": bool, "max_readers": int,
     }  # fmt: skip
@@ -145,6 +161,8 @@ class LMDBBackend(KVBackend):
                 f"{self.location}: the LMDB map ({size} bytes) is full"
                 + ("; doubled it" if grown else "; raise map_size")
             ) from None
+        except lmdb.DiskError as exc:
+            raise CacheFull(f"{self.location}: the disk is full: {exc}") from exc
 
     def _reader(self) -> tuple[KVTxn, Callable[[], None]]:
         shared = self._env()
