@@ -328,12 +328,18 @@ class PrefixCache:
         if last > start and last >= self.min_tokens:
             boundaries.append(last)
         end = len(ids) if evaluate_last else last
+        # Intermediate checkpoints of one prefill may take half the cache's budget,
+        # so they never evict everything else (the one at len - 1 is always offered).
+        max_bytes = self._max_bytes()
+        budget = None if max_bytes is None else max_bytes // 2
         position = start
-        for boundary in [*boundaries, end]:
+        for boundary in boundaries:
             self._eval(ids, position, boundary, start, end, progress)
-            position = max(position, boundary)
-            if boundary != end or not evaluate_last:
-                self._checkpoint(ids[:boundary])
+            position = boundary
+            spent = self._checkpoint(ids[:boundary], budget=None if boundary == last else budget)
+            if budget is not None:
+                budget -= spent
+        self._eval(ids, position, end, start, end, progress)
         self._stats.tokens_evaluated += end - start
 
     def _eval(
@@ -342,27 +348,40 @@ class PrefixCache:
     ) -> None:  # fmt: skip
         """`llm.eval(ids[begin:stop])`, in n_batch pieces when reporting progress
         (the same split llm.eval makes itself, so the results are identical)."""
-        step = self.llm.n_batch if progress is not None else max(1, stop - begin)
+        if stop <= begin:
+            return
+        step = self.llm.n_batch if progress is not None else stop - begin
         for piece in range(begin, stop, step):
             self.llm.eval(ids[piece : min(stop, piece + step)])
             if progress is not None:
                 progress(min(stop, piece + step) - start, end - start)
 
-    def _checkpoint(self, key: list[int]) -> None:
-        """Copy sequence 0's state now (the context is not thread-safe); store it in the background."""
+    def _checkpoint(self, key: list[int], *, budget: Optional[int] = None) -> int:
+        """Copy sequence 0's state now (the context is not thread-safe) and store it
+        in the background, unless `key` is stored already or the state is larger
+        than `budget`. Returns the bytes queued."""
         existing = self._lookup(key, partial=False)
         if existing is not None:
             with existing:
                 if existing.length == len(key):
-                    return
+                    return 0
         ctx = self.llm.ctx
         size = llama_cpp.llama_state_seq_get_size(ctx, 0)
+        if budget is not None and size > budget:
+            return 0
         buffer = bytearray(size)
         written = llama_cpp.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(buffer), size, 0)
         if written == 0 or written > size:
             log.warning("sippcache: llama.cpp could not copy the sequence state; not caching it")
-            return
+            return 0
         self._writer.submit((key, memoryview(buffer)[:written]))
+        return written
+
+    def _max_bytes(self) -> Optional[int]:
+        try:
+            return self.cache.stats().max_bytes
+        except Exception:  # stats are advisory here
+            return None
 
     def _write_entry(self, item: tuple[list[int], memoryview]) -> None:
         key, state = item

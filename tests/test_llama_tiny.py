@@ -203,6 +203,19 @@ def test_checkpoints_and_min_tokens(make_llama, tiny_model) -> None:
     assert lengths == [256, 512, 768, 999] and len(cache) == 4
 
 
+def test_checkpoints_stay_within_half_the_budget(make_llama, tiny_model) -> None:
+    llm = make_llama(tiny_model)
+    cache = sippcache.open("ram://?max_bytes=2MiB")  # a 1,000-token state of the tiny model is ~0.5 MB
+    with PrefixCache(llm, cache, checkpoint_interval=100) as pc:
+        pc.prefill(prompt(1500))
+        pc.flush()
+        keys = sorted(len(e.key) for e in cache.entries())
+    assert keys[-1] == 1499  # the prompt-minus-one snapshot is always offered
+    intermediate = [e.size for e in cache.entries() if len(e.key) != 1499]
+    assert intermediate and sum(intermediate) <= 1024 * 1024
+    assert len(keys) < 15  # not every 100 tokens: the budget stopped them
+
+
 def test_bad_input(make_llama, tiny_model) -> None:
     llm = make_llama(tiny_model)
     with PrefixCache(llm, "ram://") as pc:
