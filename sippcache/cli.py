@@ -395,6 +395,12 @@ def verify(url: Optional[str], cache_option: Optional[str], delete: bool, as_jso
     deleted = 0
     with _open(url) as cache:
         entries = list(cache.entries())
+        damaged = cache.stats().damaged
+        if damaged:
+            bad.append({"namespace": "?", "tokens": 0, "reason": f"{damaged} entries with an unreadable index record"})
+            purge = getattr(cache, "purge_damaged", None)
+            if delete and purge is not None:
+                deleted += purge()
         with _progress("verifying") as progress:
             task = progress.add_task("verify", total=sum(e.size for e in entries))
             for entry in entries:

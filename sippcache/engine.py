@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import struct
 import threading
 import time
@@ -70,7 +71,10 @@ def directory_path(scheme: str, location: str) -> str:
     """The absolute directory a persistent store at `scheme://location` lives in (`~` expanded)."""
     if not location:
         raise ValueError(f"{scheme}:// needs a directory, e.g. {scheme}:///var/cache/sipp")
-    return os.path.abspath(os.path.expanduser(location))
+    path = os.path.abspath(os.path.expanduser(location))
+    if len(path) > 4000 or any(len(part) > 255 for part in path.split(os.sep)):
+        raise ValueError(f"{scheme}:// path is too long: {path[:80]}...")
+    return path
 
 
 def prepare_directory(path: str, files: tuple[str, ...]) -> None:
@@ -80,8 +84,12 @@ def prepare_directory(path: str, files: tuple[str, ...]) -> None:
     if not os.path.isdir(path):
         raise NotADirectoryError(f"{path} is not a directory")
     for name in files:
-        if os.path.islink(os.path.join(path, name)):
-            raise CorruptStore(f"{os.path.join(path, name)} is a symbolic link; refusing to use it")
+        try:
+            mode = os.lstat(os.path.join(path, name)).st_mode
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(mode):
+            raise CorruptStore(f"{os.path.join(path, name)} is not a regular file (a link or a folder?); refusing it")
 
 
 def entry_id(namespace: str, key: bytes) -> bytes:
@@ -277,6 +285,7 @@ class KVBackend(BaseBackend):
                 max_bytes=self.max_bytes,
                 max_entries=self.max_entries,
                 namespaces=len(self._index.namespaces()),
+                damaged=len(self._damaged),
                 **self._counters,
             )
 
@@ -299,6 +308,15 @@ class KVBackend(BaseBackend):
                 return found
             finally:
                 end()
+
+    def purge_damaged(self) -> int:
+        """Remove entries whose index record is unreadable now, rather than on the next write."""
+        with self._lock:
+            self._refresh()
+            count = len(self._damaged)
+            if count:
+                self._write(lambda txn, records: None)
+            return count
 
     def _len(self) -> int:
         with self._lock:

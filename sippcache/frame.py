@@ -74,6 +74,8 @@ def encode(
     versions); `kind` what the payload is (e.g. ``"llama.seq"``); `meta` holds
     small extra fields (str/int/float/bool/bytes values only).
     """
+    if not isinstance(fingerprint, str) or not isinstance(kind, str):
+        raise TypeError("fingerprint and kind must be str")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in (versions or {}).items()):
         raise TypeError("versions must map str to str")
     if not all(isinstance(k, str) and isinstance(v, _META_TYPES) for k, v in (meta or {}).items()):
@@ -135,6 +137,8 @@ def _unpack_header(raw: memoryview) -> dict[str, Any]:
             raise CorruptEntry(f"entry header field {name!r} is missing or has the wrong type")
     if len(header["tokens"]) % 4:
         raise CorruptEntry("entry header token list is not a whole number of tokens")
+    if header["tokens"][3::4].translate(None, bytes(range(0x80))):
+        raise CorruptEntry("entry header has a token id outside 0..2**31-1")
     if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in header["sizes"]):
         raise CorruptEntry("entry header has an invalid section size")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in header["versions"].items()):

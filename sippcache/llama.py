@@ -80,6 +80,27 @@ class PrefixStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def _check_options(scope: Any, min_tokens: Any, checkpoint_interval: Any, max_pending_writes: Any = 1) -> None:
+    """Refuse bad options before anything is opened or created."""
+    if not isinstance(scope, str):
+        raise TypeError(f"scope must be a str, not {type(scope).__name__}")
+    for name, value in (("min_tokens", min_tokens), ("checkpoint_interval", checkpoint_interval),
+                        ("max_pending_writes", max_pending_writes)):  # fmt: skip
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def _open(cache: Union[str, CacheBackend, None]) -> tuple[CacheBackend, bool]:
+    """The backend for `cache` (a URL, an open backend, or None) and whether we opened it."""
+    if cache is None or isinstance(cache, str):
+        return open_cache(cache), True
+    if not isinstance(cache, CacheBackend):
+        raise TypeError(f"cache must be a URL or a CacheBackend, not {type(cache).__name__}")
+    return cache, False
+
+
 def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     if n == 0:
@@ -109,16 +130,12 @@ class PrefixCache:
         checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
         max_pending_writes: int = 4,
     ) -> None:
-        if not isinstance(scope, str):
-            raise TypeError(f"scope must be a str, not {type(scope).__name__}")
-        if min_tokens < 1:
-            raise ValueError(f"min_tokens must be at least 1, got {min_tokens}")
-        if checkpoint_interval < 1:
-            raise ValueError(f"checkpoint_interval must be at least 1, got {checkpoint_interval}")
+        if not isinstance(llm, llama_cpp.Llama):
+            raise TypeError(f"llm must be a llama_cpp.Llama, not {type(llm).__name__}")
+        _check_options(scope, min_tokens, checkpoint_interval, max_pending_writes)
         self.llm = llm
-        self._owns_cache = cache is None or isinstance(cache, str)
-        self.cache: CacheBackend = open_cache(cache) if self._owns_cache else cache  # type: ignore[arg-type]
         self.fingerprint: Fingerprint = llama_fingerprint(llm)
+        self.cache, self._owns_cache = _open(cache)
         self.scope = scope
         self.namespace = f"llama:{self.fingerprint.digest}/{scope}"
         self.min_tokens = min_tokens
@@ -148,6 +165,10 @@ class PrefixCache:
         ids = list(_tokens.decode(_tokens.encode(tokens)))
         if not ids:
             raise ValueError("cannot prefill an empty prompt")
+        n_vocab = self.llm.n_vocab()
+        if max(ids) >= n_vocab:
+            position = next(i for i, t in enumerate(ids) if t >= n_vocab)
+            raise ValueError(f"token id {ids[position]} at position {position} is outside the vocabulary (n_vocab={n_vocab})")
         if len(ids) > self.llm.n_ctx():
             raise ValueError(f"prompt of {len(ids)} tokens exceeds the context size n_ctx={self.llm.n_ctx()}")
         if self._closed:
@@ -422,8 +443,10 @@ class LlamaCache(BaseLlamaCache):
         min_tokens: int = DEFAULT_MIN_TOKENS,
         checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
     ) -> None:
-        self._owns_cache = cache is None or isinstance(cache, str)
-        self.cache: CacheBackend = open_cache(cache) if self._owns_cache else cache  # type: ignore[arg-type]
+        _check_options(scope, min_tokens, checkpoint_interval)
+        if llm is not None and not isinstance(llm, llama_cpp.Llama):
+            raise TypeError(f"llm must be a llama_cpp.Llama, not {type(llm).__name__}")
+        self.cache, self._owns_cache = _open(cache)
         super().__init__(capacity_bytes=self.cache.stats().max_bytes or 0)
         self._options = dict(scope=scope, min_tokens=min_tokens, checkpoint_interval=checkpoint_interval)
         self._prefix_caches: weakref.WeakKeyDictionary[llama_cpp.Llama, PrefixCache] = weakref.WeakKeyDictionary()

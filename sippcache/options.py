@@ -29,7 +29,7 @@ class Size(int):
     def parse(cls, text: str) -> Size:
         match = cls._PATTERN.fullmatch(text)
         unit = cls._UNITS.get(match.group(2).lower()) if match else None
-        if match is None or unit is None:
+        if match is None or unit is None or len(match.group(1)) > 30:
             raise ValueError(f"{text!r} is not a size (examples: 1048576, 512MiB, 2GiB, 1.5GB)")
         return cls(int(float(match.group(1)) * unit))
 
@@ -70,7 +70,7 @@ def coerce_options(owner: str, raw: Mapping[str, str], spec: Mapping[str, type])
             raise BadOption(f"{owner} has no option {name!r} (options: {known})")
         try:
             out[name] = _coerce(kind, text)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, OverflowError):
             what = _DESCRIPTIONS.get(kind, kind.__name__)
             raise BadOption(f"option {name!r} of {owner} must be {what}, got {text!r}") from None
     return out

@@ -121,6 +121,7 @@ class Stats:
     stores: int = 0
     evictions: int = 0
     refused: int = 0
+    damaged: int = 0  # entries whose index record is unreadable (invisible; removed on the next write)
 
 
 @runtime_checkable

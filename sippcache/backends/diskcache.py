@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import sqlite3
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar, Optional, Union
@@ -28,6 +29,9 @@ DEFAULT_MAX_BYTES = 8 * 1024**3
 log = logging.getLogger("sippcache")
 
 
+_FOREIGN_KEY = object()
+
+
 class BytesOnlyDisk(diskcache.Disk):
     """A diskcache `Disk` that stores bytes keys and values, never unpickles,
     never touches a value file outside its directory (the file name comes from
@@ -41,6 +45,29 @@ class BytesOnlyDisk(diskcache.Disk):
             raise CorruptStore(f"refusing value file {filename!r}: it is outside {root}")
         return full
 
+    def _write(self, full_path: str, iterator: Any, mode: str, encoding: Any = None) -> int:
+        # Replaces diskcache's (5.x) file writer: real 0700 folders inside the store
+        # (never through a planted link) and a new file created 0600, never followed.
+        if mode != "xb":
+            raise TypeError("sippcache writes only binary value files")
+        folder = self._directory
+        for part in os.path.relpath(os.path.dirname(full_path), self._directory).split(os.sep):
+            folder = os.path.join(folder, part)
+            try:
+                os.mkdir(folder, 0o700)
+            except FileExistsError:
+                pass
+            if not stat.S_ISDIR(os.lstat(folder).st_mode):  # a planted link or file: never write through it
+                raise CorruptStore(f"refusing value folder {folder}: it is not a real folder")
+        self._inside(os.path.relpath(full_path, self._directory))
+        fd = os.open(full_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        size = 0
+        with os.fdopen(fd, "wb") as writer:
+            for chunk in iterator:
+                size += len(chunk)
+                writer.write(chunk)
+        return size
+
     def put(self, key: Any) -> tuple[Any, bool]:
         if type(key) is not bytes:
             raise TypeError("sippcache stores only bytes keys in diskcache")
@@ -48,20 +75,13 @@ class BytesOnlyDisk(diskcache.Disk):
 
     def get(self, key: Any, raw: bool) -> Any:
         if not raw:
-            raise ValueError("refusing to unpickle a diskcache key")
+            return _FOREIGN_KEY  # a pickled key (not ours): never unpickled, skipped by scans
         return super().get(key, raw)
 
     def store(self, value: Any, read: bool, key: Any = diskcache.core.UNKNOWN) -> Any:
         if type(value) is not bytes:
             raise TypeError("sippcache stores only bytes values in diskcache")
-        stored = super().store(value, read, key)
-        filename = stored[2]
-        if filename:
-            full = self._inside(filename)
-            os.chmod(full, 0o600)
-            for folder in (os.path.dirname(full), os.path.dirname(os.path.dirname(full))):
-                os.chmod(folder, 0o700)
-        return stored
+        return super().store(value, read, key)
 
     def fetch(self, mode: int, filename: Any, value: Any, read: bool) -> Any:
         if mode not in (diskcache.core.MODE_RAW, diskcache.core.MODE_BINARY):
@@ -71,7 +91,11 @@ class BytesOnlyDisk(diskcache.Disk):
         return super().fetch(mode, filename, value, read)
 
     def remove(self, file_path: str) -> None:
-        self._inside(file_path)
+        try:
+            self._inside(file_path)
+        except CorruptStore as exc:  # drop the row, never touch the outside file
+            log.warning("sippcache: %s", exc)
+            return
         super().remove(file_path)
 
 
@@ -95,7 +119,7 @@ class _DiskCacheTxn:
     def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         for key in list(self._cache.iterkeys()):
             if isinstance(key, bytes) and key.startswith(prefix):
-                value = self._cache.get(key, retry=True)
+                value = self.get(key)
                 if value is not None:
                     yield key, value
 
@@ -115,6 +139,8 @@ class DiskCacheBackend(KVBackend):
         max_entries: Optional[int] = None,
         timeout: float = 60.0,
     ) -> None:
+        if not 0 <= timeout < float("inf"):
+            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
         path = directory_path("diskcache", location)
         super().__init__(max_bytes=max_bytes, max_entries=max_entries, location=f"diskcache://{path}")
         self.path = path

@@ -24,6 +24,8 @@ DEFAULT_MAX_BYTES = 8 * 1024**3
 #: Room in the map beyond max_bytes: LMDB needs free pages for copy-on-write
 #: and for pages still pinned by readers.
 MAP_HEADROOM = 256 * 1024**2
+#: Largest map this backend asks for (the address space bounds it on 64-bit machines).
+MAX_MAP_SIZE = 16 * 1024**4
 
 
 class _SharedEnv:
@@ -133,10 +135,15 @@ class LMDBBackend(KVBackend):
         sync: bool = True,
         max_readers: int = 126,
     ) -> None:
+        if not 1 <= max_readers <= 65536:
+            raise ValueError(f"max_readers must be in 1..65536, got {max_readers}")
+        for name, value in (("max_bytes", max_bytes), ("map_size", map_size)):
+            if value is not None and not 0 < value <= MAX_MAP_SIZE:
+                raise ValueError(f"{name} must be in 1..{MAX_MAP_SIZE} bytes (16 TiB), got {value}")
         path = directory_path("lmdb", location)
         super().__init__(max_bytes=max_bytes, max_entries=max_entries, location=f"lmdb://{path}")
         if map_size is None:
-            map_size = (max_bytes or DEFAULT_MAX_BYTES) * 2 + MAP_HEADROOM
+            map_size = min(MAX_MAP_SIZE, (max_bytes or DEFAULT_MAX_BYTES) * 2 + MAP_HEADROOM)
         self.path = path
         self._env_args = (path, map_size, sync, max_readers)
         self._shared = _SharedEnv.acquire(*self._env_args)
