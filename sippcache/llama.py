@@ -286,8 +286,13 @@ class PrefixCache:
             self.llm.ctx, payload.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, 0
         )
         del payload, entry  # views of the match: gone before it is released
+        if loaded == size and llama_cpp.llama_memory_seq_pos_max(self._memory(), 0) != len(match.key) - 1:
+            loaded = 0  # a well-formed state for other positions than its key says: never use it
         if loaded != size:  # 0 = refused; fewer bytes = the state did not fill the entry
-            log.warning("sippcache: llama.cpp refused a cached state (%d tokens); dropping it", len(match.key))
+            log.warning(
+                "sippcache: dropping a cached state (%d tokens) that llama.cpp refused or that holds other positions",
+                len(match.key),
+            )
             self._stats.rejected_entries += 1
             self._drop(match.key)
             self._clear_context()

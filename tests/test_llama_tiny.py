@@ -179,6 +179,28 @@ def test_corrupt_entry_is_a_miss_and_dropped(make_llama, tiny_model, caplog) -> 
     assert decoded.kind == "llama.seq"
 
 
+def test_a_well_formed_entry_for_other_positions_is_dropped(make_llama, tiny_model) -> None:
+    """A forged entry (valid checksums, but a state of 299 tokens under a 300-token key)
+    is never used: the restored positions must be exactly the key's."""
+    tokens = prompt(301)
+    cache = sippcache.open("ram://")
+    with PrefixCache(make_llama(tiny_model), cache) as pc:
+        pc.prefill(tokens[:300])
+        pc.flush()
+        namespace, digest = pc.namespace, pc.fingerprint.digest
+        match = cache.lookup(tokens[:299], namespace=namespace)
+        state = bytes(frame.decode(match.blob).sections[0])
+    cache.clear()
+    forged = frame.encode(tokens[:300], [state], fingerprint=digest, kind="llama.seq")
+    cache.store(tokens[:300], forged, namespace=namespace)
+    llm = make_llama(tiny_model)
+    _, split = reference_logits(make_llama, tiny_model, tokens)
+    with PrefixCache(llm, cache) as pc:
+        assert pc.prefill(tokens) == 0
+        assert pc.stats()["rejected_entries"] == 1
+    np.testing.assert_array_equal(last_logits(llm), split)
+
+
 def test_entries_are_framed_sequence_states(make_llama, tiny_model) -> None:
     tokens = prompt(300)
     cache = sippcache.open("ram://")
