@@ -138,15 +138,26 @@ def _record(raw: Union[bytes, memoryview]) -> Optional[list[Any]]:
 _open_backends: weakref.WeakSet[KVBackend] = weakref.WeakSet()
 
 
+def _before_fork() -> None:
+    """Fork only between operations: no backend may be inside a transaction
+    (an SQLite or LMDB lock copied mid-transaction wedges the child)."""
+    for backend in sorted(_open_backends, key=id):
+        backend._lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    for backend in sorted(_open_backends, key=id):
+        backend._lock.release()
+
+
 def _after_fork_in_child() -> None:
-    """A forked child inherits locks that another thread may have held: replace
-    them, and rebuild each index from the store on its next use."""
+    """Give the child fresh locks, and rebuild each index from the store on its next use."""
     for backend in list(_open_backends):
         backend._lock = threading.RLock()
         backend._seq = -1
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 class KVBackend(BaseBackend):

@@ -90,13 +90,19 @@ class BytesOnlyDisk(diskcache.Disk):
             self._inside(filename)
         return super().fetch(mode, filename, value, read)
 
+    #: Value files to delete once the open transaction commits (None: no transaction).
+    deferred: Optional[list[str]] = None
+
     def remove(self, file_path: str) -> None:
         try:
             self._inside(file_path)
         except CorruptStore as exc:  # drop the row, never touch the outside file
             log.warning("sippcache: %s", exc)
             return
-        super().remove(file_path)
+        if self.deferred is not None:  # the row's deletion may still roll back: keep the file until commit
+            self.deferred.append(file_path)
+        else:
+            super().remove(file_path)
 
 
 class _DiskCacheTxn:
@@ -158,9 +164,14 @@ class DiskCacheBackend(KVBackend):
 
     @contextmanager
     def _transaction(self) -> Iterator[KVTxn]:
+        disk = self._cache.disk
+        disk.deferred = []
         try:
             with self._cache.transact(retry=True):
                 yield _DiskCacheTxn(self._cache)
+            committed, disk.deferred = disk.deferred, None
+            for file_path in committed:
+                disk.remove(file_path)
         except sqlite3.OperationalError as exc:
             if "full" in str(exc):
                 raise CacheFull(f"{self.location}: {exc}") from None
@@ -169,9 +180,15 @@ class DiskCacheBackend(KVBackend):
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise CacheFull(f"{self.location}: {exc}") from exc
             raise
+        finally:
+            disk.deferred = None  # rolled back: the files still belong to their rows
 
     def _reader(self) -> tuple[KVTxn, Callable[[], None]]:
-        return _DiskCacheTxn(self._cache), lambda: None
+        # A read transaction on this thread's connection, so one lookup or listing
+        # sees a single commit (diskcache 5.x keeps one connection per thread).
+        execute = self._cache._sql
+        execute("BEGIN")
+        return _DiskCacheTxn(self._cache), lambda: execute("COMMIT")
 
     def _close_store(self) -> None:
         self._cache.close()

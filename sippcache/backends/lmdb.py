@@ -17,7 +17,7 @@ from typing import ClassVar, Optional, Union
 import lmdb
 
 from ..engine import KVBackend, KVTxn, directory_path, prepare_directory
-from ..errors import CacheFull, CorruptStore
+from ..errors import CacheFull, CorruptStore, SippcacheError
 from ..options import Size
 
 DEFAULT_MAX_BYTES = 8 * 1024**3
@@ -55,14 +55,29 @@ class _SharedEnv:
                 try:
                     env = lmdb.open(
                         path, map_size=map_size, subdir=True, sync=sync, max_readers=max_readers,
-                        readahead=False, meminit=False, mode=0o600, max_dbs=0,
+                        readahead=False, meminit=False, mode=0o600, max_dbs=0, max_spare_txns=0,
                     )  # fmt: skip
                 except LMDBBackend.damage_errors as exc:
                     raise CorruptStore(f"{path} is not a readable LMDB store: {exc}") from exc
                 _check_file_length(env, path)
+                env.reader_check()  # free reader slots of processes that died holding a match
                 shared = cls._open[key] = _SharedEnv(env, key)
             shared.users += 1
             return shared
+
+    def abandon_after_fork(self) -> None:
+        """In a forked child: close the inherited environment so this process can
+        open its own. Impossible while the parent had a match open at the fork:
+        closing would end the parent's read snapshot in the shared reader table."""
+        with self._lock:
+            if self.readers:
+                raise SippcacheError(
+                    f"{self.key[0]}: this process was forked while an LMDB match was open; "
+                    "open the cache again after the fork (or release matches before forking)"
+                )
+            if self.users:
+                self.users = 0
+                self.env.close()
 
     def resize(self, map_size: int) -> bool:
         """Set the map size (0: adopt another process's larger map); False while readers are open."""
@@ -150,6 +165,7 @@ class LMDBBackend(KVBackend):
 
     def _env(self) -> _SharedEnv:
         if self._shared.key[1] != os.getpid():  # forked: this process needs its own environment
+            self._shared.abandon_after_fork()
             self._shared = _SharedEnv.acquire(*self._env_args)
         return self._shared
 
@@ -179,6 +195,8 @@ class LMDBBackend(KVBackend):
             shared.readers += 1
 
         def end() -> None:
+            if shared.key[1] != os.getpid():
+                return  # a match inherited by a forked child: the snapshot is the parent's
             txn.abort()
             with shared._lock:
                 shared.readers -= 1
@@ -193,7 +211,9 @@ class LMDBBackend(KVBackend):
         except lmdb.MapResizedError:  # another process grew the map: adopt its size
             if not shared.resize(0):
                 raise
-            return shared.env.begin(write=write, buffers=not write)
+        except lmdb.ReadersFullError:  # slots held by dead processes: free them
+            shared.env.reader_check()
+        return shared.env.begin(write=write, buffers=not write)
 
     def _close_store(self) -> None:
         self._shared.release()

@@ -1,0 +1,137 @@
+"""Concurrency: 4 processes x 8 threads doing mixed stores, lookups and deletes on one store.
+
+Every thread of every process shares its process's ONE cache instance. Each
+thread owns its keys and remembers what it last stored or deleted under each,
+so every lookup of an own key has exactly one right answer; lookups of other
+threads' keys (prefix and partial) must return self-consistent blobs for the
+key they name. Checked, for one LMDB and one diskcache store:
+
+- no exception in any worker;
+- no acknowledged entry lost, and no deleted or older version coming back
+  (max_bytes far above the data, so nothing may be evicted);
+- with a small max_bytes (lots of evictions): stats().bytes and the sum of
+  entries() sizes stay within max_bytes at checkpoints and at the end, a key
+  may be missing only if the store evicted, and what is there is the last
+  version stored;
+- no deadlock: every process finishes within 120 s, or it is killed (after
+  dumping every thread's stack) and the test fails.
+
+SIPPCACHE_SLOW_TESTS=1 runs ten rounds of processes on the same store.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import sippcache
+from tests.reliability_tools import (
+    DEADLOCK_SECONDS,
+    ITERATIONS,
+    KEYS_PER_THREAD,
+    blob_version,
+    read_text,
+    run_verify,
+    spawn,
+    wait_all,
+    worker_key,
+)
+
+PROCESSES = 4
+THREADS = 8
+#: Operations per thread and round; SIPPCACHE_SLOW_TESTS=1 runs ITERATIONS rounds, each
+#: with its own processes and keys, on the same store (each round bounded by the deadlock limit).
+OPS = 300
+LARGE = 1024**3
+SMALL = 1024**2
+
+
+def store_url(backend: str, path: Path, max_bytes: int) -> str:
+    return f"{backend}://{path}?max_bytes={max_bytes}"
+
+
+def run_workers(url: str, tmp_path: Path, bounded: bool, seed: int, round_: int) -> list[dict]:
+    """Start the worker processes of one round (each round has its own keys), wait for
+    them (bounded), return their reports."""
+    procs, outs, errs = [], [], []
+    for proc in range(round_ * PROCESSES, (round_ + 1) * PROCESSES):
+        out = tmp_path / f"worker-{proc}.json"
+        err = tmp_path / f"worker-{proc}.stderr"
+        with open(err, "wb") as stderr, open(tmp_path / f"worker-{proc}.stdout", "wb") as stdout:
+            procs.append(
+                spawn("concurrency-worker", url, proc, seed, OPS, THREADS, int(bounded), out,
+                      stdout=stdout, stderr=stderr)  # fmt: skip
+            )
+        outs.append(out)
+        errs.append(err)
+    codes = wait_all(procs, DEADLOCK_SECONDS)
+    hung = [i for i, code in enumerate(codes) if code is None]
+    assert not hung, f"round {round_}: processes {hung} did not finish within {DEADLOCK_SECONDS:.0f} s (deadlock?):\n" + "\n".join(
+        f"--- process {i} stderr:\n{read_text(errs[i])}" for i in hung
+    )
+    failed = [i for i, code in enumerate(codes) if code != 0 or not outs[i].exists()]
+    assert not failed, "\n".join(f"--- process {i} exited with {codes[i]}:\n{read_text(errs[i])}" for i in failed)
+    reports = [json.loads(out.read_text()) for out in outs]
+    errors = [e for report in reports for e in report["errors"]]
+    assert not errors, f"{len(errors)} exceptions in workers; the first ones:\n" + "\n".join(errors[:5])
+    return reports
+
+
+def final_state(url: str) -> tuple[dict[str, int | None], list[tuple[str, tuple[int, ...]]], sippcache.Stats, int]:
+    """(keyid -> version found, listed keys, stats, sum of entry sizes) through a fresh handle."""
+    seen: dict[str, int | None] = {}
+    with sippcache.open(url) as cache:
+        for proc in range(ITERATIONS * PROCESSES):
+            for thread in range(THREADS):
+                for k in range(KEYS_PER_THREAD):
+                    namespace, tokens = worker_key(proc, thread, k)
+                    match = cache.lookup(tokens, namespace=namespace)
+                    if match is None:
+                        seen[f"{proc}.{thread}.{k}"] = None
+                        continue
+                    with match:
+                        assert tuple(match.key) == tuple(tokens), "a lookup returned a longer or other key"
+                        seen[f"{proc}.{thread}.{k}"] = blob_version(match.blob, namespace, tokens)
+        listed = list(cache.entries())
+        stats = cache.stats()
+    return seen, [(e.namespace, tuple(e.key)) for e in listed], stats, sum(e.size for e in listed)
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "diskcache"])
+def test_processes_and_threads_lose_nothing(backend: str, tmp_path: Path) -> None:
+    url = store_url(backend, tmp_path / "store", LARGE)
+    reports = [r for round_ in range(ITERATIONS) for r in run_workers(url, tmp_path, False, 1, round_)]
+    model = {k: v for report in reports for k, v in report["models"].items()}
+    assert sum(report["evictions"] for report in reports) == 0
+    seen, listed, stats, listed_bytes = final_state(url)
+    wrong = {k: (v, seen[k]) for k, v in model.items() if seen[k] != v}
+    assert not wrong, f"{len(wrong)} keys differ from what their owner last did (expected, found): {dict(list(wrong.items())[:10])}"
+    unknown = {k for k, v in seen.items() if v is not None and k not in model}
+    assert not unknown, f"entries nobody stored: {unknown}"
+    present = sum(1 for v in seen.values() if v is not None)
+    assert len(listed) == stats.entries == present
+    assert stats.bytes == listed_bytes
+    rc, report, err = run_verify(url)
+    assert rc == 0 and report and not report["bad"] and report["checked"] == present, (rc, report, err)
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "diskcache"])
+def test_processes_and_threads_stay_within_a_small_budget(backend: str, tmp_path: Path) -> None:
+    url = store_url(backend, tmp_path / "store", SMALL)
+    reports = [r for round_ in range(ITERATIONS) for r in run_workers(url, tmp_path, True, 2, round_)]
+    model = {k: v for report in reports for k, v in report["models"].items()}
+    evictions = sum(report["evictions"] for report in reports)
+    checkpoints = sum(report["counts"]["checkpoints"] for report in reports)
+    assert checkpoints >= PROCESSES * THREADS, "the workers checked the budget too rarely"
+    assert evictions > 0, "the small budget never evicted: the test does not test eviction"
+    seen, listed, stats, listed_bytes = final_state(url)
+    assert stats.bytes <= SMALL and listed_bytes <= SMALL, (stats.bytes, listed_bytes)
+    assert stats.bytes == listed_bytes
+    resurrected = {k: (v, seen[k]) for k, v in model.items() if seen[k] is not None and seen[k] != v}
+    assert not resurrected, f"keys holding a version other than the last stored (last, found): {resurrected}"
+    missing = [k for k, v in model.items() if v is not None and seen[k] is None]
+    assert len(missing) <= evictions, f"{len(missing)} entries missing but only {evictions} evictions"
+    rc, report, err = run_verify(url)
+    assert rc == 0 and report and not report["bad"], (rc, report, err)
