@@ -9,6 +9,7 @@ third-party backend only writes its storage.
 
 from __future__ import annotations
 
+import sys
 import threading
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
@@ -22,6 +23,28 @@ from .errors import BadOption, CacheClosed, CorruptStore
 from .options import coerce_options
 
 Blob = Union[bytes, memoryview]
+
+
+# Zero-copy blobs still referenced when their Match was collected, with the
+# function that ends their snapshot. Swept whenever a match is made.
+_outliving_blobs: list[tuple[memoryview, Callable[[], None]]] = []
+_outliving_lock = threading.Lock()
+
+
+def _release_unreferenced_blobs() -> None:
+    with _outliving_lock:
+        keep = []
+        for blob, release in _outliving_blobs:
+            # References: the list's tuple, the loop variable, getrefcount's argument.
+            if sys.getrefcount(blob) > 3:
+                keep.append((blob, release))
+                continue
+            try:
+                blob.release()
+                release()
+            except Exception:  # exported (BufferError): try again at the next sweep
+                keep.append((blob, release))
+        _outliving_blobs[:] = keep
 
 
 class Match:
@@ -52,6 +75,8 @@ class Match:
         self.blob = blob
         self.namespace = namespace
         self._release = release
+        if _outliving_blobs:
+            _release_unreferenced_blobs()
 
     @property
     def key(self) -> tuple[int, ...]:
@@ -80,9 +105,18 @@ class Match:
         self.release()
 
     def __del__(self) -> None:
+        if self._release is None:
+            return
+        if isinstance(self.blob, memoryview) and sys.getrefcount(self.blob) > 2:
+            # The blob outlives its match, as in `bytes(cache.lookup(k).blob)`: keep
+            # it valid and end the snapshot once nothing holds the blob any more.
+            with _outliving_lock:
+                _outliving_blobs.append((self.blob, self._release))
+            self._release = None
+            return
         try:
             self.release()
-        except Exception:  # a derived view outlives us; the snapshot goes with the GC
+        except Exception:  # exported elsewhere; the snapshot goes with the GC
             pass
 
     def __repr__(self) -> str:

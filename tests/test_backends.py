@@ -53,3 +53,13 @@ def test_lmdb_match_release_can_be_retried(tmp_path: Path) -> None:
         match.release()
         with pytest.raises(ValueError):
             bytes(match.blob)
+
+
+def test_lmdb_blob_outliving_its_match_stays_valid_and_frees_its_snapshot(tmp_path: Path) -> None:
+    """`bytes(cache.lookup(k).blob)`: the match is collected before bytes() reads the blob."""
+    with sippcache.open(f"lmdb://{tmp_path}/db?max_readers=8") as cache:
+        cache.store([1, 2], b"payload")
+        for _ in range(200):  # far more than 8 reader slots: snapshots must be ended
+            assert bytes(cache.lookup([1, 2]).blob) == b"payload"
+        blob = cache.lookup([1, 2]).blob
+        assert bytes(blob[:3]) == b"pay"

@@ -173,8 +173,8 @@ class DiskCacheBackend(KVBackend):
             for file_path in committed:
                 disk.remove(file_path)
         except sqlite3.OperationalError as exc:
-            if "full" in str(exc):
-                raise CacheFull(f"{self.location}: {exc}") from None
+            if "full" in str(exc) or "disk I/O error" in str(exc):
+                raise CacheFull(f"{self.location}: could not write (disk full or failing): {exc}") from None
             raise
         except OSError as exc:  # a value file could not be written
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):

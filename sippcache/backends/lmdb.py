@@ -184,8 +184,10 @@ class LMDBBackend(KVBackend):
                 f"{self.location}: the LMDB map ({size} bytes) is full"
                 + ("; doubled it" if grown else "; raise map_size")
             ) from None
-        except lmdb.DiskError as exc:
-            raise CacheFull(f"{self.location}: the disk is full: {exc}") from exc
+        except (lmdb.DiskError, lmdb.Error) as exc:
+            if isinstance(exc, lmdb.DiskError) or "Input/output error" in str(exc) or "No space" in str(exc):
+                raise CacheFull(f"{self.location}: could not write (disk full or failing): {exc}") from exc
+            raise
 
     def _reader(self) -> tuple[KVTxn, Callable[[], None]]:
         shared = self._env()
