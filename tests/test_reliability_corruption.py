@@ -247,16 +247,22 @@ def _cut_diskcache_inline_entry(store: Path, entry: tuple) -> None:
         db.close()
 
 
+def probe_damaged(url: str, damage: Callable[[], object]) -> dict[str, Any]:
+    """Build the store, damage it, probe it in a child process: it opened, holds its
+    three entries, and gave no wrong answer."""
+    build_store(url)
+    damage()
+    out = probe(url)
+    no_wrong_answers(out)
+    assert out["open"] == "ok" and out["len"] == 3, out
+    return out
+
+
 @pytest.mark.parametrize("case", sorted(PAYLOAD_DAMAGE))
 def test_flipped_entry_bytes_are_detected_and_reported(case: str, store_dir: Path) -> None:
     scheme, damaged, damage = PAYLOAD_DAMAGE[case]
     url = f"{scheme}://{store_dir}"
-    build_store(url)
-    damage(store_dir)
-
-    out = probe(url)
-    no_wrong_answers(out)
-    assert out["open"] == "ok" and out["len"] == 3, out
+    out = probe_damaged(url, lambda: damage(store_dir))
     for key, *_ in ENTRIES:
         expected = {"corrupt"} if key == damaged[0] else {"ok"}
         assert out[f"lookup {len(key)}"] in expected, (key, out)
@@ -431,11 +437,7 @@ HARMLESS: dict[str, tuple[str, Callable[[Path], object]]] = {
 def test_damaged_auxiliary_files_lose_nothing(case: str, store_dir: Path) -> None:
     scheme, damage = HARMLESS[case]
     url = f"{scheme}://{store_dir}"
-    build_store(url)
-    damage(store_dir)
-    out = probe(url)
-    no_wrong_answers(out)
-    assert out["open"] == "ok" and out["len"] == 3, out
+    out = probe_damaged(url, lambda: damage(store_dir))
     assert {out[f"lookup {len(k)}"] for k, *_ in ENTRIES} == {"ok"}, out
     assert out["store"] == "ok" and out["lookup new"] == "ok", out
     assert json.loads(verify(url).stdout) == {"checked": 3, "bad": [], "deleted": 0}
