@@ -138,20 +138,37 @@ def _record(raw: Union[bytes, memoryview]) -> Optional[list[Any]]:
 _open_backends: weakref.WeakSet[KVBackend] = weakref.WeakSet()
 
 
+# Module-level locks taken inside backend operations: (get the lock, replace it in a child).
+_inner_locks: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
+
+
+def fork_safe_lock(get: Callable[[], Any], replace: Callable[[Any], None]) -> None:
+    """Register a module-level lock that backend operations take (after their own
+    lock): it is held across fork, like the backend locks, and renewed in the child."""
+    _inner_locks.append((get, replace))
+
+
 def _before_fork() -> None:
     """Fork only between operations: no backend may be inside a transaction
-    (an SQLite or LMDB lock copied mid-transaction wedges the child)."""
+    (an SQLite or LMDB lock copied mid-transaction wedges the child). Locks are
+    taken in the order operations take them: backends first, then inner locks."""
     for backend in sorted(_open_backends, key=id):
         backend._lock.acquire()
+    for get, _ in _inner_locks:
+        get().acquire()
 
 
 def _after_fork_in_parent() -> None:
+    for get, _ in reversed(_inner_locks):
+        get().release()
     for backend in sorted(_open_backends, key=id):
         backend._lock.release()
 
 
 def _after_fork_in_child() -> None:
     """Give the child fresh locks, and rebuild each index from the store on its next use."""
+    for _, replace in _inner_locks:
+        replace(threading.Lock())
     for backend in list(_open_backends):
         backend._lock = threading.RLock()
         backend._seq = -1

@@ -257,6 +257,13 @@ class PrefixCache:
         llm.n_tokens = length
         return True
 
+    def _holds_positions(self, length: int) -> bool:
+        """Sequence 0 ends at position length - 1 and (without a sliding window) starts at 0."""
+        memory = self._memory()
+        if llama_cpp.llama_memory_seq_pos_max(memory, 0) != length - 1:
+            return False
+        return self.n_swa > 0 or llama_cpp.llama_memory_seq_pos_min(memory, 0) == 0
+
     def _can_truncate(self, length: int) -> bool:
         """llama.cpp's own rule: sliding-window layers keep only the last n_swa
         positions, so cutting below what they hold silently corrupts the logits."""
@@ -286,7 +293,7 @@ class PrefixCache:
             self.llm.ctx, payload.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, 0
         )
         del payload, entry  # views of the match: gone before it is released
-        if loaded == size and llama_cpp.llama_memory_seq_pos_max(self._memory(), 0) != len(match.key) - 1:
+        if loaded == size and not self._holds_positions(len(match.key)):
             loaded = 0  # a well-formed state for other positions than its key says: never use it
         if loaded != size:  # 0 = refused; fewer bytes = the state did not fill the entry
             log.warning(
@@ -469,7 +476,11 @@ class LlamaCache(BaseLlamaCache):
 
     @property
     def cache_size(self) -> int:
-        return self.cache.stats().bytes
+        try:
+            return self.cache.stats().bytes
+        except Exception as exc:  # never fail a completion over bookkeeping
+            log.warning("sippcache: could not read the cache size: %s", exc)
+            return 0
 
     def __getitem__(self, key: Sequence[int]) -> llama_cpp.llama.LlamaState:
         llm = self._caller()
@@ -483,7 +494,7 @@ class LlamaCache(BaseLlamaCache):
     def __contains__(self, key: Sequence[int]) -> bool:
         llm = self._caller()
         prefix_cache = self.prefix_cache(llm)
-        match = self.cache.lookup(list(key)[:-1], namespace=prefix_cache.namespace)
+        match = prefix_cache._lookup([int(t) for t in key][:-1], partial=False)
         if match is None:
             return False
         match.release()

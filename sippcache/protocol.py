@@ -9,6 +9,7 @@ third-party backend only writes its storage.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from abc import ABC, abstractmethod
@@ -31,7 +32,16 @@ _outliving_blobs: list[tuple[memoryview, Callable[[], None]]] = []
 _outliving_lock = threading.Lock()
 
 
+def _reset_outliving_lock_in_child() -> None:
+    global _outliving_lock
+    _outliving_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_outliving_lock_in_child)
+
+
 def _release_unreferenced_blobs() -> None:
+    """End the snapshots of outliving blobs that nothing references any more."""
     with _outliving_lock:
         keep = []
         for blob, release in _outliving_blobs:
@@ -206,7 +216,7 @@ class BaseBackend(ABC):
     """Shared defaults for backends: argument checks, context manager, URL options.
 
     Subclasses implement the `_store`, `_lookup`, `_delete`, `_clear`, `_stats`,
-    `_len` and `_close` hooks, which receive validated arguments: tokens as
+    `_len`, `_entries` and `_close` hooks, which receive validated arguments: tokens as
     little-endian uint32 bytes (`sippcache.tokens.encode`), a str namespace,
     a non-empty bytes-like blob.
     """
@@ -293,6 +303,7 @@ class BaseBackend(ABC):
             if self._closed:
                 return
             self._closed = True
+        _release_unreferenced_blobs()
         self._close()
 
     @property

@@ -194,3 +194,26 @@ def test_fork_while_another_thread_uses_the_cache(backend: str, tmp_path: Path, 
     assert code is not None, f"child {len(results)} hung; where it was stuck:\n{report}"
     assert code in (0, FAILED_CLEARLY), f"child {len(results)} failed (exit {code}):\n{report}"
     assert version_of(cache, [1, 2, 3]) == 0
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "diskcache"])
+def test_child_opens_its_own_handle_on_a_store_the_parent_has_open(backend: str, tmp_path: Path,
+                                                                    opened: list[CacheBackend]) -> None:  # fmt: skip
+    """The worker pattern: the parent keeps the store open, each forked child opens it anew."""
+    url = f"{backend}://{tmp_path}/store"
+    parent = sippcache.open(url)
+    opened.append(parent)
+    parent.store([1, 2, 3], b"from the parent")
+
+    def child() -> None:
+        with sippcache.open(url) as own:
+            match = own.lookup([1, 2, 3])
+            assert match is not None and bytes(match.blob) == b"from the parent"
+            match.release()
+            own.store([7, 7, 7], b"from the child")
+
+    code, report = run_in_fork(child)
+    assert code == 0, report
+    match = parent.lookup([7, 7, 7])
+    assert match is not None and bytes(match.blob) == b"from the child"
+    match.release()

@@ -32,7 +32,7 @@ from sippcache.options import Size
 from sippcache.registry import parse_url
 from tests.conftest import last_logits, reference_logits
 
-SLOW = os.environ.get("SIPPCACHE_SLOW_TESTS") == "1"
+from tests.reliability_tools import SLOW  # noqa: E402  (one reading of SIPPCACHE_SLOW_TESTS)
 FUZZ = settings(max_examples=20_000 if SLOW else 2_000, deadline=None, derandomize=True, database=None)
 ALLOWED = (BadOption, UnknownBackend, ValueError, TypeError)
 

@@ -16,7 +16,7 @@ from typing import ClassVar, Optional, Union
 
 import lmdb
 
-from ..engine import KVBackend, KVTxn, directory_path, prepare_directory
+from ..engine import KVBackend, KVTxn, directory_path, fork_safe_lock, prepare_directory
 from ..errors import CacheFull, CorruptStore, SippcacheError
 from ..options import Size
 
@@ -49,6 +49,8 @@ class _SharedEnv:
     def acquire(cls, path: str, map_size: int, sync: bool, max_readers: int) -> _SharedEnv:
         key = (path, os.getpid())
         with cls._lock:
+            for inherited in [s for (p, pid), s in cls._open.items() if p == path and pid != key[1]]:
+                inherited.abandon_after_fork()  # a forked child: the parent's environment must go first
             shared = cls._open.get(key)
             if shared is None:
                 prepare_directory(path, ("data.mdb", "lock.mdb"))
@@ -66,18 +68,19 @@ class _SharedEnv:
             return shared
 
     def abandon_after_fork(self) -> None:
-        """In a forked child: close the inherited environment so this process can
-        open its own. Impossible while the parent had a match open at the fork:
-        closing would end the parent's read snapshot in the shared reader table."""
-        with self._lock:
-            if self.readers:
-                raise SippcacheError(
-                    f"{self.key[0]}: this process was forked while an LMDB match was open; "
-                    "open the cache again after the fork (or release matches before forking)"
-                )
-            if self.users:
-                self.users = 0
-                self.env.close()
+        """In a forked child (with `_lock` held): close the inherited environment so
+        this process can open its own. Impossible while the parent had a match open
+        at the fork: closing would end the parent's read snapshot in the shared
+        reader table."""
+        if self.readers:
+            raise SippcacheError(
+                f"{self.key[0]}: this process was forked while an LMDB match was open, so it cannot "
+                "use this store; release matches before forking"
+            )
+        if self.users:
+            self.users = 0
+            self.env.close()
+        self._open.pop(self.key, None)
 
     def resize(self, map_size: int) -> bool:
         """Set the map size (0: adopt another process's larger map); False while readers are open."""
@@ -104,6 +107,10 @@ def _check_file_length(env: lmdb.Environment, path: str) -> None:
     if actual < needed:
         env.close()
         raise CorruptStore(f"{path}/data.mdb is {actual} bytes but its pages need {needed}: the file was cut short")
+
+
+# After the backends' own locks (the order every thread takes them in).
+fork_safe_lock(lambda: _SharedEnv._lock, lambda lock: setattr(_SharedEnv, "_lock", lock))
 
 
 class _LMDBTxn:
@@ -165,7 +172,6 @@ class LMDBBackend(KVBackend):
 
     def _env(self) -> _SharedEnv:
         if self._shared.key[1] != os.getpid():  # forked: this process needs its own environment
-            self._shared.abandon_after_fork()
             self._shared = _SharedEnv.acquire(*self._env_args)
         return self._shared
 
