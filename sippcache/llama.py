@@ -162,6 +162,10 @@ class PrefixCache:
         whole prompt is evaluated from scratch (snapshots are still stored);
         `progress(done, total)` is called as tokens are evaluated.
         """
+        return self._prefill(self._checked(tokens), restore=restore, progress=progress)
+
+    def _checked(self, tokens: _tokens.Tokens) -> list[int]:
+        """`tokens` as a list of ids this model and context can evaluate; ValueError otherwise."""
         ids = list(_tokens.decode(_tokens.encode(tokens)))
         if not ids:
             raise ValueError("cannot prefill an empty prompt")
@@ -173,13 +177,25 @@ class PrefixCache:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds the context size n_ctx={self.llm.n_ctx()}")
         if self._closed:
             raise RuntimeError("PrefixCache is closed")
+        return ids
+
+    def _prefill(
+        self,
+        ids: list[int],
+        *,
+        restore: bool = True,
+        progress: Optional[Callable[[int, int], None]] = None,
+        evaluate_last: bool = True,
+    ) -> int:
+        """`prefill` for checked ids; with `evaluate_last=False` the context ends
+        at ids[:-1] (llama-cpp-python's hook evaluates the last token itself)."""
         with self._lock:
             if restore:
                 start = self._reuse(ids)
             else:
                 self._clear_context()
                 start = 0
-            self._evaluate(ids, start, progress=progress)
+            self._evaluate(ids, start, progress=progress, evaluate_last=evaluate_last)
         return start
 
     def flush(self) -> None:
@@ -486,9 +502,7 @@ class LlamaCache(BaseLlamaCache):
         llm = self._caller()
         if len(key) > 1:
             prefix_cache = self.prefix_cache(llm)
-            ids = [int(t) for t in key]
-            with prefix_cache._lock:
-                prefix_cache._evaluate(ids, prefix_cache._reuse(ids), evaluate_last=False)
+            prefix_cache._prefill(prefix_cache._checked(key), evaluate_last=False)
         raise KeyError("sippcache restored the prefix into the context; nothing to load")
 
     def __contains__(self, key: Sequence[int]) -> bool:

@@ -41,6 +41,15 @@ def gemma_model() -> Path:
 
 
 @pytest.fixture
+def opened() -> Iterator[list[object]]:
+    """Caches a test opens (append them); closed at teardown."""
+    handles: list[object] = []
+    yield handles
+    for cache in handles:
+        cache.close()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
 def make_llama() -> Iterator[Callable[..., object]]:
     """Build `llama_cpp.Llama` (or a subclass) instances, closed at teardown."""
     import llama_cpp

@@ -25,7 +25,6 @@ import random
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -156,21 +155,13 @@ def check_store(cache: CacheBackend, model: Model, inflight: Optional[tuple[str,
 # -- random kills ---------------------------------------------------------------------
 
 
-@pytest.fixture
-def handles() -> Iterator[list[CacheBackend]]:
-    opened: list[CacheBackend] = []
-    yield opened
-    for cache in opened:
-        cache.close()
-
-
 @pytest.mark.parametrize("backend", ["lmdb", "diskcache"])
-def test_sigkill_at_random_moments_loses_nothing_acknowledged(backend: str, tmp_path: Path, handles: list[CacheBackend]) -> None:
+def test_sigkill_at_random_moments_loses_nothing_acknowledged(backend: str, tmp_path: Path, opened: list[CacheBackend]) -> None:
     url = store_url(backend, tmp_path / "store")
     rng = random.Random(f"crash-{backend}")
     model = Model()
     server = sippcache.open(url)  # kept open through every kill, like a long-running server
-    handles.append(server)
+    opened.append(server)
     history: list[str] = []
     for run in range(KILLS * ITERATIONS):
         # -- start a writer and kill it at a random moment --------------------------------
@@ -213,7 +204,7 @@ def test_sigkill_at_random_moments_loses_nothing_acknowledged(backend: str, tmp_
             fresh = sippcache.open(url)
         except Exception as exc:  # noqa: BLE001 - reported with context
             pytest.fail(f"{context}: the store no longer opens: {type(exc).__name__}: {exc}")
-        handles.append(fresh)
+        opened.append(fresh)
         seen, more = check_store(fresh, model, inflight, "fresh handle")
         problems += more
         seen_server, more = check_store(server, model, inflight, "long-lived handle")
@@ -245,7 +236,7 @@ def test_sigkill_at_random_moments_loses_nothing_acknowledged(backend: str, tmp_
         except Exception as exc:  # noqa: BLE001 - reported with context
             problems.append(f"a new store failed: {type(exc).__name__}: {exc}")
         fresh.close()
-        handles.remove(fresh)
+        opened.remove(fresh)
 
         # The in-flight operation may show only after that write: LMDB publishes a commit
         # by updating the lock file's txnid after the meta page, and a writer killed in

@@ -21,7 +21,6 @@ import gc
 import os
 import random
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,14 +37,6 @@ def store_url(backend: str, path: Path) -> str:
     if backend == "ram":
         return "ram://?max_bytes=256MiB"
     return f"{backend}://{path}?max_bytes=256MiB"
-
-
-@pytest.fixture
-def opened() -> Iterator[list[CacheBackend]]:
-    handles: list[CacheBackend] = []
-    yield handles
-    for cache in handles:
-        cache.close()
 
 
 def put(cache: CacheBackend, tokens: list[int], version: int = 0, size: int = 5000, namespace: str = "") -> bytes:
