@@ -29,7 +29,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from . import frame as _frame
-from .errors import SippcacheError
+from . import tokens as _tokens
+from .engine import entry_id
+from .errors import CacheFull, SippcacheError
 from .options import Size
 from .protocol import CacheBackend, EntryInfo
 from .registry import backends as list_backends
@@ -187,13 +189,24 @@ def _split_namespace(namespace: str) -> tuple[Optional[str], Optional[str]]:
     return (match.group(1), match.group(2)) if match else (None, None)
 
 
+def _entry_id(entry: EntryInfo) -> str:
+    """A short id naming an entry on the command line (hex of its namespace and key hash)."""
+    return entry_id(entry.namespace, _tokens.encode(entry.key)).hex()[:_ID_LENGTH]
+
+
+_ID_LENGTH = 12
+
+
 def _entry_row(entry: EntryInfo) -> dict[str, Any]:
     return {
+        "id": _entry_id(entry),
         "namespace": entry.namespace,
         "tokens": len(entry.key),
         "bytes": entry.size,
         "created": _iso(entry.created),
         "last_used": _iso(entry.last_used),
+        "pinned": entry.pinned,
+        "priority": entry.priority,
     }
 
 
@@ -345,18 +358,22 @@ def ls(url: Optional[str], cache_option: Optional[str], namespace: Optional[str]
     if as_json:
         _echo_json([_entry_row(entry) for entry in entries])
         return
-    table = Table("namespace")
-    table.columns[0].overflow = "fold"
+    table = Table("id", "namespace")
+    table.columns[0].no_wrap = True
+    table.columns[1].overflow = "fold"
     for name in ("tokens", "bytes"):
         table.add_column(name, justify="right", no_wrap=True)
-    for name in ("created", "last used"):
+    for name in ("created", "last used", "pinned"):
         table.add_column(name, no_wrap=True)
     for entry in entries:
         table.add_row(
-            _namespace_label(entry.namespace), f"{len(entry.key):,}", human_size(entry.size),
-            _local_time(entry.created), _local_time(entry.last_used),
+            _entry_id(entry), _namespace_label(entry.namespace), f"{len(entry.key):,}", human_size(entry.size),
+            _local_time(entry.created), _local_time(entry.last_used), "pinned" if entry.pinned else "",
         )  # fmt: skip
-    table.caption = f"{_entries(len(entries))}, {human_size(sum(e.size for e in entries))}"
+    pinned = sum(e.pinned for e in entries)
+    table.caption = f"{_entries(len(entries))}, {human_size(sum(e.size for e in entries))}" + (
+        f"; {pinned:,} pinned" if pinned else ""
+    )
     Console().print(table)
 
 
@@ -439,24 +456,27 @@ def prune(
     url: Optional[str], cache_option: Optional[str], max_bytes: Optional[int], older_than: Optional[float],
     namespace: Optional[str], as_json: bool,
 ) -> None:  # fmt: skip
-    """Delete old or least recently used entries.
+    """Delete old or least recently used entries; pinned entries stay.
 
     --older-than goes first, then --max-bytes; sizes count as in stats
-    (blob plus 4 bytes per token). At least one of the two is required.
+    (blob plus 4 bytes per token; pinned entries count too). At least one of
+    the two is required.
     """
     if max_bytes is None and older_than is None:
         raise click.UsageError("give --max-bytes, --older-than or both")
     url = _resolve_url(url, cache_option)
     with _open(url) as cache:
-        entries = list(cache.entries(namespace))  # least recently used first
+        listed = list(cache.entries(namespace))  # least recently used first
+        entries = [e for e in listed if not e.pinned]
         doomed: list[EntryInfo] = []
         kept = entries
+        pinned_bytes = sum(e.size for e in listed if e.pinned)
         if older_than is not None:
             cutoff = time.time() - older_than
             doomed = [e for e in entries if e.last_used < cutoff]
             kept = [e for e in entries if e.last_used >= cutoff]
         if max_bytes is not None:
-            total = sum(e.size for e in kept)
+            total = pinned_bytes + sum(e.size for e in kept)
             for entry in kept:
                 if total <= max_bytes:
                     break
@@ -477,6 +497,44 @@ def prune(
             f"deleted {_entries(result['deleted'])} ({human_size(result['bytes'])}); "
             f"{_entries(result['remaining_entries'])} ({human_size(result['remaining_bytes'])}) left"
         )
+
+
+@main.command()
+@click.argument("ids", nargs=-1, required=True, metavar="ID...")
+@click.option("--cache", "cache_option", metavar="URL", help="The cache URL (default: $SIPPCACHE_URL, else LMDB in the user cache folder).")
+@click.option("--unpin", is_flag=True, help="Make the entries evictable again.")
+@json_option
+@one_line_errors
+def pin(ids: tuple[str, ...], cache_option: Optional[str], unpin: bool, as_json: bool) -> None:
+    """Pin entries (by the ids `sippcache ls` shows, or a unique start of one):
+    budgets never evict them and prune leaves them. --unpin undoes it.
+
+    Pinning more than the store's max_bytes is refused.
+    """
+    url = _resolve_url(None, cache_option)
+    with _open(url) as cache:
+        entries = list(cache.entries())
+        chosen = [_find_entry(entries, wanted) for wanted in ids]
+        for entry in chosen:
+            (cache.unpin if unpin else cache.pin)(list(entry.key), namespace=entry.namespace)
+    done = [_entry_id(entry) for entry in chosen]
+    if as_json:
+        _echo_json({"unpinned" if unpin else "pinned": done})
+    else:
+        click.echo(f"{'unpinned' if unpin else 'pinned'} {_entries(len(done))}: {' '.join(done)}")
+
+
+def _find_entry(entries: list[EntryInfo], wanted: str) -> EntryInfo:
+    """The one entry whose id starts with `wanted`."""
+    wanted = wanted.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{4,32}", wanted):
+        raise CLIError(f"{wanted!r} is not an entry id (4 or more hex digits, as `sippcache ls` shows)")
+    found = [e for e in entries if _entry_id(e).startswith(wanted[:_ID_LENGTH])]
+    if not found:
+        raise CLIError(f"no entry with id {wanted}")
+    if len(found) > 1:
+        raise CLIError(f"id {wanted} is ambiguous ({len(found)} entries); give more digits")
+    return found[0]
 
 
 @main.command()
@@ -503,11 +561,12 @@ def clear(url: Optional[str], cache_option: Optional[str], yes: bool, as_json: b
 
 def _copy_entries(
     src: CacheBackend, dst: CacheBackend, entries: Iterable[EntryInfo], progress: Progress
-) -> tuple[int, int, int]:
-    """Copy `entries` from `src` to `dst`; (copied, their bytes, skipped because gone)."""
+) -> tuple[int, int, int, int]:
+    """Copy `entries` (with their pins, priorities and generations) from `src` to
+    `dst`; (copied, their bytes, skipped because gone, copied unpinned for lack of room)."""
     entries = list(entries)
     task = progress.add_task("copy", total=sum(e.size for e in entries))
-    copied = size = skipped = 0
+    copied = size = skipped = unpinned = 0
     for entry in entries:
         key = list(entry.key)
         match = src.lookup(key, namespace=entry.namespace, touch=False)
@@ -520,11 +579,16 @@ def _copy_entries(
                 blob = bytes(match.blob)
             finally:
                 match.release()
-            dst.store(key, blob, namespace=entry.namespace)
+            retention = dict(namespace=entry.namespace, priority=entry.priority, generation=entry.generation)
+            try:
+                dst.store(key, blob, pinned=entry.pinned, **retention)
+            except CacheFull:  # more pinned entries than the destination's budget: copy it unpinned
+                dst.store(key, blob, **retention)
+                unpinned += 1
             copied += 1
             size += entry.size
         progress.advance(task, entry.size)
-    return copied, size, skipped
+    return copied, size, skipped, unpinned
 
 
 @main.command()
@@ -534,10 +598,11 @@ def _copy_entries(
 @json_option
 @one_line_errors
 def copy(src_url: str, dst_url: str, namespace: Optional[str], as_json: bool) -> None:
-    """Copy entries (same namespaces and keys) from one store into another.
+    """Copy entries (same namespaces, keys, pins, priorities and generations)
+    from one store into another.
 
     The destination is created if needed; its own limits apply, so it may
-    evict. Entries are copied least recently used first, so the destination
+    evict, and pinned entries beyond its budget are copied unpinned. Entries are copied least recently used first, so the destination
     keeps the source's recency order, but their times become the copy's.
     Reading the source does not count as a use.
     """
@@ -547,7 +612,7 @@ def copy(src_url: str, dst_url: str, namespace: Optional[str], as_json: bool) ->
     with _open(src_url) as src, _open(dst_url, must_exist=False) as dst:
         entries = list(src.entries(namespace))
         with _progress("copying") as progress:
-            copied, size, skipped = _copy_entries(src, dst, entries, progress)
+            copied, size, skipped, unpinned = _copy_entries(src, dst, entries, progress)
         counters = dst.stats()
     result = {
         "copied": copied,
@@ -555,6 +620,7 @@ def copy(src_url: str, dst_url: str, namespace: Optional[str], as_json: bool) ->
         "skipped": skipped,
         "evicted": counters.evictions,
         "refused": counters.refused,
+        "unpinned": unpinned,
         "source": src_url,
         "destination": dst_url,
     }
@@ -564,6 +630,8 @@ def copy(src_url: str, dst_url: str, namespace: Optional[str], as_json: bool) ->
     click.echo(f"copied {_entries(copied)} ({human_size(size)}) from {src_url} to {dst_url}")
     if skipped:
         click.echo(f"skipped {_entries(skipped)} deleted from the source meanwhile")
+    if unpinned:
+        click.echo(f"warning: {_entries(unpinned)} copied unpinned: pinned entries exceed the destination's budget", err=True)
     if counters.evictions or counters.refused:
         click.echo(
             f"warning: the destination evicted {counters.evictions:,} and refused {counters.refused:,} entries "

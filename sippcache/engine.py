@@ -1,18 +1,23 @@
 """The cache logic shared by every built-in backend, over a transactional key-value store.
 
 A backend only supplies transactions on a byte-keyed map (`KVTxn`); this
-module does the rest once: the prefix index, LRU eviction within `max_bytes`
-and `max_entries`, and keeping several processes that share one store in step.
+module does the rest once: the prefix index and the eviction order (both kept
+in a `sippcache.catalog.Catalog`), budgets, pins, generations, and keeping
+several processes that share one store in step.
 
 Layout of the map (ids are xxh3_128 of namespace + key, so LMDB's 511-byte key
 limit never matters)::
 
     B<id>   the blob
-    M<id>   msgpack [namespace, key bytes, size, created_ns]
+    M<id>   msgpack [namespace, key bytes, size, created_ns, priority, generation]
+            (stores written before pins and priorities have the first four only)
     U<id>   u64 last-use time (ns), updated in batches
-    L<seq>  the change log: msgpack [op, ...] with op p(ut) / d(elete) / t(ouch) / c(lear)
+    V<id>   msgpack [retention value, pinned, superseded] (absent: the defaults)
+    L<seq>  the change log: msgpack [op, ...] with op p(ut) / d(elete) / t(ouch) /
+            v(alues changed) / c(lear)
     S       u64 sequence number of the newest log record
     T       u64 log records at or below this number were trimmed
+    G       f64 the eviction clock (see `sippcache.catalog`)
 
 Every process rebuilds its in-memory index from the M records when it opens
 the store, then replays the log records newer than the last one it saw before
@@ -23,6 +28,7 @@ process's store is visible at once without reopening.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import stat
 import struct
@@ -30,7 +36,6 @@ import threading
 import time
 import weakref
 from abc import abstractmethod
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Optional, Protocol, Union
@@ -39,13 +44,16 @@ import msgpack
 import xxhash
 
 from . import tokens as _tokens
+from .catalog import Catalog, EntryState
 from .errors import CacheFull, CorruptStore
-from .index import PrefixIndex
-from .protocol import BaseBackend, EntryInfo, Match, Stats
+from .protocol import BaseBackend, EntryInfo, Match, Stats, StoreOptions
 
 log = logging.getLogger("sippcache")
 
 _U64 = struct.Struct("<Q")
+_F64 = struct.Struct("<d")
+#: The records each entry has besides its log entries.
+_ENTRY_RECORDS = (b"B", b"M", b"U", b"V")
 _SEQ_KEY = struct.Struct(">Q")  # big-endian so log keys sort by number
 #: Log records kept for processes that fall behind; further behind means a rebuild.
 LOG_KEEP = 10_000
@@ -103,20 +111,51 @@ def _u64(raw: Optional[Union[bytes, memoryview]]) -> int:
     return _U64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
 
 
-def _meta(eid: bytes, raw: Union[bytes, memoryview]) -> Optional[tuple[str, bytes, int, int]]:
-    """An M record as (namespace, key, size, created), or None if it is damaged
-    (does not parse, has wrong types, or does not belong to `eid`)."""
+def _f64(raw: Optional[Union[bytes, memoryview]]) -> float:
+    """A stored f64; 0.0 when absent or damaged."""
+    value = _F64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0.0
+    return value if math.isfinite(value) else 0.0
+
+
+def _meta(eid: bytes, raw: Union[bytes, memoryview]) -> Optional[tuple[str, bytes, int, int, float, int]]:
+    """An M record as (namespace, key, size, created, priority, generation), or None
+    if it is damaged (does not parse, has wrong types, or does not belong to `eid`).
+    A four-field record (written before priorities) gets the default priority and
+    its creation time as generation."""
     try:
-        namespace, key, size, created = msgpack.unpackb(raw, raw=False)
+        fields = msgpack.unpackb(raw, raw=False)
+        namespace, key, size, created = fields[:4]
+        priority, generation = fields[4:] if len(fields) == 6 else (len(key) // 4, created) if len(fields) == 4 else ()
     except Exception:
         return None
     if not (
         isinstance(namespace, str) and isinstance(key, bytes) and key and len(key) % 4 == 0
         and isinstance(size, int) and size > 0 and isinstance(created, int)
+        and isinstance(priority, (int, float)) and not isinstance(priority, bool)
+        and math.isfinite(priority) and priority >= 0
+        and isinstance(generation, int) and not isinstance(generation, bool)
         and entry_id(namespace, key) == eid
     ):  # fmt: skip
         return None
-    return namespace, key, size, created
+    return namespace, key, size, created, float(priority), generation
+
+
+def _pack_values(value: float, pinned: bool, superseded: bool) -> bytes:
+    return msgpack.packb([value, pinned, superseded])
+
+
+def _values(raw: Optional[Union[bytes, memoryview]]) -> Optional[tuple[float, bool, bool]]:
+    """A V record as (value, pinned, superseded), or None if absent or damaged."""
+    if raw is None:
+        return None
+    try:
+        value, pinned, superseded = msgpack.unpackb(raw, raw=False)
+    except Exception:
+        return None
+    if not (isinstance(value, float) and math.isfinite(value) and isinstance(pinned, bool)
+            and isinstance(superseded, bool)):  # fmt: skip
+        return None
+    return value, pinned, superseded
 
 
 def _record(raw: Union[bytes, memoryview]) -> Optional[list[Any]]:
@@ -126,16 +165,20 @@ def _record(raw: Union[bytes, memoryview]) -> Optional[list[Any]]:
     except Exception:
         return None
     valid = isinstance(record, list) and record and (
-        (record[0] in ("p", "d") and len(record) == 2 and isinstance(record[1], bytes))
+        (record[0] in ("p", "d", "v") and len(record) == 2 and isinstance(record[1], bytes))
         or (record[0] == "t" and len(record) == 2 and isinstance(record[1], list)
-            and all(isinstance(t, list) and len(t) == 2 and isinstance(t[0], bytes) and isinstance(t[1], int)
-                    for t in record[1]))
+            and all(isinstance(t, list) and len(t) in (2, 3) and isinstance(t[0], bytes) and isinstance(t[1], int)
+                    and (len(t) == 2 or isinstance(t[2], float)) for t in record[1]))
         or record == ["c"]
     )  # fmt: skip
     return record if valid else None
 
 
 _open_backends: weakref.WeakSet[KVBackend] = weakref.WeakSet()
+
+#: A change made in a write transaction: it writes to the map, appends its log
+#: records, and appends the in-memory updates to run once the transaction commits.
+Change = Callable[[KVTxn, list[list[Any]], list[Callable[[], None]]], None]
 
 
 # Module-level locks taken inside backend operations: (get the lock, replace it in a child).
@@ -195,16 +238,13 @@ class KVBackend(BaseBackend):
         self.max_entries = max_entries
         self.location = location
         self._lock = threading.RLock()
-        self._index = PrefixIndex()
-        self._sizes: dict[bytes, int] = {}
-        self._lru: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
-        self._total = 0
+        self._catalog = Catalog()
         self._seq = -1  # newest log record applied; -1 forces a rebuild
-        self._pending: dict[bytes, int] = {}  # id -> use time not yet written
+        self._pending: dict[bytes, tuple[int, float]] = {}  # id -> (use time, value) not yet written
         self._damaged: set[bytes] = set()  # ids whose M record is damaged: removed on the next write
         self._pending_since = 0.0
         self._last_time = 0
-        self._counters = dict(hits=0, misses=0, stores=0, evictions=0, refused=0)
+        self._counters = dict(hits=0, misses=0, stores=0, evictions=0, refused=0, stale=0)
         _open_backends.add(self)
 
     # -- storage hooks ---------------------------------------------------------
@@ -224,43 +264,91 @@ class KVBackend(BaseBackend):
 
     # -- BaseBackend hooks -------------------------------------------------------
 
-    def _store(self, key: bytes, blob: memoryview, namespace: str) -> None:
+    def _store(self, key: bytes, blob: memoryview, namespace: str, options: StoreOptions) -> bool:
         size = blob.nbytes + len(key)
+        tokens = len(key) // 4
         if self.max_bytes is not None and size > self.max_bytes:
-            log.warning(
-                "sippcache: not storing a %d-byte entry (%d tokens): larger than max_bytes=%d of %s",
-                size, len(key) // 4, self.max_bytes, self.location,
-            )  # fmt: skip
-            self._counters["refused"] += 1
-            return
+            return self._refuse(size, tokens, options, "larger than max_bytes")
         eid = entry_id(namespace, key)
+        outcome: list[str] = []
 
-        def put(txn: KVTxn, records: list[list[Any]]) -> None:
-            max_bytes, max_entries = self.max_bytes, self.max_entries
-            self._evict(
-                txn,
-                records,
-                max_bytes=None if max_bytes is None else max_bytes - size,
-                max_entries=None if max_entries is None else max_entries - 1,
-                keep=eid,
+        def put(txn: KVTxn, records: list[list[Any]], after: list[Callable[[], None]]) -> None:
+            outcome.clear()  # a retried transaction starts over
+            catalog = self._catalog
+            old = catalog.get(eid)
+            if old is not None and old.generation > options.generation:
+                outcome.append("stale")
+                return
+            pinned = options.pinned or (old is not None and old.pinned)
+            victims = catalog.victims(
+                max_bytes=self.max_bytes, max_entries=self.max_entries, size=size, count=1, keep=eid
             )
+            if victims is None or (pinned and not self._pins_fit(size, 1, old)):
+                outcome.append("full")
+                return
+            clock = catalog.clock
+            for victim in victims:
+                state = catalog.get(victim)
+                if state is not None and not state.superseded:
+                    clock = max(clock, state.value)
+                self._remove_entry(txn, records, after, victim, evicted=True)
+            if clock != catalog.clock:
+                txn.put(b"G", _F64.pack(clock))
+            superseded = catalog.superseded_by(namespace, key)
+            if superseded is not None and superseded not in victims:
+                self._write_values(txn, records, after, superseded, superseded=True)
+            now = self._now()
+            state = EntryState(
+                namespace, tokens, size, options.priority, options.generation, now, now,
+                clock + options.priority / tokens, pinned,
+            )  # fmt: skip
             txn.put(b"B" + eid, blob)
-            txn.put(b"M" + eid, msgpack.packb([namespace, key, size, now], use_bin_type=True))
+            txn.put(b"M" + eid, msgpack.packb([namespace, key, size, now, options.priority, options.generation]))
             txn.put(b"U" + eid, _U64.pack(now))
+            txn.put(b"V" + eid, _pack_values(state.value, pinned, False))
             records.append(["p", eid])
+            after.append(lambda: catalog.put(eid, key, state))
+            outcome.append("stored")
 
         with self._lock:
-            now = self._now()
-            self._write(put, applied=lambda: self._apply_put(eid, namespace, key, size, now))
+            self._write(put)
+            if outcome == ["stale"]:
+                self._counters["stale"] += 1
+                return False
+            if outcome == ["full"]:
+                return self._refuse(size, tokens, options, "more than the unpinned room left")
             self._counters["stores"] += 1
+            return True
+
+    def _refuse(self, size: int, tokens: int, options: StoreOptions, why: str) -> bool:
+        """Refuse an entry that cannot fit: a pinned one raises, another one is dropped with a warning."""
+        budget = f"max_bytes={self.max_bytes}, max_entries={self.max_entries}"
+        if options.pinned:
+            raise CacheFull(f"{self.location}: cannot pin a {size}-byte entry ({tokens} tokens): {why} ({budget})")
+        log.warning(
+            "sippcache: not storing a %d-byte entry (%d tokens): %s (%s) of %s",
+            size, tokens, why, budget, self.location,
+        )  # fmt: skip
+        self._counters["refused"] += 1
+        return False
+
+    def _pins_fit(self, size: int, count: int, replaced: Optional[EntryState] = None) -> bool:
+        """Whether pinned entries plus `count` more of `size` bytes stay within the budgets."""
+        catalog = self._catalog
+        pinned_bytes, pinned_count = catalog.pinned_bytes, catalog.pinned_count
+        if replaced is not None and replaced.pinned:
+            pinned_bytes, pinned_count = pinned_bytes - replaced.size, pinned_count - 1
+        return (self.max_bytes is None or pinned_bytes + size <= self.max_bytes) and (
+            self.max_entries is None or pinned_count + count <= self.max_entries
+        )
 
     def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Optional[Match]:
         with self._lock:
             txn, end = self._reader()
             try:
                 self._sync(txn)
-                find = self._index.longest_common if partial else self._index.longest_prefix
-                hit = find(namespace, key)
+                index = self._catalog.index
+                hit = index.longest_common(namespace, key) if partial else index.longest_prefix(namespace, key)
                 blob = txn.get(b"B" + hit.entry_id) if hit is not None else None
             except BaseException:
                 end()
@@ -276,7 +364,7 @@ class KVBackend(BaseBackend):
             if touch:
                 self._touch(hit.entry_id)
             self._counters["hits"] += 1
-            stored_key = self._index.key_of(hit.entry_id)
+            stored_key = index.key_of(hit.entry_id)
             self._flush_touches_if_due()
         return Match(hit.length, stored_key, blob, namespace, end)
 
@@ -284,58 +372,85 @@ class KVBackend(BaseBackend):
         eid = entry_id(namespace, key)
         found = []
 
-        def remove(txn: KVTxn, records: list[list[Any]]) -> None:
+        def remove(txn: KVTxn, records: list[list[Any]], after: list[Callable[[], None]]) -> None:
+            found.clear()  # a retried transaction starts over
             if txn.get(b"M" + eid) is not None:
-                self._remove_entry(txn, records, eid)
+                self._remove_entry(txn, records, after, eid)
                 found.append(eid)
 
         self._write(remove)
         return bool(found)
 
+    def _set_pinned(self, key: bytes, namespace: str, pinned: bool) -> bool:
+        eid = entry_id(namespace, key)
+        outcome: list[str] = []
+
+        def change(txn: KVTxn, records: list[list[Any]], after: list[Callable[[], None]]) -> None:
+            outcome.clear()  # a retried transaction starts over
+            state = self._catalog.get(eid)
+            if state is None:
+                return
+            if state.pinned != pinned:
+                if pinned and not self._pins_fit(state.size, 1):
+                    outcome.append("full")
+                    return
+                self._write_values(txn, records, after, eid, pinned=pinned)
+            outcome.append("done")
+
+        with self._lock:
+            self._write(change)
+        if outcome == ["full"]:
+            raise CacheFull(
+                f"{self.location}: cannot pin {len(key) // 4} tokens: pinned entries would exceed "
+                f"max_bytes={self.max_bytes}, max_entries={self.max_entries}"
+            )
+        return bool(outcome)
+
     def _clear(self) -> None:
-        def clear(txn: KVTxn, records: list[list[Any]]) -> None:
+        def clear(txn: KVTxn, records: list[list[Any]], after: list[Callable[[], None]]) -> None:
             for key, _ in list(txn.scan(b"M")):
                 eid = key[1:]
-                for prefix in (b"B", b"M", b"U"):
+                for prefix in _ENTRY_RECORDS:
                     txn.delete(prefix + eid)
+            txn.delete(b"G")
             records.append(["c"])
+            after.append(self._catalog.clear)
 
         self._write(clear)
 
     def _stats(self) -> Stats:
         with self._lock:
             self._refresh()
+            catalog = self._catalog
             return Stats(
                 backend=type(self).__name__,
                 location=self.location,
-                entries=len(self._index),
-                bytes=self._total,
+                entries=len(catalog),
+                bytes=catalog.total,
                 max_bytes=self.max_bytes,
                 max_entries=self.max_entries,
-                namespaces=len(self._index.namespaces()),
+                namespaces=len(catalog.index.namespaces()),
                 damaged=len(self._damaged),
+                pinned=catalog.pinned_count,
+                pinned_bytes=catalog.pinned_bytes,
                 **self._counters,
             )
 
     def _entries(self, namespace: Optional[str]) -> list[EntryInfo]:
         with self._lock:
-            txn, end = self._reader()
-            try:
-                self._sync(txn)
-                found = []
-                for eid in self._lru:  # least recently used first
-                    if namespace is not None and self._index.namespace_of(eid) != namespace:
-                        continue
-                    raw = txn.get(b"M" + eid)
-                    meta = _meta(eid, raw) if raw is not None else None
-                    if meta is None:
-                        continue
-                    ns, key, size, created = meta
-                    used = max(self._pending.get(eid, 0), _u64(txn.get(b"U" + eid)) or created)
-                    found.append(EntryInfo(ns, _tokens.decode(key), size, created / 1e9, used / 1e9))
-                return found
-            finally:
-                end()
+            self._refresh()
+            catalog = self._catalog
+            found = []
+            for eid in catalog.by_use(namespace):  # least recently used first
+                state = catalog.get(eid)
+                assert state is not None
+                found.append(
+                    EntryInfo(
+                        state.namespace, _tokens.decode(catalog.index.key_of(eid)), state.size,
+                        state.created / 1e9, state.used / 1e9, state.priority, state.pinned, state.generation,
+                    )  # fmt: skip
+                )
+            return found
 
     def purge_damaged(self) -> int:
         """Remove entries whose index record is unreadable now, rather than on the next write."""
@@ -343,32 +458,30 @@ class KVBackend(BaseBackend):
             self._refresh()
             count = len(self._damaged)
             if count:
-                self._write(lambda txn, records: None)
+                self._write(lambda txn, records, after: None)
             return count
 
     def _len(self) -> int:
         with self._lock:
             self._refresh()
-            return len(self._index)
+            return len(self._catalog)
 
     def _close(self) -> None:
         with self._lock:
             try:
                 if self._pending:
-                    self._write(lambda txn, records: None)
+                    self._write(lambda txn, records, after: None)
             except Exception as exc:  # closing must not fail over lost recency data
                 log.warning("sippcache: could not save recency updates on close: %s", exc)
             self._close_store()
 
     # -- writing -----------------------------------------------------------------
 
-    def _write(
-        self, change: Callable[[KVTxn, list[list[Any]]], None], applied: Optional[Callable[[], None]] = None
-    ) -> None:
+    def _write(self, change: Change) -> None:
         """Run `change` in a write transaction together with pending touches and its
-        log records; then `applied` updates memory. On `CacheFull` (the store itself
-        has no room), retry once (the backend may have made room: LMDB grows its
-        map), then evict down to half the stored bytes and retry a last time."""
+        log records, then apply its in-memory updates. On `CacheFull` (the store
+        itself has no room), retry once (the backend may have made room: LMDB grows
+        its map), then evict down to half the stored bytes and retry a last time."""
         with self._lock:
             try:
                 self._write_once(change)
@@ -376,27 +489,30 @@ class KVBackend(BaseBackend):
                 try:
                     self._write_once(change)
                 except CacheFull:
-                    if not self._total:
+                    if not self._catalog.total:
                         raise
                     log.warning("sippcache: %s is full; evicting down to half its stored bytes", self.location)
-                    half = self._total // 2
-                    self._write_once(lambda txn, records: self._evict(txn, records, max_bytes=half, max_entries=None))
+                    self._write_once(self._evict_to_half)
                     self._write_once(change)
-            if applied is not None:
-                applied()
 
-    def _write_once(self, change: Callable[[KVTxn, list[list[Any]]], None]) -> None:
+    def _write_once(self, change: Change) -> None:
         records: list[list[Any]] = []
+        after: list[Callable[[], None]] = []
         with self._transaction() as txn:
             self._sync(txn)
             if self._pending:
-                for eid, used in self._pending.items():
-                    if txn.get(b"M" + eid) is not None:
+                touched = []
+                for eid, (used, value) in self._pending.items():
+                    state = self._catalog.get(eid)
+                    if state is not None and txn.get(b"M" + eid) is not None:
                         txn.put(b"U" + eid, _U64.pack(used))
-                records.append(["t", list(self._pending.items())])
+                        txn.put(b"V" + eid, _pack_values(value, state.pinned, False))
+                        touched.append([eid, used, value])
+                if touched:
+                    records.append(["t", touched])
             for eid in self._damaged:
-                self._remove_entry(txn, records, eid)
-            change(txn, records)
+                self._remove_entry(txn, records, after, eid)
+            change(txn, records, after)
             seq = self._seq
             for record in records:
                 seq += 1
@@ -404,16 +520,12 @@ class KVBackend(BaseBackend):
             if records:
                 txn.put(b"S", _U64.pack(seq))
                 self._trim_log(txn, seq)
-        # Committed: bring memory to the state after our records. Puts are applied
-        # by the caller, which has their data; touches are in memory already.
+        # Committed: bring memory to the state after our records (touches are in memory already).
         self._pending.clear()
         self._damaged.clear()
         self._seq = seq
-        for record in records:
-            if record[0] == "d":
-                self._apply_delete(record[1])
-            elif record[0] == "c":
-                self._apply_clear()
+        for update in after:
+            update()
 
     def _trim_log(self, txn: KVTxn, seq: int) -> None:
         trimmed = _u64(txn.get(b"T"))
@@ -422,36 +534,41 @@ class KVBackend(BaseBackend):
                 txn.delete(b"L" + _SEQ_KEY.pack(old))
             txn.put(b"T", _U64.pack(seq - LOG_KEEP))
 
-    def _evict(
-        self,
-        txn: KVTxn,
-        records: list[list[Any]],
-        *,
-        max_bytes: Optional[int],
-        max_entries: Optional[int],
-        keep: bytes = b"",
-    ) -> None:
-        """Evict least recently used entries (never `keep`, which is about to be
-        replaced) until the others hold at most `max_bytes` and `max_entries`.
-        Memory is updated after commit."""
-        total = self._total - self._sizes.get(keep, 0)
-        count = len(self._sizes) - (keep in self._sizes)
-        victims = (eid for eid in self._lru if eid != keep)  # _lru changes only after commit
-        while (max_bytes is not None and total > max_bytes) or (max_entries is not None and count > max_entries):
-            victim = next(victims, None)
-            if victim is None:
-                break
-            total -= self._sizes[victim]
-            count -= 1
-            self._remove_entry(txn, records, victim)
-            self._counters["evictions"] += 1
+    def _evict_to_half(self, txn: KVTxn, records: list[list[Any]], after: list[Callable[[], None]]) -> None:
+        """Evict (by the eviction order, never pinned entries) down to half the stored bytes."""
+        for victim in self._catalog.victims(max_bytes=self._catalog.total // 2, max_entries=None) or ():
+            self._remove_entry(txn, records, after, victim, evicted=True)
 
-    def _remove_entry(self, txn: KVTxn, records: list[list[Any]], eid: bytes) -> None:
-        for prefix in (b"B", b"M", b"U"):
+    def _remove_entry(
+        self, txn: KVTxn, records: list[list[Any]], after: list[Callable[[], None]], eid: bytes, *, evicted: bool = False
+    ) -> None:
+        for prefix in _ENTRY_RECORDS:
             txn.delete(prefix + eid)
         records.append(["d", eid])
+        after.append(lambda: self._forget(eid, evicted))
 
-    # -- reading the log ---------------------------------------------------------
+    def _forget(self, eid: bytes, evicted: bool) -> None:
+        if self._catalog.remove(eid, evicted=evicted) is not None and evicted:
+            self._counters["evictions"] += 1
+        self._pending.pop(eid, None)
+
+    def _write_values(
+        self, txn: KVTxn, records: list[list[Any]], after: list[Callable[[], None]], eid: bytes,
+        *, pinned: Optional[bool] = None, superseded: Optional[bool] = None,
+    ) -> None:  # fmt: skip
+        """Change an entry's pinned or superseded flag (its V record)."""
+        state = self._catalog.get(eid)
+        assert state is not None
+        values = dict(
+            value=state.value,
+            pinned=state.pinned if pinned is None else pinned,
+            superseded=state.superseded if superseded is None else superseded,
+        )
+        txn.put(b"V" + eid, _pack_values(**values))
+        records.append(["v", eid])
+        after.append(lambda: self._catalog.update(eid, **values))
+
+    # -- reading the store ---------------------------------------------------------
 
     def _refresh(self) -> None:
         txn, end = self._reader()
@@ -475,68 +592,65 @@ class KVBackend(BaseBackend):
                 self._rebuild(txn, seq)
                 return
             self._apply(txn, record)
+        self._catalog.clock = _f64(txn.get(b"G"))
         self._seq = seq
 
     def _rebuild(self, txn: KVTxn, seq: int) -> None:
-        self._apply_clear()
+        self._catalog.clear()
+        self._pending.clear()
         found = []
         for key, raw in txn.scan(b"M"):
             eid = bytes(key[1:])
-            meta = _meta(eid, raw)
-            if meta is None:
-                self._damaged.add(eid)
-                continue
-            namespace, tokens, size, created = meta
-            found.append((_u64(txn.get(b"U" + eid)) or created, eid, namespace, tokens, size))
+            loaded = self._load(txn, eid, raw)
+            if loaded is not None:
+                found.append((loaded[1].used, eid, loaded))
         if self._damaged:
             log.warning("sippcache: %s has %d damaged entries; they are removed on the next write",
                         self.location, len(self._damaged))  # fmt: skip
-        for used, eid, namespace, tokens, size in sorted(found):
-            self._apply_put(eid, namespace, tokens, size, used)
+        for _, eid, (key, state) in sorted(found):
+            self._catalog.put(eid, key, state)
+        self._catalog.clock = _f64(txn.get(b"G"))
         self._seq = seq
+
+    def _load(
+        self, txn: KVTxn, eid: bytes, raw: Optional[Union[bytes, memoryview]] = None
+    ) -> Optional[tuple[bytes, EntryState]]:
+        """An entry's key and state from its M, U and V records; None if it is gone
+        or its M record is damaged (then it is marked for removal)."""
+        raw = txn.get(b"M" + eid) if raw is None else raw
+        if raw is None:
+            return None
+        meta = _meta(eid, raw)
+        if meta is None:
+            self._damaged.add(eid)
+            return None
+        namespace, key, size, created, priority, generation = meta
+        tokens = len(key) // 4
+        used = _u64(txn.get(b"U" + eid)) or created
+        values = _values(txn.get(b"V" + eid))
+        value, pinned, superseded = values if values is not None else (priority / tokens, False, False)
+        return key, EntryState(namespace, tokens, size, priority, generation, created, used, value, pinned, superseded)
 
     def _apply(self, txn: KVTxn, record: list[Any]) -> None:
         op = record[0]
         if op == "p":
-            eid = record[1]
-            raw = txn.get(b"M" + eid)
-            meta = _meta(eid, raw) if raw is not None else None  # None: deleted by a later record
-            if meta is not None:
-                namespace, tokens, size, created = meta
-                self._apply_put(eid, namespace, tokens, size, _u64(txn.get(b"U" + eid)) or created)
-            elif raw is not None:
-                self._damaged.add(eid)
+            loaded = self._load(txn, record[1])  # None: deleted by a later record, or damaged
+            if loaded is not None:
+                self._catalog.put(record[1], *loaded)
         elif op == "d":
-            self._apply_delete(record[1])
+            self._catalog.remove(record[1])
+            self._pending.pop(record[1], None)
         elif op == "t":
-            for eid, used in record[1]:
-                if eid in self._sizes:
-                    self._lru.move_to_end(eid)
-                    self._index.touch(eid, used)
+            for eid, used, *value in record[1]:
+                self._catalog.use(eid, used, value[0] if value else None)
+        elif op == "v":
+            values = _values(txn.get(b"V" + record[1]))
+            if values is not None:
+                value, pinned, superseded = values
+                self._catalog.update(record[1], value=value, pinned=pinned, superseded=superseded)
         elif op == "c":
-            self._apply_clear()
-
-    def _apply_put(self, eid: bytes, namespace: str, key: bytes, size: int, used: int) -> None:
-        self._total += size - self._sizes.get(eid, 0)
-        self._sizes[eid] = size
-        self._lru[eid] = None
-        self._lru.move_to_end(eid)
-        self._index.insert(namespace, key, eid, used)
-
-    def _apply_delete(self, eid: bytes) -> None:
-        size = self._sizes.pop(eid, None)
-        if size is not None:
-            self._total -= size
-            del self._lru[eid]
-            self._index.remove(eid)
-            self._pending.pop(eid, None)
-
-    def _apply_clear(self) -> None:
-        self._index.clear()
-        self._sizes.clear()
-        self._lru.clear()
-        self._pending.clear()
-        self._total = 0
+            self._catalog.clear()
+            self._pending.clear()
 
     # -- recency -------------------------------------------------------------------
 
@@ -545,19 +659,21 @@ class KVBackend(BaseBackend):
         return self._last_time
 
     def _touch(self, eid: bytes) -> None:
+        state = self._catalog.get(eid)
+        if state is None:
+            return
         used = self._now()
+        value = self._catalog.value(state.priority, state.tokens)
         if not self._pending:
             self._pending_since = time.monotonic()
-        self._pending[eid] = used
-        self._lru.move_to_end(eid)
-        self._index.touch(eid, used)
+        self._pending[eid] = (used, value)
+        self._catalog.use(eid, used, value)
 
     def _flush_touches_if_due(self) -> None:
         if self._pending and (
             len(self._pending) >= TOUCH_BATCH or time.monotonic() - self._pending_since >= TOUCH_SECONDS
         ):
             try:
-                self._write(lambda txn, records: None)
+                self._write(lambda txn, records, after: None)
             except Exception as exc:  # recency is advisory: never fail a lookup over it
                 log.warning("sippcache: could not save recency updates: %s", exc)
-

@@ -9,9 +9,11 @@ third-party backend only writes its storage.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
+import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from collections.abc import Callable, Iterator, Mapping
@@ -142,6 +144,44 @@ class EntryInfo:
     size: int  # bytes counted against max_bytes: blob + 4 per key token
     created: float  # seconds since the epoch
     last_used: float  # seconds since the epoch (recency is saved in batches)
+    priority: float = 0.0  # retention priority (default: the token count)
+    pinned: bool = False  # never evicted
+    generation: int = 0  # the writer's generation: an older one never replaces it
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """A store's retention settings, defaults resolved (what `BaseBackend._store` receives).
+
+    `priority`: the cost of recomputing the entry, by default its token count;
+    eviction takes the lowest priority per token first (see `sippcache.catalog`).
+    `pinned`: never evicted by a budget, never pruned. `generation`: when the
+    stored state was made (by default the time of the call, in ns); an entry is
+    never replaced by one of an older generation.
+    """
+
+    priority: float
+    pinned: bool
+    generation: int
+
+    @classmethod
+    def resolve(cls, tokens: int, priority: Any, pinned: Any, generation: Any) -> StoreOptions:
+        """Check the arguments of `store` and fill in the defaults."""
+        if priority is None:
+            priority = float(tokens)
+        elif isinstance(priority, bool) or not isinstance(priority, (int, float)):
+            raise TypeError(f"priority must be a number, not {type(priority).__name__}")
+        elif not (math.isfinite(priority) and priority >= 0):
+            raise ValueError(f"priority must be a finite number >= 0, got {priority}")
+        if not isinstance(pinned, bool):
+            raise TypeError(f"pinned must be True or False, not {type(pinned).__name__}")
+        if generation is None:
+            generation = time.time_ns()
+        elif isinstance(generation, bool) or not isinstance(generation, int):
+            raise TypeError(f"generation must be an int, not {type(generation).__name__}")
+        elif not 0 <= generation < 2**63:
+            raise ValueError(f"generation must be in 0..2**63-1, got {generation}")
+        return cls(float(priority), pinned, generation)
 
 
 @dataclass(frozen=True)
@@ -166,6 +206,10 @@ class Stats:
     evictions: int = 0
     refused: int = 0
     damaged: int = 0  # entries whose index record is unreadable (invisible; removed on the next write)
+    pinned: int = 0  # pinned entries in the store
+    pinned_bytes: int = 0
+    stale: int = 0  # stores skipped because the entry held a newer generation
+    errors: int = 0  # operations the backend could not do (e.g. server down), answered as misses or dropped
 
 
 @runtime_checkable
@@ -179,8 +223,21 @@ class CacheBackend(Protocol):
     #: Entries survive close/reopen and are shared between processes.
     persistent: ClassVar[bool]
 
-    def store(self, tokens: _tokens.Tokens, blob: Blob, *, namespace: str = "") -> None:
-        """Store `blob` under `tokens`, replacing an entry with the same key."""
+    def store(
+        self,
+        tokens: _tokens.Tokens,
+        blob: Blob,
+        *,
+        namespace: str = "",
+        priority: Optional[float] = None,
+        pinned: bool = False,
+        generation: Optional[int] = None,
+    ) -> bool:
+        """Store `blob` under `tokens`, replacing an entry with the same key
+        unless that entry has a newer `generation`. False if not stored (an older
+        generation, or no room: an unpinned entry larger than the budget is
+        refused with a warning; a pinned one that does not fit raises `CacheFull`).
+        See `StoreOptions` for `priority`, `pinned` and `generation`."""
 
     def lookup(
         self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False, touch: bool = True
@@ -193,8 +250,15 @@ class CacheBackend(Protocol):
     def delete(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
         """Remove the entry stored under exactly `tokens`; True if there was one."""
 
+    def pin(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
+        """Keep the entry stored under exactly `tokens` whatever the budgets; True
+        if there is one. Raises `CacheFull` if pinned entries would exceed a budget."""
+
+    def unpin(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
+        """Make the entry under exactly `tokens` evictable again; True if there is one."""
+
     def clear(self) -> None:
-        """Remove every entry in every namespace."""
+        """Remove every entry in every namespace (pinned ones too)."""
 
     def stats(self) -> Stats:
         """Size and counters."""
@@ -215,10 +279,14 @@ class CacheBackend(Protocol):
 class BaseBackend(ABC):
     """Shared defaults for backends: argument checks, context manager, URL options.
 
-    Subclasses implement the `_store`, `_lookup`, `_delete`, `_clear`, `_stats`,
-    `_len`, `_entries` and `_close` hooks, which receive validated arguments: tokens as
-    little-endian uint32 bytes (`sippcache.tokens.encode`), a str namespace,
-    a non-empty bytes-like blob.
+    Subclasses implement the `_store`, `_lookup`, `_delete`, `_set_pinned`,
+    `_clear`, `_stats`, `_len`, `_entries` and `_close` hooks, which receive
+    validated arguments: tokens as little-endian uint32 bytes
+    (`sippcache.tokens.encode`), a str namespace, a non-empty bytes-like blob,
+    resolved `StoreOptions`.
+
+    Promise every backend keeps: an open `Match` stays valid while its holder
+    keeps it, whatever deletes, evictions, overwrites or clears happen meanwhile.
     """
 
     persistent: ClassVar[bool] = False
@@ -244,7 +312,16 @@ class BaseBackend(ABC):
 
     # -- public API: validate, then delegate ---------------------------------
 
-    def store(self, tokens: _tokens.Tokens, blob: Blob, *, namespace: str = "") -> None:
+    def store(
+        self,
+        tokens: _tokens.Tokens,
+        blob: Blob,
+        *,
+        namespace: str = "",
+        priority: Optional[float] = None,
+        pinned: bool = False,
+        generation: Optional[int] = None,
+    ) -> bool:
         key = _tokens.encode(tokens)
         if not key:
             raise ValueError("cannot store an empty token sequence")
@@ -254,9 +331,10 @@ class BaseBackend(ABC):
         view = memoryview(blob)
         if view.nbytes == 0:
             raise ValueError("cannot store an empty blob")
+        options = StoreOptions.resolve(len(key) // 4, priority, pinned, generation)
         self._check_open()
         with self._damage_as_corrupt_store():
-            self._store(key, view if view.contiguous else memoryview(view.tobytes()), namespace)
+            return self._store(key, view if view.contiguous else memoryview(view.tobytes()), namespace, options)
 
     def lookup(
         self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False, touch: bool = True
@@ -275,6 +353,19 @@ class BaseBackend(ABC):
         self._check_open()
         with self._damage_as_corrupt_store():
             return bool(key) and self._delete(key, namespace)
+
+    def pin(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
+        return self._pin(tokens, namespace, True)
+
+    def unpin(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
+        return self._pin(tokens, namespace, False)
+
+    def _pin(self, tokens: _tokens.Tokens, namespace: str, pinned: bool) -> bool:
+        key = _tokens.encode(tokens)
+        _check_namespace(namespace)
+        self._check_open()
+        with self._damage_as_corrupt_store():
+            return bool(key) and self._set_pinned(key, namespace, pinned)
 
     def clear(self) -> None:
         self._check_open()
@@ -330,13 +421,16 @@ class BaseBackend(ABC):
     # -- storage hooks -------------------------------------------------------
 
     @abstractmethod
-    def _store(self, key: bytes, blob: memoryview, namespace: str) -> None: ...
+    def _store(self, key: bytes, blob: memoryview, namespace: str, options: StoreOptions) -> bool: ...
 
     @abstractmethod
     def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Optional[Match]: ...
 
     @abstractmethod
     def _delete(self, key: bytes, namespace: str) -> bool: ...
+
+    @abstractmethod
+    def _set_pinned(self, key: bytes, namespace: str, pinned: bool) -> bool: ...
 
     @abstractmethod
     def _clear(self) -> None: ...

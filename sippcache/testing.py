@@ -340,6 +340,168 @@ class BackendTests:
         assert cache.lookup([1]) is not None and cache.lookup([2]) is not None
         assert len(cache) == 2 and cache.stats().refused == 1
 
+    # -- retention: priorities, pins, supersession, generations --------------------
+
+    def test_default_priority_is_the_token_count(self, cache: CacheBackend) -> None:
+        cache.store([1, 2, 3], b"x")
+        cache.store([4], b"y", priority=7.5)
+        info = {tuple(e.key): e for e in cache.entries()}
+        assert info[(1, 2, 3)].priority == 3 and info[(4,)].priority == 7.5
+        assert not info[(1, 2, 3)].pinned
+
+    def test_lowest_priority_is_evicted_first(self, open_cache: Opener) -> None:
+        cache = open_cache(max_bytes=3500)  # room for three 1,004-byte entries
+        for key, priority in (([1], 30), ([2], 10), ([3], 20)):
+            cache.store(key, bytes(1000), priority=priority)
+        cache.store([4], bytes(1000), priority=40)
+        assert cache.lookup([2], touch=False) is None
+        cache.store([5], bytes(1000), priority=40)
+        assert cache.lookup([3], touch=False) is None
+        assert all(cache.lookup([k], touch=False) is not None for k in (1, 4, 5))
+        assert cache.stats().evictions == 2
+
+    def test_equal_priorities_evict_least_recently_used(self, open_cache: Opener) -> None:
+        cache = open_cache(max_bytes=3500)
+        for i in range(3):
+            cache.store([i], bytes(1000), priority=5)
+        assert _blob(cache.lookup([0])) is not None
+        cache.store([3], bytes(1000), priority=5)
+        assert cache.lookup([1], touch=False) is None
+        assert all(cache.lookup([k], touch=False) is not None for k in (0, 2, 3))
+
+    def test_pinned_entry_survives_a_flood(self, open_cache: Opener) -> None:
+        cache = open_cache(max_bytes=20_000)
+        system = list(range(1000, 1500))  # 500 tokens: 2,000 key bytes + 1,000 blob bytes
+        assert cache.store(system, b"s" * 1000, pinned=True)
+        for i in range(400):  # 400 kB of one-off prompts through a 20 kB budget
+            cache.store([i, i + 1, i + 2], bytes(1000))
+            assert cache.stats().bytes <= 20_000
+        assert _blob(cache.lookup(system + [7])) == b"s" * 1000
+        entry = next(e for e in cache.entries() if tuple(e.key) == tuple(system))
+        assert entry.pinned
+        stats = cache.stats()
+        assert (stats.pinned, stats.pinned_bytes) == (1, 3000) and stats.evictions > 300
+
+    def test_pin_and_unpin(self, open_cache: Opener) -> None:
+        cache = open_cache(max_bytes=3500)
+        cache.store([1], bytes(1000))
+        assert cache.pin([1]) is True
+        assert cache.pin([1]) is True  # already pinned
+        assert cache.pin([9]) is False and cache.unpin([9]) is False
+        assert cache.pin([1], namespace="other") is False
+        for i in range(2, 10):
+            cache.store([i], bytes(1000))
+        assert cache.lookup([1], touch=False) is not None
+        assert cache.unpin([1]) is True
+        assert not next(e for e in cache.entries() if tuple(e.key) == (1,)).pinned
+        for i in range(10, 14):
+            cache.store([i], bytes(1000))
+        assert cache.lookup([1], touch=False) is None
+        assert cache.stats().pinned == 0
+
+    def test_a_store_keeps_a_pin(self, cache: CacheBackend) -> None:
+        cache.store([1, 2], b"old", pinned=True)
+        cache.store([1, 2], b"new")
+        assert _blob(cache.lookup([1, 2])) == b"new"
+        assert next(iter(cache.entries())).pinned
+
+    def test_pins_beyond_the_budget_are_refused(self, open_cache: Opener) -> None:
+        cache = open_cache(max_bytes=2500)
+        assert cache.store([1], bytes(1000), pinned=True)
+        assert cache.store([2], bytes(1000), pinned=True)
+        with pytest.raises(sippcache.CacheFull, match="pin"):
+            cache.store([3], bytes(1000), pinned=True)
+        assert cache.lookup([3], touch=False) is None
+        assert cache.lookup([1], touch=False) is not None and cache.lookup([2], touch=False) is not None
+        assert cache.stats().pinned == 2
+        assert cache.store([6], bytes(600)) is False  # no unpinned room left
+        assert cache.stats().refused >= 1
+
+    def test_pinned_entries_count_against_max_entries(self, open_cache: Opener) -> None:
+        cache = open_cache(max_entries=2)
+        cache.store([1], b"a", pinned=True)
+        cache.store([2], b"b", pinned=True)
+        with pytest.raises(sippcache.CacheFull):
+            cache.store([3], b"c", pinned=True)
+        assert cache.store([4], b"d") is False
+        assert len(cache) == 2
+
+    def test_superseded_entry_goes_first(self, open_cache: Opener) -> None:
+        cache = open_cache(max_bytes=4 * 1100)  # room for four entries of 1,000 + 4 * 20 bytes
+        old = list(range(100, 120))
+        cache.store(list(range(500, 520)), bytes(1000))  # the oldest
+        cache.store(old, bytes(1000))
+        cache.store(old[:15] + list(range(600, 605)), bytes(1000))  # shares 15 of old's 20 tokens
+        cache.store(list(range(700, 720)), bytes(1000))
+        cache.store(list(range(800, 820)), bytes(1000))  # over budget: `old` goes, not the oldest
+        assert cache.lookup(old, touch=False) is None
+        assert cache.lookup(list(range(500, 520)), touch=False) is not None
+
+    def test_a_use_clears_supersession(self, open_cache: Opener) -> None:
+        cache = open_cache(max_bytes=4 * 1100)
+        old = list(range(100, 120))
+        cache.store(list(range(500, 520)), bytes(1000))
+        cache.store(old, bytes(1000))
+        cache.store(old + [1, 2, 3], bytes(1000))  # the next turn: supersedes `old`
+        assert _blob(cache.lookup(old + [9])) is not None  # used again: valuable again
+        cache.store(list(range(700, 720)), bytes(1000))
+        cache.store(list(range(800, 820)), bytes(1000))
+        assert cache.lookup(old, touch=False) is not None
+        assert cache.lookup(list(range(500, 520)), touch=False) is None
+
+    def test_a_shorter_entry_supersedes_nothing(self, open_cache: Opener) -> None:
+        cache = open_cache(max_bytes=3 * 1100)
+        cache.store(list(range(500, 520)), bytes(1000))
+        cache.store(list(range(100, 120)), bytes(1000))
+        cache.store(list(range(100, 110)), bytes(1040))  # a checkpoint inside the entry above
+        cache.store(list(range(700, 720)), bytes(1000))
+        assert cache.lookup(list(range(500, 520)), touch=False) is None  # plain LRU
+        assert cache.lookup(list(range(100, 120)), touch=False) is not None
+
+    def test_an_older_generation_never_replaces_a_newer_one(self, cache: CacheBackend) -> None:
+        assert cache.store([1, 2], b"newer", generation=20) is True
+        assert cache.store([1, 2], b"older", generation=10) is False
+        assert _blob(cache.lookup([1, 2])) == b"newer"
+        assert next(iter(cache.entries())).generation == 20
+        assert cache.stats().stale == 1
+        assert cache.store([1, 2], b"newest", generation=30) is True
+        assert _blob(cache.lookup([1, 2])) == b"newest"
+        assert cache.store([1, 2], b"same generation", generation=30) is True  # ties replace
+
+    def test_default_generation_is_the_time_of_the_store(self, cache: CacheBackend) -> None:
+        before = time.time_ns()
+        cache.store([1], b"x")
+        assert before <= next(iter(cache.entries())).generation <= time.time_ns()
+        assert cache.store([1], b"from the past", generation=before - 10**9) is False
+
+    @pytest.mark.parametrize(
+        "options, error",
+        [({"priority": -1}, ValueError), ({"priority": float("nan")}, ValueError), ({"priority": "high"}, TypeError),
+         ({"priority": True}, TypeError), ({"pinned": 1}, TypeError), ({"pinned": None}, TypeError),
+         ({"generation": -1}, ValueError), ({"generation": 2**63}, ValueError), ({"generation": 1.5}, TypeError)],
+    )  # fmt: skip
+    def test_bad_retention_options_rejected(self, cache: CacheBackend, options: dict[str, Any], error: type) -> None:
+        with pytest.raises(error):
+            cache.store([1, 2], b"x", **options)
+        assert len(cache) == 0
+
+    def test_an_open_match_outlives_delete_overwrite_eviction_and_clear(self, open_cache: Opener) -> None:
+        cache = open_cache(max_bytes=5000)
+        blobs = {i: bytes([i]) * 1000 for i in range(4)}
+        for i, blob in blobs.items():
+            cache.store([i], blob)
+        held = {i: cache.lookup([i], touch=False) for i in blobs}
+        cache.delete([0])
+        cache.store([1], b"replaced" * 100)
+        for i in range(10, 20):  # evicts 2 and 3
+            cache.store([i], bytes(1000))
+        assert cache.lookup([2], touch=False) is None
+        cache.clear()
+        for i, match in held.items():
+            assert match is not None
+            with match:
+                assert bytes(match.blob) == blobs[i]
+
     def test_max_entries(self, open_cache: Opener) -> None:
         cache = open_cache(max_entries=5)
         for i in range(8):
@@ -505,6 +667,33 @@ class PersistentBackendTests:
         again = open_cache(max_bytes=3500)
         again.store([3], bytes(1000))
         assert again.lookup([1]) is None and again.lookup([0]) is not None
+
+    def test_pin_beyond_this_handles_budget_is_refused(self, open_cache: Opener) -> None:
+        roomy = open_cache(max_bytes=10_000)
+        roomy.store([1], bytes(3000), pinned=True)
+        roomy.store([2], bytes(3000))
+        tight = open_cache(max_bytes=5000)
+        with pytest.raises(sippcache.CacheFull, match="pin"):
+            tight.pin([2])
+        assert roomy.pin([2]) is True
+        assert tight.stats().pinned == 2
+
+    def test_pins_priorities_and_generations_survive_reopen(self, open_cache: Opener) -> None:
+        first = open_cache()
+        first.store([1, 2], b"pinned", pinned=True, generation=7)
+        first.store([3], b"valued", priority=99.5)
+        first.close()
+        again = open_cache()
+        info = {tuple(e.key): e for e in again.entries()}
+        assert (info[(1, 2)].pinned, info[(1, 2)].generation) == (True, 7)
+        assert (info[(3,)].priority, info[(3,)].pinned) == (99.5, False)
+        assert again.store([1, 2], b"stale", generation=6) is False
+
+    def test_generations_hold_across_processes(self, cache_url: str, cache: CacheBackend) -> None:
+        cache.store([42, 0], b"newer", generation=2**62)
+        _wait(run_in_child(cache_url, "store", 0, 3))  # generation: the child's clock, older
+        assert _blob(cache.lookup([42, 0])) == b"newer"
+        assert _blob(cache.lookup([42, 1])) == b"from-child-1"
 
     def test_two_handles_in_one_process(self, open_cache: Opener) -> None:
         a, b = open_cache(), open_cache()

@@ -267,6 +267,69 @@ def test_prune_needs_a_limit(url: str) -> None:
     assert len(sizes(url)) == len(ENTRIES)
 
 
+def test_prune_leaves_pinned_entries(url: str) -> None:
+    with sippcache.open(url) as cache:
+        cache.pin(ENTRIES[0][1], namespace=ENTRIES[0][0])  # the least recently used
+    result = run_json("prune", url, "--max-bytes", "1")
+    assert result["remaining_entries"] == 1 and result["deleted"] == len(ENTRIES) - 1
+    assert [(ns, list(key)) for ns, key, _ in sizes(url)] == [(ENTRIES[0][0], ENTRIES[0][1])]
+    assert run_json("prune", url, "--older-than", "0s")["deleted"] == 0
+
+
+# -- pin ---------------------------------------------------------------------------------
+
+
+def test_ls_shows_ids_and_pins_and_pin_uses_them(url: str) -> None:
+    rows = run_json("ls", url)
+    assert all(len(row["id"]) == 12 and row["pinned"] is False for row in rows)
+    assert len({row["id"] for row in rows}) == len(rows)
+    assert rows[0]["priority"] == len(ENTRIES[0][1])
+    target = rows[3]
+    assert run_json("pin", target["id"][:8], "--cache", url) == {"pinned": [target["id"]]}
+    pinned = {row["id"]: row["pinned"] for row in run_json("ls", url)}
+    assert pinned[target["id"]] and sum(pinned.values()) == 1
+    table = run("ls", url)
+    assert table.returncode == 0 and "pinned" in table.stdout and target["id"] in table.stdout
+    with sippcache.open(url) as cache:  # a flood that would evict everything else
+        for i in range(30):
+            cache.store([900, i], bytes(4000), namespace=PLAIN_NS)
+    with sippcache.open(url + "?max_bytes=9000") as cache:
+        cache.store([901], bytes(8000), namespace=PLAIN_NS)
+        assert cache.lookup([7] * 40, namespace=LLAMA_NS, touch=False) is not None
+    assert run_json("pin", "--unpin", target["id"], "--cache", url) == {"unpinned": [target["id"]]}
+    assert not any(row["pinned"] for row in run_json("ls", url))
+
+
+def test_pin_errors_are_one_line(url: str) -> None:
+    for ids, expected in ((["zz-not-hex"], "not an entry id"), (["abcdef012345"], "no entry")):
+        assert expected in assert_one_line_error(run("pin", *ids, "--cache", url))
+    from sippcache.engine import entry_id
+    from sippcache.tokens import encode as encode_tokens
+
+    by_start: dict[str, int] = {}
+    for i in range(100_000):  # two keys whose ids start alike (the birthday bound: a few hundred tries)
+        start = entry_id(PLAIN_NS, encode_tokens([i])).hex()[:4]
+        if start in by_start:
+            break
+        by_start[start] = i
+    with sippcache.open(url) as cache:
+        cache.store([i], b"x", namespace=PLAIN_NS)
+        cache.store([by_start[start]], b"y", namespace=PLAIN_NS)
+    assert "ambiguous" in assert_one_line_error(run("pin", start, "--cache", url))
+    assert not any(row["pinned"] for row in run_json("ls", url))
+
+
+def test_copy_keeps_pins_priorities_and_generations(url: str, tmp_path: Path) -> None:
+    with sippcache.open(url) as cache:
+        cache.store([5, 5, 5], encode([5, 5, 5], b"p"), namespace=PLAIN_NS, pinned=True, priority=77, generation=9)
+    dst = f"diskcache://{tmp_path / 'copy'}"
+    result = run_json("copy", url, dst)
+    assert result["copied"] == len(ENTRIES) + 1 and result["unpinned"] == 0
+    with sippcache.open(dst) as cache:
+        copied = next(e for e in cache.entries() if tuple(e.key) == (5, 5, 5))
+    assert (copied.pinned, copied.priority, copied.generation) == (True, 77, 9)
+
+
 # -- clear ------------------------------------------------------------------------------
 
 

@@ -115,7 +115,7 @@ _PROBE = textwrap.dedent(
             record(f"lookup {len(key)}", lambda key=key: classify(key))
         new = [9, 9, 9, 9]
         stored[tuple(new)] = frame.encode(new, [b"N" * 50_000], fingerprint="fp-new", kind="test", created=1.0)
-        record("store", lambda: cache.store(new, stored[tuple(new)], namespace="ns") or "ok")
+        record("store", lambda: "ok" if cache.store(new, stored[tuple(new)], namespace="ns") else "not stored")
         record("lookup new", lambda: classify(new))
         record("delete new", lambda: cache.delete(new, namespace="ns"))
         record("close", lambda: cache.close() or "ok")
@@ -186,8 +186,9 @@ def value_files(store: Path) -> list[Path]:
 
 
 def meta_record_prefix(key: list[int]) -> bytes:
-    """The start of the engine's M record (msgpack [namespace, key bytes, size, created]) for `key`."""
-    return b"\x94" + msgpack.packb(NS) + msgpack.packb(struct.pack(f"<{len(key)}I", *key), use_bin_type=True)
+    """The start of the engine's M record (msgpack [namespace, key bytes, size, created, priority,
+    generation]) for `key`."""
+    return b"\x96" + msgpack.packb(NS) + msgpack.packb(struct.pack(f"<{len(key)}I", *key), use_bin_type=True)
 
 
 def garbage(path: Path, size: int) -> None:
@@ -312,10 +313,10 @@ def test_damaged_diskcache_value_file(how: str, store_dir: Path) -> None:
 
 # -- damaged index records (the engine's own metadata) -----------------------------------------
 
-#: The M record of MEDIUM: msgpack [namespace, key bytes, size, created].
+#: The M record of MEDIUM: msgpack [namespace, key bytes, size, created, priority, generation].
 META_DAMAGE: dict[str, Callable[[Path], object]] = {
     # 0xc1 is never valid msgpack
-    "unparsable": lambda f: flip_after(f, meta_record_prefix(MEDIUM[0]), 0, 0x94 ^ 0xC1),
+    "unparsable": lambda f: flip_after(f, meta_record_prefix(MEDIUM[0]), 0, 0x96 ^ 0xC1),
     # one key token changed: the record no longer belongs to its id
     "other key": lambda f: flip_after(f, meta_record_prefix(MEDIUM[0]), len(meta_record_prefix(MEDIUM[0])) - 3, 0x01),
     # the list header becomes an array32 header declaring 2**31 elements
