@@ -23,8 +23,9 @@ from .errors import (
     MissingDependency,
     SippcacheError,
     UnknownBackend,
+    UnsupportedEntry,
 )
-from .protocol import BaseBackend, CacheBackend, EntryInfo, Match, Stats
+from .protocol import BaseBackend, CacheBackend, EntryInfo, Match, Stats, StoreOptions
 from .registry import BackendInfo, backends, default_url, open
 
 __version__ = "0.1.0"
@@ -44,7 +45,9 @@ __all__ = [
     "MissingDependency",
     "SippcacheError",
     "Stats",
+    "StoreOptions",
     "UnknownBackend",
+    "UnsupportedEntry",
     "backends",
     "default_url",
     "open",

@@ -28,11 +28,16 @@ count, oldest last, reuses less than half as many.
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
+from .errors import CacheFull
 from .index import PrefixIndex
+from .protocol import StoreOptions
+
+log = logging.getLogger("sippcache")
 
 _TOKEN = 4  # bytes per token in index keys
 
@@ -55,6 +60,23 @@ class EntryState:
     def order(self) -> tuple[bool, float, int]:
         """Eviction order: lowest first."""
         return (not self.superseded, self.value, self.used)
+
+
+@dataclass
+class StorePlan:
+    """What storing an entry takes, decided by `Catalog.plan_store`.
+
+    `state` is the new entry's state, or None if it is not stored: `reason` then
+    says why ("stale": the stored entry has a newer generation; otherwise it does
+    not fit). To carry it out: delete `victims` (evictions), set the clock to
+    `clock`, mark `superseded` (if any) superseded, and write the entry.
+    """
+
+    state: Optional[EntryState]
+    reason: str = ""
+    victims: list[bytes] = field(default_factory=list)
+    clock: float = 0.0
+    superseded: Optional[bytes] = None
 
 
 class Catalog:
@@ -149,6 +171,45 @@ class Catalog:
 
     # -- questions -------------------------------------------------------------------
 
+    def plan_store(
+        self, eid: bytes, key: bytes, namespace: str, size: int, options: StoreOptions, now: int,
+        *, max_bytes: Optional[int], max_entries: Optional[int],
+    ) -> StorePlan:  # fmt: skip
+        """Decide how to store an entry of `size` bytes under `key` (token bytes),
+        as of `now` (ns). A store over a pinned entry keeps the pin."""
+        tokens = len(key) // _TOKEN
+        old = self._entries.get(eid)
+        if old is not None and old.generation > options.generation:
+            return StorePlan(None, "stale")
+        if max_bytes is not None and size > max_bytes:
+            return StorePlan(None, "larger than max_bytes")
+        pinned = options.pinned or (old is not None and old.pinned)
+        victims = self.victims(max_bytes=max_bytes, max_entries=max_entries, size=size, count=1, keep=eid)
+        if victims is None or (pinned and not self.pins_fit(size, max_bytes, max_entries, replaced=old)):
+            return StorePlan(None, "more than the unpinned room left")
+        clock = self.clock
+        for victim in victims:
+            state = self._entries[victim]
+            if not state.superseded:
+                clock = max(clock, state.value)
+        superseded = self.superseded_by(namespace, key)
+        state = EntryState(
+            namespace, tokens, size, options.priority, options.generation, now, now,
+            clock + options.priority / max(tokens, 1), pinned,
+        )  # fmt: skip
+        return StorePlan(state, "", victims, clock, None if superseded in victims else superseded)
+
+    def pins_fit(
+        self, size: int, max_bytes: Optional[int], max_entries: Optional[int], *, replaced: Optional[EntryState] = None
+    ) -> bool:
+        """Whether pinned entries plus one more of `size` bytes (replacing `replaced`) stay within the budgets."""
+        pinned_bytes, pinned_count = self.pinned_bytes, self.pinned_count
+        if replaced is not None and replaced.pinned:
+            pinned_bytes, pinned_count = pinned_bytes - replaced.size, pinned_count - 1
+        return (max_bytes is None or pinned_bytes + size <= max_bytes) and (
+            max_entries is None or pinned_count + 1 <= max_entries
+        )
+
     def superseded_by(self, namespace: str, key: bytes) -> Optional[bytes]:
         """The entry that storing `key` supersedes, if any (see the module docstring)."""
         hit = self.index.longest_common(namespace, key)
@@ -202,3 +263,12 @@ class Catalog:
             heapq.heapify(self._heap)
         elif not entry.pinned:
             heapq.heappush(self._heap, (*entry.order(), eid))
+
+
+def refuse(location: str, size: int, tokens: int, pinned: bool, why: str, budgets: str) -> bool:
+    """Refuse an entry that does not fit: a pinned one raises `CacheFull`, another
+    is dropped with a warning. Returns False (not stored)."""
+    if pinned:
+        raise CacheFull(f"{location}: cannot pin a {size}-byte entry ({tokens} tokens): {why} ({budgets})")
+    log.warning("sippcache: not storing a %d-byte entry (%d tokens): %s (%s) of %s", size, tokens, why, budgets, location)
+    return False

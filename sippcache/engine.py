@@ -44,7 +44,7 @@ import msgpack
 import xxhash
 
 from . import tokens as _tokens
-from .catalog import Catalog, EntryState
+from .catalog import Catalog, EntryState, StorePlan, refuse
 from .errors import CacheFull, CorruptStore
 from .protocol import BaseBackend, EntryInfo, Match, Stats, StoreOptions
 
@@ -266,81 +266,46 @@ class KVBackend(BaseBackend):
 
     def _store(self, key: bytes, blob: memoryview, namespace: str, options: StoreOptions) -> bool:
         size = blob.nbytes + len(key)
-        tokens = len(key) // 4
-        if self.max_bytes is not None and size > self.max_bytes:
-            return self._refuse(size, tokens, options, "larger than max_bytes")
         eid = entry_id(namespace, key)
-        outcome: list[str] = []
+        plans: list[StorePlan] = []
 
         def put(txn: KVTxn, records: list[list[Any]], after: list[Callable[[], None]]) -> None:
-            outcome.clear()  # a retried transaction starts over
             catalog = self._catalog
-            old = catalog.get(eid)
-            if old is not None and old.generation > options.generation:
-                outcome.append("stale")
-                return
-            pinned = options.pinned or (old is not None and old.pinned)
-            victims = catalog.victims(
-                max_bytes=self.max_bytes, max_entries=self.max_entries, size=size, count=1, keep=eid
+            plan = catalog.plan_store(
+                eid, key, namespace, size, options, self._now(), max_bytes=self.max_bytes, max_entries=self.max_entries
             )
-            if victims is None or (pinned and not self._pins_fit(size, 1, old)):
-                outcome.append("full")
+            plans[:] = [plan]  # a retried transaction plans again
+            state = plan.state
+            if state is None:
                 return
-            clock = catalog.clock
-            for victim in victims:
-                state = catalog.get(victim)
-                if state is not None and not state.superseded:
-                    clock = max(clock, state.value)
+            for victim in plan.victims:
                 self._remove_entry(txn, records, after, victim, evicted=True)
-            if clock != catalog.clock:
-                txn.put(b"G", _F64.pack(clock))
-            superseded = catalog.superseded_by(namespace, key)
-            if superseded is not None and superseded not in victims:
-                self._write_values(txn, records, after, superseded, superseded=True)
-            now = self._now()
-            state = EntryState(
-                namespace, tokens, size, options.priority, options.generation, now, now,
-                clock + options.priority / tokens, pinned,
-            )  # fmt: skip
+            if plan.clock != catalog.clock:
+                txn.put(b"G", _F64.pack(plan.clock))
+            if plan.superseded is not None:
+                self._write_values(txn, records, after, plan.superseded, superseded=True)
             txn.put(b"B" + eid, blob)
-            txn.put(b"M" + eid, msgpack.packb([namespace, key, size, now, options.priority, options.generation]))
-            txn.put(b"U" + eid, _U64.pack(now))
-            txn.put(b"V" + eid, _pack_values(state.value, pinned, False))
+            txn.put(b"M" + eid, msgpack.packb([namespace, key, size, state.created, state.priority, state.generation]))
+            txn.put(b"U" + eid, _U64.pack(state.used))
+            txn.put(b"V" + eid, _pack_values(state.value, state.pinned, False))
             records.append(["p", eid])
             after.append(lambda: catalog.put(eid, key, state))
-            outcome.append("stored")
 
         with self._lock:
-            self._write(put)
-            if outcome == ["stale"]:
+            if self.max_bytes is not None and size > self.max_bytes:  # no transaction for what cannot fit
+                plans.append(StorePlan(None, "larger than max_bytes"))
+            else:
+                self._write(put)
+            plan = plans[0]
+            if plan.state is not None:
+                self._counters["stores"] += 1
+                return True
+            if plan.reason == "stale":
                 self._counters["stale"] += 1
                 return False
-            if outcome == ["full"]:
-                return self._refuse(size, tokens, options, "more than the unpinned room left")
-            self._counters["stores"] += 1
-            return True
-
-    def _refuse(self, size: int, tokens: int, options: StoreOptions, why: str) -> bool:
-        """Refuse an entry that cannot fit: a pinned one raises, another one is dropped with a warning."""
-        budget = f"max_bytes={self.max_bytes}, max_entries={self.max_entries}"
-        if options.pinned:
-            raise CacheFull(f"{self.location}: cannot pin a {size}-byte entry ({tokens} tokens): {why} ({budget})")
-        log.warning(
-            "sippcache: not storing a %d-byte entry (%d tokens): %s (%s) of %s",
-            size, tokens, why, budget, self.location,
-        )  # fmt: skip
-        self._counters["refused"] += 1
-        return False
-
-    def _pins_fit(self, size: int, count: int, replaced: Optional[EntryState] = None) -> bool:
-        """Whether pinned entries plus `count` more of `size` bytes stay within the budgets."""
-        catalog = self._catalog
-        pinned_bytes, pinned_count = catalog.pinned_bytes, catalog.pinned_count
-        if replaced is not None and replaced.pinned:
-            pinned_bytes, pinned_count = pinned_bytes - replaced.size, pinned_count - 1
-        return (self.max_bytes is None or pinned_bytes + size <= self.max_bytes) and (
-            self.max_entries is None or pinned_count + count <= self.max_entries
-        )
+            self._counters["refused"] += 1
+            budgets = f"max_bytes={self.max_bytes}, max_entries={self.max_entries}"
+            return refuse(self.location, size, len(key) // 4, options.pinned, plan.reason, budgets)
 
     def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Optional[Match]:
         with self._lock:
@@ -391,7 +356,7 @@ class KVBackend(BaseBackend):
             if state is None:
                 return
             if state.pinned != pinned:
-                if pinned and not self._pins_fit(state.size, 1):
+                if pinned and not self._catalog.pins_fit(state.size, self.max_bytes, self.max_entries):
                     outcome.append("full")
                     return
                 self._write_values(txn, records, after, eid, pinned=pinned)

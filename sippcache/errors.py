@@ -33,6 +33,11 @@ class CorruptEntry(SippcacheError, ValueError):
     """A stored entry failed its integrity checks and must not be used."""
 
 
+class UnsupportedEntry(CorruptEntry):
+    """An entry in a format version this sippcache does not read (written by a newer
+    one): unusable here, but not damaged, so it is skipped rather than deleted."""
+
+
 class CorruptStore(SippcacheError):
     """The store's files are damaged, are not a sippcache store, or are not what
     they should be (e.g. a symbolic link planted in the store directory)."""

@@ -18,10 +18,13 @@ from typing import Any
 
 import xxhash
 
-from .frame import FORMAT_VERSION
-
 HEAD_BYTES = 32 * 1024 * 1024
 TAIL_BYTES = 4 * 1024 * 1024
+
+#: The version of what a namespace's entries mean. Bump it only when entries
+#: written before must become invisible; a new frame format that still reads the
+#: old one (frame.READABLE_VERSIONS) keeps it, so an upgrade keeps the cache warm.
+NAMESPACE_VERSION = "1"
 
 _file_cache: dict[tuple[str, int, int, int], str] = {}
 
@@ -68,7 +71,7 @@ def llama_fingerprint(llm: Any) -> Fingerprint:
         "flash_attn": str(getattr(params, "flash_attn_type", getattr(params, "flash_attn", ""))),
         "swa_full": str(getattr(params, "swa_full", "")),
         "llama_cpp_python": llama_cpp.__version__,
-        "sippcache_format": str(FORMAT_VERSION),
+        "sippcache_format": NAMESPACE_VERSION,
     }
     digest = xxhash.xxh3_128_hexdigest("\n".join(f"{k}={v}" for k, v in sorted(facts.items())).encode())
     return Fingerprint(digest, facts)

@@ -4,35 +4,46 @@ Backends store opaque bytes; this module alone gives them meaning. Layout
 (all integers little-endian)::
 
     magic        8 bytes   b"SIPPKV\\r\\n"
-    version      u16       FORMAT_VERSION
+    version      u16       FORMAT_VERSION (2; version 1 frames are still read)
     header_len   u32       length of the msgpack header
     header_hash  u64       xxh3_64 of the header bytes
     header       msgpack   a map, see `Frame`
     payload      raw       the sections, back to back (sizes in the header)
+    mac          32 bytes  only if the header says so: keyed BLAKE2b of all the above
 
-The payload comes last and raw so a reader can hand a view of it (an LMDB
-page, an mmap) straight to llama.cpp without a copy. The header carries an
-xxh3_64 of the payload; `decode` checks both hashes, every size and every
-header field's type, and raises `CorruptEntry` on any mismatch. No pickle:
-a cache file can only ever be data.
+The payload is raw so a reader can hand a view of it (an LMDB page, an mmap)
+straight to llama.cpp without a copy. The header carries an xxh3_64 of the
+payload; `decode` checks both hashes, every size and every header field's
+type, and raises `CorruptEntry` on any mismatch. With a secret, `encode`
+appends a MAC and `decode` refuses any frame without a valid one, so whoever
+can write to a shared store cannot plant a state. No pickle: a cache file can
+only ever be data.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import msgpack
 import xxhash
 
 from . import tokens as _tokens
-from .errors import CorruptEntry
+from .errors import CorruptEntry, UnsupportedEntry
 
 MAGIC = b"SIPPKV\r\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Versions `decode` reads: 1 (no roles, no MAC) and 2.
+READABLE_VERSIONS = (1, 2)
+MAC_BYTES = 32
+#: Environment variable holding the secret that keys entry MACs (see `secret_from_environment`).
+SECRET_ENVIRONMENT_VARIABLE = "SIPPCACHE_SECRET"
 _PREFIX = struct.Struct("<8sHIQ")
 #: Upper bound on a header (token list included: 100k tokens are 400 KB).
 MAX_HEADER_BYTES = 64 * 1024 * 1024
@@ -52,10 +63,37 @@ class Frame:
     versions: Mapping[str, str] = field(default_factory=dict)
     created: float = 0.0
     meta: Mapping[str, Any] = field(default_factory=dict)
+    roles: tuple[str, ...] = ()  # one name per section ("" where the writer gave none)
+    authenticated: bool = False  # its MAC was checked against a secret
 
     @property
     def payload_size(self) -> int:
         return sum(len(s) for s in self.sections)
+
+    def section(self, role: str) -> Optional[memoryview]:
+        """The section named `role`, or None."""
+        return self.sections[self.roles.index(role)] if role in self.roles else None
+
+
+Secret = Union[str, bytes]
+
+
+def secret_from_environment() -> Optional[bytes]:
+    """The secret in `SIPPCACHE_SECRET`, if it is set and not empty."""
+    value = os.environ.get(SECRET_ENVIRONMENT_VARIABLE, "")
+    return value.encode("utf-8") if value else None
+
+
+def _mac(secret: Secret, parts: Sequence[Buffer]) -> bytes:
+    if isinstance(secret, str):
+        secret = secret.encode("utf-8")
+    if not isinstance(secret, bytes) or not secret:
+        raise TypeError("a secret must be a non-empty str or bytes")
+    key = hashlib.blake2b(secret, digest_size=32, person=b"sippcache.key").digest()
+    digest = hashlib.blake2b(key=key, digest_size=MAC_BYTES, person=b"sippcache.mac")
+    for part in parts:
+        digest.update(part)
+    return digest.digest()
 
 
 def encode(
@@ -67,15 +105,21 @@ def encode(
     versions: Mapping[str, str] | None = None,
     created: float | None = None,
     meta: Mapping[str, Any] | None = None,
+    roles: Sequence[str] | None = None,
+    secret: Optional[Secret] = None,
 ) -> bytes:
     """Frame payload `sections` (e.g. one llama.cpp sequence state) for storage.
 
     `fingerprint` names what the state belongs to (model, cache types, library
     versions); `kind` what the payload is (e.g. ``"llama.seq"``); `meta` holds
-    small extra fields (str/int/float/bool/bytes values only).
+    small extra fields (str/int/float/bool/bytes values only); `roles` names
+    each section (e.g. ``["state", "logits"]``). With a `secret`, a MAC over
+    the whole frame is appended (keyed BLAKE2b; about 1 GB/s).
     """
     if not isinstance(fingerprint, str) or not isinstance(kind, str):
         raise TypeError("fingerprint and kind must be str")
+    if roles is not None and (len(roles) != len(sections) or not all(isinstance(r, str) for r in roles)):
+        raise TypeError("roles must be one str per section")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in (versions or {}).items()):
         raise TypeError("versions must map str to str")
     if not all(isinstance(k, str) and isinstance(v, _META_TYPES) for k, v in (meta or {}).items()):
@@ -85,21 +129,26 @@ def encode(
     for section in sections:
         payload_hash.update(section)
         sizes.append(memoryview(section).nbytes)
-    header = msgpack.packb(
-        {
-            "tokens": _tokens.encode(tokens),
-            "fingerprint": fingerprint,
-            "kind": kind,
-            "versions": dict(versions or {}),
-            "created": time.time() if created is None else float(created),
-            "sizes": sizes,
-            "checksum": payload_hash.intdigest(),
-            "meta": dict(meta or {}),
-        },
-        use_bin_type=True,
-    )
+    fields: dict[str, Any] = {
+        "tokens": _tokens.encode(tokens),
+        "fingerprint": fingerprint,
+        "kind": kind,
+        "versions": dict(versions or {}),
+        "created": time.time() if created is None else float(created),
+        "sizes": sizes,
+        "checksum": payload_hash.intdigest(),
+        "meta": dict(meta or {}),
+    }
+    if roles is not None:
+        fields["roles"] = list(roles)
+    if secret is not None:
+        fields["mac"] = MAC_BYTES
+    header = msgpack.packb(fields, use_bin_type=True)
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), xxhash.xxh3_64_intdigest(header))
-    return b"".join([prefix, header, *sections])
+    parts = [prefix, header, *sections]
+    if secret is not None:
+        parts.append(_mac(secret, parts))
+    return b"".join(parts)
 
 
 # name -> type every header field must have
@@ -143,14 +192,23 @@ def _unpack_header(raw: memoryview) -> dict[str, Any]:
         raise CorruptEntry("entry header has an invalid section size")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in header["versions"].items()):
         raise CorruptEntry("entry header versions must map str to str")
+    roles = header.get("roles")
+    if roles is not None and not (
+        isinstance(roles, list) and len(roles) == len(header["sizes"]) and all(isinstance(r, str) for r in roles)
+    ):
+        raise CorruptEntry("entry header roles must be one str per section")
+    if header.get("mac", MAC_BYTES) != MAC_BYTES:
+        raise CorruptEntry("entry header has an invalid MAC length")
     return header
 
 
-def decode(buf: Buffer) -> Frame:
-    """Parse and verify a framed entry; raise `CorruptEntry` on any damage.
+def decode(buf: Buffer, *, secret: Optional[Secret] = None) -> Frame:
+    """Parse and verify a framed entry; raise `CorruptEntry` on any damage
+    (`UnsupportedEntry` for a format version this sippcache does not read).
 
-    The returned sections are views of `buf`: keep `buf` alive (and, for an
-    LMDB match, the match unreleased) while you use them.
+    With a `secret`, a frame without a valid MAC made with it is refused. The
+    returned sections are views of `buf`: keep `buf` alive (and, for an LMDB
+    match, the match unreleased) while you use them.
     """
     view = memoryview(buf).cast("B")
     if len(view) < _PREFIX.size:
@@ -158,8 +216,10 @@ def decode(buf: Buffer) -> Frame:
     magic, version, header_len, header_hash = _PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise CorruptEntry("not a sippcache entry (bad magic bytes)")
-    if version != FORMAT_VERSION:
-        raise CorruptEntry(f"unsupported entry format version {version} (this sippcache reads {FORMAT_VERSION})")
+    if version not in READABLE_VERSIONS:
+        raise UnsupportedEntry(
+            f"unsupported entry format version {version} (this sippcache reads {', '.join(map(str, READABLE_VERSIONS))})"
+        )
     start, end = _PREFIX.size, _PREFIX.size + header_len
     if header_len > MAX_HEADER_BYTES or end > len(view):
         raise CorruptEntry(f"entry header length {header_len} exceeds the entry")
@@ -167,10 +227,23 @@ def decode(buf: Buffer) -> Frame:
     if xxhash.xxh3_64_intdigest(raw_header) != header_hash:
         raise CorruptEntry("entry header checksum mismatch")
     header = _unpack_header(raw_header)
-    payload = view[end:]
+    if version == 1:  # written before roles and MACs: never trust such fields in it
+        header.pop("roles", None)
+        header.pop("mac", None)
+    trailer = MAC_BYTES if "mac" in header else 0
+    if len(view) - end < trailer:
+        raise CorruptEntry("entry is shorter than its MAC")
+    payload = view[end : len(view) - trailer]
     if sum(header["sizes"]) != len(payload):
         raise CorruptEntry(f"entry payload is {len(payload)} bytes, header says {sum(header['sizes'])}")
-    if xxhash.xxh3_64_intdigest(payload) != header["checksum"]:
+    authenticated = False
+    if secret is not None:
+        if not trailer:
+            raise CorruptEntry("entry has no MAC, and a secret is set")
+        if not hmac.compare_digest(_mac(secret, [view[: len(view) - trailer]]), view[len(view) - trailer :]):
+            raise CorruptEntry("entry MAC does not match the secret")
+        authenticated = True  # the MAC covers the payload: its xxh3 checksum adds nothing
+    elif xxhash.xxh3_64_intdigest(payload) != header["checksum"]:
         raise CorruptEntry("entry payload checksum mismatch")
     sections = []
     offset = 0
@@ -185,4 +258,6 @@ def decode(buf: Buffer) -> Frame:
         versions=header["versions"],
         created=header["created"],
         meta=header["meta"],
+        roles=tuple(header.get("roles") or [""] * len(sections)),
+        authenticated=authenticated,
     )

@@ -145,3 +145,90 @@ def test_random_bytes_never_raise_anything_but_corrupt_entry(data) -> None:
             frame.decode(candidate)
         except CorruptEntry:
             pass
+
+
+# -- version 2: roles and MACs; version 1 still read ---------------------------------------------
+
+#: A frame written by sippcache 0.1.0 (format version 1): tokens 1 2 3, one section b"state-bytes".
+V1_FRAME = bytes.fromhex(
+    "534950504b560d0a01008e000000af29d1c7b9df025588a6746f6b656e73c40c010000000200000003000000ab66696e676572"
+    "7072696e74a26670a46b696e64a96c6c616d612e736571a876657273696f6e7381b06c6c616d615f6370705f707974686f6ea6"
+    "302e332e3336a763726561746564cb41d954fc40000000a573697a6573910ba8636865636b73756dcf75300648b4a5478ba46d"
+    "65746181a56e5f7377610073746174652d6279746573"
+)
+
+
+def test_version_1_frames_still_load() -> None:
+    decoded = frame.decode(V1_FRAME)
+    assert decoded.tokens == (1, 2, 3) and [bytes(s) for s in decoded.sections] == [b"state-bytes"]
+    assert decoded.roles == ("",) and decoded.section("logits") is None and not decoded.authenticated
+    assert decoded.meta == {"n_swa": 0}
+    with pytest.raises(CorruptEntry, match="no MAC"):  # with a secret set, unauthenticated entries are refused
+        frame.decode(V1_FRAME, secret="s3cret")
+
+
+def test_new_frames_are_version_2() -> None:
+    # sippcache 0.1.0 reads version 1 only, so it refuses these with "unsupported entry format version 2".
+    assert struct.unpack_from("<H", make(), 8)[0] == 2 == frame.FORMAT_VERSION
+
+
+def test_a_newer_version_is_unsupported_not_damaged() -> None:
+    data = make()
+    with pytest.raises(frame.UnsupportedEntry, match="version 3"):
+        frame.decode(data[:8] + struct.pack("<H", 3) + data[10:])
+    assert issubclass(frame.UnsupportedEntry, CorruptEntry)
+
+
+def test_roles_name_sections() -> None:
+    data = frame.encode([1], [b"kv", b"\x00" * 8], roles=["state", "logits"], **FIELDS)
+    decoded = frame.decode(data)
+    assert decoded.roles == ("state", "logits")
+    assert bytes(decoded.section("logits")) == b"\x00" * 8 and bytes(decoded.section("state")) == b"kv"
+    assert decoded.section("other") is None
+    with pytest.raises(TypeError, match="roles"):
+        frame.encode([1], [b"kv"], roles=["state", "logits"], **FIELDS)
+
+
+def test_mac_round_trip_and_refusals() -> None:
+    data = frame.encode([1, 2], [b"state"], secret="s3cret", **FIELDS)
+    assert frame.decode(data, secret="s3cret").authenticated
+    assert frame.decode(data, secret=b"s3cret").authenticated  # str and its utf-8 bytes are one secret
+    assert not frame.decode(data).authenticated  # no secret: checksums only
+    with pytest.raises(CorruptEntry, match="MAC"):
+        frame.decode(data, secret="other")
+    with pytest.raises(CorruptEntry, match="no MAC"):
+        frame.decode(make(), secret="s3cret")
+    with pytest.raises(CorruptEntry):
+        frame.decode(data[:-1], secret="s3cret")
+    with pytest.raises(TypeError):
+        frame.encode([1], [b"x"], secret="", **FIELDS)
+
+
+def test_a_planted_entry_with_valid_checksums_is_refused_with_a_secret() -> None:
+    """Anyone can compute xxh3 checksums; only the secret's holders can make a MAC."""
+    planted = frame.encode([1, 2], [b"evil state"], **FIELDS)  # perfectly formed, no MAC
+    assert bytes(frame.decode(planted).sections[0]) == b"evil state"
+    with pytest.raises(CorruptEntry):
+        frame.decode(planted, secret="s3cret")
+    forged = planted[:-10] + b"evil!state"[:10]  # edited payload, recomputed nothing
+    with pytest.raises(CorruptEntry):
+        frame.decode(forged, secret="s3cret")
+
+
+@settings(max_examples=300, deadline=None)
+@given(position=st.integers(min_value=0), mask=st.integers(min_value=1, max_value=255))
+def test_any_flipped_byte_of_an_authenticated_frame_is_refused(position: int, mask: int) -> None:
+    data = bytearray(frame.encode([5, 6, 7], [b"state" * 20, b"logits" * 4], roles=["state", "logits"],
+                                  secret="k", **FIELDS))  # fmt: skip
+    data[position % len(data)] ^= mask
+    with pytest.raises(CorruptEntry):
+        frame.decode(bytes(data), secret="k")
+
+
+def test_secret_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SIPPCACHE_SECRET", raising=False)
+    assert frame.secret_from_environment() is None
+    monkeypatch.setenv("SIPPCACHE_SECRET", "")
+    assert frame.secret_from_environment() is None
+    monkeypatch.setenv("SIPPCACHE_SECRET", "päss")
+    assert frame.secret_from_environment() == "päss".encode()
