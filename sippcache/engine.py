@@ -333,6 +333,16 @@ class KVBackend(BaseBackend):
             self._flush_touches_if_due()
         return Match(hit.length, stored_key, blob, namespace, end)
 
+    def _touch_entry(self, key: bytes, namespace: str) -> bool:
+        eid = entry_id(namespace, key)
+        with self._lock:
+            self._refresh()
+            found = eid in self._catalog
+            if found:
+                self._touch(eid)
+                self._flush_touches_if_due()
+            return found
+
     def _delete(self, key: bytes, namespace: str) -> bool:
         eid = entry_id(namespace, key)
         found = []

@@ -250,6 +250,10 @@ class CacheBackend(Protocol):
     def delete(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
         """Remove the entry stored under exactly `tokens`; True if there was one."""
 
+    def touch(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
+        """Count a use of the entry stored under exactly `tokens`, as a hit would,
+        without reading it (a tier in front of this one had the hit); True if there is one."""
+
     def pin(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
         """Keep the entry stored under exactly `tokens` whatever the budgets; True
         if there is one. Raises `CacheFull` if pinned entries would exceed a budget."""
@@ -280,7 +284,8 @@ class BaseBackend(ABC):
     """Shared defaults for backends: argument checks, context manager, URL options.
 
     Subclasses implement the `_store`, `_lookup`, `_delete`, `_set_pinned`,
-    `_clear`, `_stats`, `_len`, `_entries` and `_close` hooks, which receive
+    `_clear`, `_stats`, `_len`, `_entries` and `_close` hooks (and may override
+    `_touch_entry`), which receive
     validated arguments: tokens as little-endian uint32 bytes
     (`sippcache.tokens.encode`), a str namespace, a non-empty bytes-like blob,
     resolved `StoreOptions`.
@@ -354,6 +359,13 @@ class BaseBackend(ABC):
         with self._damage_as_corrupt_store():
             return bool(key) and self._delete(key, namespace)
 
+    def touch(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
+        key = _tokens.encode(tokens)
+        _check_namespace(namespace)
+        self._check_open()
+        with self._damage_as_corrupt_store():
+            return bool(key) and self._touch_entry(key, namespace)
+
     def pin(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
         return self._pin(tokens, namespace, True)
 
@@ -419,6 +431,15 @@ class BaseBackend(ABC):
             raise CacheClosed(f"{type(self).__name__} is closed")
 
     # -- storage hooks -------------------------------------------------------
+
+    def _touch_entry(self, key: bytes, namespace: str) -> bool:
+        """`touch`: by default an exact lookup whose blob is not read; override
+        where a use can be recorded without fetching the entry."""
+        match = self._lookup(key, namespace, False, True)
+        if match is None:
+            return False
+        with match:
+            return match.length * 4 == len(key) and len(match.key) * 4 == len(key)
 
     @abstractmethod
     def _store(self, key: bytes, blob: memoryview, namespace: str, options: StoreOptions) -> bool: ...

@@ -369,6 +369,18 @@ class BackendTests:
         assert cache.lookup([1], touch=False) is None
         assert all(cache.lookup([k], touch=False) is not None for k in (0, 2, 3))
 
+    def test_touch_counts_as_a_use(self, open_cache: Opener) -> None:
+        cache = open_cache(max_bytes=3500)
+        for i in range(3):
+            cache.store([i, i], bytes(1000))
+        assert cache.touch([0, 0]) is True
+        assert cache.touch([0]) is False and cache.touch([0, 0, 0]) is False  # exactly the key, or nothing
+        assert cache.touch([0, 0], namespace="other") is False and cache.touch([]) is False
+        assert (cache.stats().hits, cache.stats().misses) == (0, 0)  # a touch is not a lookup
+        cache.store([3, 3], bytes(1000))
+        assert cache.lookup([1, 1], touch=False) is None
+        assert cache.lookup([0, 0], touch=False) is not None
+
     def test_pinned_entry_survives_a_flood(self, open_cache: Opener) -> None:
         cache = open_cache(max_bytes=20_000)
         system = list(range(1000, 1500))  # 500 tokens: 2,000 key bytes + 1,000 blob bytes
