@@ -1,0 +1,1075 @@
+"""`redis://` and `rediss://`: one sippcache store on a Redis or Valkey server or cluster.
+
+Every client process mirrors the store's catalog in memory (a
+`sippcache.catalog.Catalog`: the radix index and the eviction order, the same
+policy as every other backend) and keeps it in step through a change log on
+the server. So a lookup is decided locally after ONE round trip (the "sync"
+script, which returns the log records this client has not seen and, when due,
+saves its batched recency updates), whatever the number of entries and the
+length of the prompt; a hit then fetches its blob in chunks, pipelined in
+16 MiB windows, so a 100 MB state never holds the server for one long command.
+
+A store plans locally (eviction victims, supersession, generations: all in
+the catalog) on a mirror that is exact at log position `seq`, uploads its
+chunks, then commits with a script that applies the plan only if the store is
+still at `seq`; otherwise the script returns the records in between and the
+client plans again. Chunks are uploaded with a time-to-live and made permanent
+after the commit, so a client that dies mid-store leaves nothing behind.
+
+Faults are misses: a server that is down, restarting, read-only, out of memory
+or too slow makes lookups miss and stores drop (counted in `Stats.errors`,
+warned about once per outage), and the handle skips the server for a short
+backoff so a dead server costs each request at most `timeout`. Everything read
+from the server is validated; what does not parse is a miss or triggers a
+rebuild, never an exception. See docs/redis.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import secrets
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Union
+
+import msgpack
+import xxhash
+
+from sippcache import BadOption, BaseBackend, EntryInfo, Match, MissingDependency, Stats, StoreOptions
+from sippcache import tokens as _tokens
+from sippcache.catalog import Catalog, EntryState, StorePlan, refuse
+from sippcache.engine import TOUCH_BATCH, TOUCH_SECONDS, entry_id
+from sippcache.errors import CacheFull
+from sippcache.options import Size
+
+try:
+    import redis
+    import redis.exceptions as rexc
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+except ImportError as exc:  # reported by `sippcache backends` as unusable, with the fix
+    raise MissingDependency('the "redis" backend needs the redis package: pip install sippcache-redis') from exc
+
+from .scripts import SCRIPTS
+from .url import RedisAddress, parse_location
+
+log = logging.getLogger("sippcache")
+
+DEFAULT_MAX_BYTES = 1024**3
+DEFAULT_TIMEOUT = 2.0
+DEFAULT_CHUNK_SIZE = 1024**2
+DEFAULT_PREFIX = "sippcache"
+MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 1024, 256 * 1024**2
+#: Bytes of chunks requested per round trip when fetching or uploading a blob.
+WINDOW_BYTES = 16 * 1024**2
+#: Chunks live this long until their entry is committed (a client that dies mid-store leaves nothing).
+UPLOAD_TTL_MS = 15 * 60 * 1000
+#: Log records returned by one script call; a client further behind pages or rebuilds.
+MAX_RECORDS = 256
+#: Times a store (or pin, or clear) plans again after another client changed the store first.
+COMMIT_ATTEMPTS = 8
+#: After a failure the server is left alone this long (doubling up to the maximum).
+BACKOFF_FIRST, BACKOFF_MAX = 0.5, 5.0
+#: Entries read per HSCAN call while rebuilding.
+SCAN_COUNT = 1000
+
+_PREFIX = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_VALUES = struct.Struct(">Qd??")  # used (ns), retention value, pinned, superseded: 18 bytes
+_TOUCH = struct.Struct(">16sQd")  # id, used, value: 32 bytes
+_TLS_OPTIONS: dict[str, type] = {
+    "ssl_ca_certs": str, "ssl_ca_path": str, "ssl_certfile": str, "ssl_keyfile": str, "ssl_password": str,
+    "ssl_cert_reqs": str, "ssl_check_hostname": bool, "ssl_ciphers": str,
+}  # fmt: skip
+
+#: Errors that mean the server cannot be used right now: back off, then try again.
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    rexc.ConnectionError, rexc.TimeoutError, rexc.ReadOnlyError, rexc.ClusterError, rexc.TryAgainError,
+    rexc.RedisClusterException, rexc.AskError, OSError,
+)  # fmt: skip
+
+
+class AccessDenied(BadOption):
+    """The server refused the URL's credentials, or its ACL denies a command or key the
+    backend needs. Raised at open (a `BadOption`: the URL must change); later, the same
+    problem is an outage (misses, `Stats.errors`, a warning)."""
+
+
+class _ServerError(Exception):
+    """A server call failed; the operation becomes a miss or is dropped."""
+
+
+class _Unavailable(_ServerError):
+    """The server is down, unreachable, loading, read-only or too slow (or we are backing off)."""
+
+
+class _Rebuild(Exception):
+    """What the server returned cannot be applied to the mirror: rebuild it."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Blob:
+    """Where an entry's bytes are: `count` chunks of `chunk_size` (the last shorter)."""
+
+    blob_id: bytes  # 8 random bytes, new for every store
+    length: int
+    chunk_size: int
+    checksum: int  # xxh3_64 of the blob
+
+    @property
+    def count(self) -> int:
+        return -(-self.length // self.chunk_size)
+
+    def sizes(self) -> list[int]:
+        count = self.count
+        return [self.chunk_size] * (count - 1) + [self.length - self.chunk_size * (count - 1)]
+
+
+def _pack_meta(namespace: str, key: bytes, size: int, state: EntryState, ref: _Blob) -> bytes:
+    body = [namespace, key, size, state.created, state.priority, state.generation, ref.chunk_size, ref.checksum]
+    return ref.blob_id + msgpack.packb(body, use_bin_type=True)
+
+
+def _meta(eid: bytes, raw: Any) -> Optional[tuple[str, bytes, int, int, float, int, _Blob]]:
+    """A `cat` value as (namespace, key, size, created, priority, generation, blob), or
+    None unless it is well formed and belongs to `eid`."""
+    if not isinstance(raw, bytes) or len(raw) < 9:
+        return None
+    try:
+        fields = msgpack.unpackb(raw[8:], raw=False)
+        namespace, key, size, created, priority, generation, chunk_size, checksum = fields
+    except Exception:
+        return None
+    if not (
+        isinstance(namespace, str) and isinstance(key, bytes) and key and len(key) % 4 == 0
+        and len(namespace.encode("utf-8", "surrogatepass")) <= 1024
+        and type(size) is int and size > len(key) and type(created) is int and created >= 0
+        and isinstance(priority, (int, float)) and not isinstance(priority, bool)
+        and math.isfinite(priority) and priority >= 0
+        and type(generation) is int and 0 <= generation < 2**63
+        and type(chunk_size) is int and MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE
+        and type(checksum) is int and 0 <= checksum < 2**64
+    ):  # fmt: skip
+        return None
+    try:
+        if entry_id(namespace, key) != eid:
+            return None
+    except UnicodeEncodeError:
+        return None
+    blob = _Blob(raw[:8], size - len(key), chunk_size, checksum)
+    return namespace, key, size, created, float(priority), generation, blob
+
+
+def _pack_values(used: int, value: float, pinned: bool, superseded: bool) -> bytes:
+    return _VALUES.pack(used, value, pinned, superseded)
+
+
+def _values(raw: Any) -> Optional[tuple[int, float, bool, bool]]:
+    """A `val` value as (used, value, pinned, superseded), or None if absent or damaged."""
+    if not isinstance(raw, bytes) or len(raw) != _VALUES.size or raw[16] > 1 or raw[17] > 1:
+        return None
+    used, value, pinned, superseded = _VALUES.unpack(raw)
+    return (used, value, pinned, superseded) if math.isfinite(value) else None
+
+
+def _clock(raw: Any) -> float:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        return 0.0
+    return value if math.isfinite(value) else 0.0
+
+
+def _entry(meta: tuple[str, bytes, int, int, float, int, _Blob], values: Optional[tuple[int, float, bool, bool]]) -> EntryState:
+    namespace, key, size, created, priority, generation, _ = meta
+    tokens = len(key) // 4
+    used, value, pinned, superseded = values if values is not None else (created, priority / tokens, False, False)
+    return EntryState(namespace, tokens, size, priority, generation, created, max(used, created), value, pinned, superseded)
+
+
+_open_backends: weakref.WeakSet[RedisBackend] = weakref.WeakSet()
+
+
+def _before_fork() -> None:  # never copy a handle in the middle of an operation
+    for backend in sorted(_open_backends, key=id):
+        backend._lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    for backend in sorted(_open_backends, key=id):
+        backend._lock.release()
+
+
+def _after_fork_in_child() -> None:  # the mirror stays valid; redis-py reconnects in the child by itself
+    for backend in list(_open_backends):
+        backend._lock = threading.RLock()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+
+
+class RedisBackend(BaseBackend):
+    """A sippcache store on a Redis or Valkey server (or cluster), shared by every process
+    that opens the same URL and prefix. See the module docstring and docs/redis.md."""
+
+    persistent: ClassVar[bool] = True
+    options: ClassVar[Mapping[str, type]] = {
+        "max_bytes": Size, "max_entries": int, "prefix": str, "timeout": float, "cluster": bool,
+        "chunk_size": Size, **_TLS_OPTIONS,
+    }  # fmt: skip
+
+    def __init__(
+        self,
+        location: str = "",
+        *,
+        max_bytes: Optional[int] = DEFAULT_MAX_BYTES,
+        max_entries: Optional[int] = None,
+        prefix: str = DEFAULT_PREFIX,
+        timeout: float = DEFAULT_TIMEOUT,
+        cluster: Optional[bool] = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        tls: bool = False,
+        **tls_options: Any,
+    ) -> None:
+        super().__init__()
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        if max_entries is not None and max_entries <= 0:
+            raise ValueError(f"max_entries must be positive, got {max_entries}")
+        if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+            raise ValueError(f"prefix must be 1 to 64 of A-Z a-z 0-9 . _ : - (got {prefix!r})")
+        if not (math.isfinite(timeout) and 0 < timeout <= 3600):
+            raise ValueError(f"timeout must be a number of seconds in (0, 3600], got {timeout}")
+        if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
+            raise ValueError(f"chunk_size must be in {MIN_CHUNK_SIZE}..{MAX_CHUNK_SIZE} bytes, got {chunk_size}")
+        unknown = set(tls_options) - set(_TLS_OPTIONS)
+        if unknown:
+            raise TypeError(f"unexpected options: {', '.join(sorted(unknown))}")
+        if tls_options and not tls:
+            raise ValueError(f"{', '.join(sorted(tls_options))}: TLS options need a rediss:// URL")
+        reqs = tls_options.get("ssl_cert_reqs")
+        if reqs is not None and reqs not in ("none", "optional", "required"):
+            raise ValueError(f"ssl_cert_reqs must be none, optional or required, got {reqs!r}")
+        self.address: RedisAddress = parse_location(location, tls=tls)
+        if cluster and self.address.db != 0:
+            raise ValueError("a Redis Cluster has only database 0")
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.prefix = prefix
+        self.timeout = float(timeout)
+        self.chunk_size = int(chunk_size)
+        self.location = self.address.display() + f"?prefix={prefix}"
+        self._cluster_option = cluster
+        self._tls_options = tls_options
+        tag = "{" + prefix + "}"
+        self._keys = [f"{tag}:state", f"{tag}:cat", f"{tag}:val", f"{tag}:log"]
+        self._chunk_prefix = f"{prefix}:b:"
+
+        self._lock = threading.RLock()
+        self._connect_lock = threading.Lock()
+        self._opening = True  # credentials and ACL problems raise AccessDenied only while opening
+        self._redis: Any = None  # redis.Redis or redis.RedisCluster, made on first use
+        self.cluster: Optional[bool] = None  # known once connected
+        self._catalog = Catalog()
+        self._refs: dict[bytes, _Blob] = {}
+        self._epoch: Optional[bytes] = None
+        self._seq = -1  # newest log record applied; -1: rebuild before use
+        self._pending: dict[bytes, tuple[int, float]] = {}  # id -> (used, value): recency not yet saved
+        self._pending_since = 0.0
+        self._damaged: set[bytes] = set()
+        self._unsure: list[tuple[bytes, _Blob]] = []  # uploads whose commit outcome is unknown
+        self._last_time = 0
+        self._counters = dict(hits=0, misses=0, stores=0, evictions=0, refused=0, stale=0, errors=0)
+        #: Network exchanges made (a script call, a pipeline, a scan page): a diagnostic.
+        self.round_trips = 0
+        # Outage state: warn once per outage, skip the server while backing off.
+        self._outage: Optional[str] = None
+        self._failed_operations = 0
+        self._retry_at = 0.0
+        self._backoff = BACKOFF_FIRST
+        self._warned: set[str] = set()
+        _open_backends.add(self)
+        try:
+            self._open()
+        finally:
+            self._opening = False
+
+    @classmethod
+    def from_url(cls, location: str, options: Mapping[str, str]) -> RedisBackend:
+        """Like `BaseBackend.from_url`, but `AccessDenied` reaches the caller as itself.
+
+        The scheme is not part of `location`; `sippcache.open` gives it to no backend,
+        so TLS is chosen by the class the entry point names (see `RedisTLSBackend`)."""
+        from sippcache.options import coerce_options
+
+        kwargs = coerce_options(cls.__name__, options, cls.options)
+        try:
+            return cls(location, **kwargs)
+        except BadOption:
+            raise
+        except ValueError as exc:
+            raise BadOption(f"{cls.__name__}: {exc}") from exc
+
+    # -- connecting ----------------------------------------------------------------
+
+    def _open(self) -> None:
+        """Connect and check permissions now, so a wrong password or a missing ACL
+        permission is a clear error at open. A server that is down is not an error."""
+        try:
+            with self._server() as client:
+                self._probe(client)
+        except _Unavailable:
+            pass  # already warned: outage mode until the server answers
+        except _ServerError:
+            pass
+
+    def _connect(self) -> Any:
+        """A client for the server, or for the cluster it belongs to (detected unless forced)."""
+        address = self.address
+        common: dict[str, Any] = dict(
+            username=address.username, password=address.password,
+            socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0, driver_info=None,
+        )  # fmt: skip
+        if address.tls:
+            common["ssl"] = True
+            common.update(self._tls_options)
+        cluster = self._cluster_option
+        if cluster is None:
+            probe = redis.Redis(host=address.host, port=address.port, db=address.db, **common)
+            try:
+                try:
+                    info = probe.info("cluster")
+                    cluster = bool(info.get("cluster_enabled"))
+                except rexc.NoPermissionError:  # INFO denied: a single server unless cluster=1 says otherwise
+                    cluster = False
+            finally:
+                probe.close()
+            if cluster and address.db != 0:
+                raise BadOption(f"{address.display()} is a cluster node: a Redis Cluster has only database 0")
+        if cluster:
+            client = redis.RedisCluster(host=address.host, port=address.port, require_full_coverage=False, **common)
+        else:
+            client = redis.Redis(host=address.host, port=address.port, db=address.db, **common)
+        self.cluster = cluster
+        return client
+
+    def _probe(self, client: Any) -> None:
+        """Run every command this backend uses, on scratch keys under the prefix."""
+        tag = "{" + self.prefix + "}"
+        chunk = f"{self._chunk_prefix}{{probe}}:{secrets.token_hex(4)}:0"
+        try:
+            self._eval(client, "probe", [f"{tag}:probe", f"{tag}:probe:log"], [])
+            pipe = client.pipeline(transaction=False)
+            pipe.execute_command("SET", chunk, b"x", "PX", 10_000)
+            pipe.execute_command("GET", chunk)
+            pipe.execute_command("PERSIST", chunk)
+            pipe.execute_command("UNLINK", chunk)
+            pipe.execute()
+            client.execute_command("HSCAN", self._keys[1], 0, "COUNT", 1)
+            self.round_trips += 2
+        except rexc.NoPermissionError as exc:
+            user = self.address.username or "default"
+            raise AccessDenied(f"{self.address.display()}: the ACL of user {user!r} denies what sippcache needs: {exc}") from None
+
+    def _client(self) -> Any:
+        if self._redis is None:
+            with self._connect_lock:
+                if self._redis is None:
+                    self._redis = self._connect()
+        return self._redis
+
+    @contextmanager
+    def _server(self) -> Iterator[Any]:
+        """Around every use of the server: fail fast while backing off; turn the
+        client's errors into `_Unavailable` / `_ServerError`; note outages and recoveries."""
+        if self._outage is not None and time.monotonic() < self._retry_at:
+            raise _Unavailable(self._outage)
+        try:
+            yield self._client()
+        except BadOption as exc:  # AccessDenied, or a URL that does not fit the server
+            if self._opening:
+                raise
+            self._went_down(exc)
+            raise _Unavailable(str(exc)) from exc
+        except rexc.AuthenticationError as exc:
+            if self._opening:
+                user = self.address.username or "default"
+                raise AccessDenied(f"{self.address.display()}: the server refused the credentials of user {user!r}: {exc}") from None
+            self._went_down(exc)
+            raise _Unavailable(str(exc)) from exc
+        except _UNAVAILABLE as exc:
+            self._went_down(exc)
+            raise _Unavailable(str(exc)) from exc
+        except rexc.RedisError as exc:  # refused by the server: OOM, NOPERM, WRONGTYPE, a script error
+            text = f"{type(exc).__name__}: {exc}"
+            kind = text.split(" ", 2)[:2]
+            if " ".join(kind) not in self._warned and len(self._warned) < 100:
+                self._warned.add(" ".join(kind))
+                log.warning("sippcache: %s refused an operation (%s); it is a miss or is dropped", self.location, text)
+            raise _ServerError(text) from exc
+        else:
+            if self._outage is not None:
+                log.info("sippcache: %s is back after %d failed operations", self.location, self._failed_operations)
+                self._outage = None
+                self._backoff = BACKOFF_FIRST
+                self._failed_operations = 0
+
+    def _went_down(self, exc: BaseException) -> None:
+        text = f"{type(exc).__name__}: {exc}"
+        if self._outage is None:
+            self._outage = text
+            log.warning(
+                "sippcache: %s is unavailable (%s); lookups miss and stores are dropped until it answers again",
+                self.location, text,
+            )  # fmt: skip
+        else:
+            self._backoff = min(BACKOFF_MAX, self._backoff * 2)
+        self._retry_at = time.monotonic() + self._backoff
+
+    def _failed(self) -> None:
+        self._counters["errors"] += 1
+        if self._outage is not None:
+            self._failed_operations += 1
+
+    def _eval(self, client: Any, name: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """Run a script by its SHA; load it once if the server does not know it (new or restarted)."""
+        script = SCRIPTS[name]
+        try:
+            return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except rexc.NoScriptError:
+            self.round_trips += 1
+            return client.execute_command("EVAL", script.source, len(keys), *keys, *args)
+        finally:
+            self.round_trips += 1
+
+    # -- keeping the mirror in step --------------------------------------------------
+
+    def _script(self, name: str, args: Sequence[Any], *, expected: Optional[int] = None) -> list[Any]:
+        """Call a store script with the common leading arguments; return its reply."""
+        seq = self._seq if expected is None else expected
+        head = [self._epoch or b"", seq, secrets.token_hex(8), MAX_RECORDS]
+        with self._server() as client:
+            reply = self._eval(client, name, self._keys, [*head, *args])
+        if not (isinstance(reply, list) and len(reply) == 6):
+            raise _Rebuild(f"unexpected reply from the {name} script")
+        return reply
+
+    def _absorb(self, reply: list[Any]) -> str:
+        """Apply a script's records to the mirror. Returns "ok" (the mirror is at the
+        server's seq), "more" (call again), or "rebuild"."""
+        epoch, seq, clock, status, records = reply[:5]
+        if not isinstance(epoch, bytes) or type(seq) is not int or seq < 0:
+            return "rebuild"
+        status = status.decode() if isinstance(status, bytes) else str(status)
+        if status == "rebuild" or epoch != self._epoch or self._seq < 0:
+            return "rebuild"
+        if status not in ("ok", "more") or not isinstance(records, list):
+            return "rebuild"
+        try:
+            for record in records:
+                self._apply(record)
+        except _Rebuild:
+            return "rebuild"
+        if status == "ok":
+            if self._seq != seq:
+                return "rebuild"
+            self._catalog.clock = _clock(clock)
+        return status
+
+    def _apply(self, record: Any) -> None:
+        if not (isinstance(record, list) and len(record) >= 2 and record[0] == self._seq + 1):
+            raise _Rebuild("log record out of order")
+        kind = record[1]
+        catalog = self._catalog
+        if kind in (b"p", b"v", b"d"):
+            eid = record[2] if len(record) > 2 else None
+            if not isinstance(eid, bytes) or len(eid) != 16:
+                raise _Rebuild("bad entry id in the log")
+            if kind == b"p":
+                raw_meta = record[3] if len(record) > 3 else None
+                meta = _meta(eid, raw_meta)
+                self._forget(eid)
+                if meta is not None:
+                    values = _values(record[4] if len(record) > 4 else None)
+                    catalog.put(eid, meta[1], _entry(meta, values))
+                    self._refs[eid] = meta[6]
+                elif raw_meta is not None:
+                    self._damaged.add(eid)
+            elif kind == b"v":
+                values = _values(record[4] if len(record) > 4 else None)
+                if values is not None:
+                    catalog.update(eid, value=values[1], pinned=values[2], superseded=values[3])
+            else:
+                self._forget(eid)
+                self._damaged.discard(eid)
+        elif kind == b"t":
+            data = record[2] if len(record) > 2 else None
+            if not isinstance(data, bytes) or len(data) % _TOUCH.size:
+                raise _Rebuild("bad touch record in the log")
+            for eid, used, value in _TOUCH.iter_unpack(data):
+                if math.isfinite(value):
+                    catalog.use(eid, used, value)
+        elif kind == b"c":
+            catalog.clear()
+            self._refs.clear()
+            self._pending.clear()
+            self._damaged.clear()
+        else:
+            raise _Rebuild("unknown log record")
+        self._seq += 1
+
+    def _forget(self, eid: bytes, *, evicted: bool = False) -> Optional[_Blob]:
+        self._catalog.remove(eid, evicted=evicted)
+        self._pending.pop(eid, None)
+        return self._refs.pop(eid, None)
+
+    def _sync(self) -> None:
+        """Bring the mirror up to the server's newest record (one round trip when
+        nothing is far behind), saving pending recency updates if they are due."""
+        if self._seq < 0:
+            self._rebuild()
+            return
+        touches: list[bytes] = []
+        if self._pending and (
+            len(self._pending) >= TOUCH_BATCH or time.monotonic() - self._pending_since >= TOUCH_SECONDS
+        ):
+            touches = self._touch_args()
+        for _ in range(64):
+            reply = self._script("sync", touches)
+            touches = []
+            try:
+                status = self._absorb(reply)
+            except _Rebuild:
+                status = "rebuild"
+            if status == "ok":
+                self._settle_uploads()
+                return
+            if status == "rebuild":
+                self._rebuild()
+                return
+        self._rebuild()
+
+    def _touch_args(self) -> list[bytes]:
+        args: list[bytes] = []
+        for eid, (used, value) in self._pending.items():
+            args += [eid, _TOUCH.pack(eid, used, value)[16:]]
+        self._pending.clear()
+        return args
+
+    def _flush_touches(self) -> None:
+        if self._pending and self._seq >= 0:
+            reply = self._script("sync", self._touch_args())
+            if self._absorb(reply) == "rebuild":
+                self._seq = -1
+
+    def _rebuild(self) -> None:
+        """Read the whole catalog again (HSCAN, a page per round trip), then catch up
+        through the log from where the scan began."""
+        for _ in range(3):
+            self._seq = -1
+            reply = self._script("sync", [], expected=-1)
+            epoch, seq = reply[0], reply[1]
+            if not isinstance(epoch, bytes) or type(seq) is not int or seq < 0:
+                raise _ServerError("the store's state is unreadable")
+            metas = self._scan(self._keys[1])
+            values = self._scan(self._keys[2])
+            catalog, refs, damaged = Catalog(), {}, set()
+            found = []
+            for eid, raw in metas.items():
+                meta = _meta(eid, raw)
+                if meta is None:
+                    damaged.add(eid)
+                    continue
+                found.append((meta, eid))
+            entries = []
+            for meta, eid in found:
+                state = _entry(meta, _values(values.get(eid)))
+                entries.append((state.used, eid, meta[1], state, meta[6]))
+            entries.sort(key=lambda item: (item[0], item[1]))
+            for _, eid, key, state, ref in entries:
+                catalog.put(eid, key, state)
+                refs[eid] = ref
+            catalog.clock = _clock(reply[2])
+            self._catalog, self._refs, self._damaged = catalog, refs, damaged
+            self._pending.clear()
+            self._epoch, self._seq = epoch, seq
+            if damaged:
+                log.warning("sippcache: %s has %d damaged entries; they are invisible and removed now",
+                            self.location, len(damaged))  # fmt: skip
+            for _ in range(64):
+                status = self._absorb(self._script("sync", []))
+                if status != "more":
+                    break
+            if status == "ok":
+                self._purge_damaged()
+                self._settle_uploads()
+                return
+        self._seq = -1
+        raise _ServerError("the store changed too fast to be read")
+
+    def _scan(self, key: str) -> dict[bytes, Any]:
+        found: dict[bytes, Any] = {}
+        cursor: Any = 0
+        while True:
+            with self._server() as client:
+                reply = client.execute_command("HSCAN", key, cursor, "COUNT", SCAN_COUNT)
+            self.round_trips += 1
+            if not (isinstance(reply, (list, tuple)) and len(reply) == 2):
+                return found
+            cursor, items = reply
+            if isinstance(items, dict):
+                items = [x for pair in items.items() for x in pair]
+            for i in range(0, len(items) - 1, 2):
+                field = items[i]
+                if isinstance(field, bytes) and len(field) == 16:
+                    found[field] = items[i + 1]
+            if cursor in (0, b"0", "0"):
+                return found
+
+    def _purge_damaged(self) -> None:
+        """Delete entries whose metadata does not parse (their chunks are unknown: left to expire or be evicted)."""
+        if not self._damaged:
+            return
+        args: list[bytes] = []
+        for eid in list(self._damaged)[:1000]:
+            args += [eid, b""]
+        reply = self._script("delete", args)
+        self._damaged.clear()
+        if self._absorb(reply) == "rebuild":
+            self._seq = -1
+
+    def _settle_uploads(self) -> None:
+        """Uploads whose commit reply was lost: keep the chunks if the entry is ours, else unlink them."""
+        if not self._unsure:
+            return
+        unsure, self._unsure = self._unsure, []
+        keep, drop = [], []
+        for eid, ref in unsure:
+            (keep if self._refs.get(eid) == ref else drop).append((eid, ref))
+        try:
+            self._chunk_commands([("PERSIST", e, r) for e, r in keep] + [("UNLINK", e, r) for e, r in drop])
+        except _ServerError:
+            pass  # they expire by themselves
+
+    # -- chunks --------------------------------------------------------------------------
+
+    def _chunk_keys(self, eid: bytes, ref: _Blob) -> list[str]:
+        base = f"{self._chunk_prefix}{{{eid.hex()}}}:{ref.blob_id.hex()}:"
+        return [base + str(i) for i in range(ref.count)]
+
+    def _chunk_commands(self, work: Sequence[tuple[str, bytes, _Blob]]) -> None:
+        """PERSIST or UNLINK the chunks of several entries, pipelined (each command stays in one slot)."""
+        if not work:
+            return
+        with self._server() as client:
+            pipe = client.pipeline(transaction=False)
+            for command, eid, ref in work:
+                keys = self._chunk_keys(eid, ref)
+                if command == "UNLINK":
+                    pipe.execute_command("UNLINK", *keys)
+                else:
+                    for key in keys:
+                        pipe.execute_command("PERSIST", key)
+            pipe.execute(raise_on_error=False)
+        self.round_trips += 1
+
+    def _upload(self, eid: bytes, ref: _Blob, blob: memoryview) -> None:
+        keys = self._chunk_keys(eid, ref)
+        per_trip = max(1, WINDOW_BYTES // ref.chunk_size)
+        for first in range(0, len(keys), per_trip):
+            with self._server() as client:
+                pipe = client.pipeline(transaction=False)
+                for i in range(first, min(len(keys), first + per_trip)):
+                    piece = blob[i * ref.chunk_size : (i + 1) * ref.chunk_size]
+                    pipe.execute_command("SET", keys[i], piece, "PX", UPLOAD_TTL_MS)
+                pipe.execute()
+            self.round_trips += 1
+
+    def _fetch(self, eid: bytes, ref: _Blob) -> Optional[bytes]:
+        """The blob, or None if a chunk is missing, the wrong length, or the checksum fails (torn)."""
+        keys = self._chunk_keys(eid, ref)
+        sizes = ref.sizes()
+        per_trip = max(1, WINDOW_BYTES // ref.chunk_size)
+        parts: list[bytes] = []
+        for first in range(0, len(keys), per_trip):
+            with self._server() as client:
+                pipe = client.pipeline(transaction=False)
+                for key in keys[first : first + per_trip]:
+                    pipe.execute_command("GET", key)
+                got = pipe.execute(raise_on_error=False)
+            self.round_trips += 1
+            for i, part in enumerate(got, first):
+                if isinstance(part, Exception):  # refused (moved, loading...): unavailable, not torn
+                    raise _Unavailable(f"{type(part).__name__}: {part}")
+                if not isinstance(part, bytes) or len(part) != sizes[i]:
+                    return None
+                parts.append(part)
+        blob = parts[0] if len(parts) == 1 else b"".join(parts)
+        return blob if xxhash.xxh3_64_intdigest(blob) == ref.checksum else None
+
+    # -- BaseBackend hooks -----------------------------------------------------------------
+
+    def _store(self, key: bytes, blob: memoryview, namespace: str, options: StoreOptions) -> bool:
+        size = blob.nbytes + len(key)
+        eid = entry_id(namespace, key)
+        budgets = f"max_bytes={self.max_bytes}, max_entries={self.max_entries}"
+        if self.max_bytes is not None and size > self.max_bytes:  # no round trip for what cannot fit
+            with self._lock:
+                self._counters["refused"] += 1
+            return refuse(self.location, size, len(key) // 4, options.pinned, "larger than max_bytes", budgets)
+        ref = _Blob(secrets.token_bytes(8), blob.nbytes, self.chunk_size, xxhash.xxh3_64_intdigest(blob))
+        uploaded = False
+        try:
+            with self._lock:
+                self._sync()
+                plan = self._plan(eid, key, namespace, size, options)
+            if plan.state is not None:
+                self._upload(eid, ref, blob)
+                uploaded = True
+                with self._lock:
+                    plan, done = self._commit_store(eid, key, namespace, size, options, plan, ref)
+                if done is not None:
+                    self._finish_store(eid, ref, done)
+                    return True
+                if plan.state is not None:  # never committed: the store kept changing
+                    log.warning("sippcache: %s changed %d times while storing; store dropped", self.location, COMMIT_ATTEMPTS)
+                    self._discard(eid, ref)
+                    with self._lock:
+                        self._failed()
+                    return False
+                self._discard(eid, ref)
+        except (_ServerError, _Rebuild) as exc:
+            with self._lock:
+                self._failed()
+                if uploaded and isinstance(exc, _Unavailable):
+                    self._unsure.append((eid, ref))  # the commit may have happened: settle at the next sync
+                elif uploaded:
+                    self._discard(eid, ref)
+            return False
+        with self._lock:  # refused by the plan
+            if plan.reason == "stale":
+                self._counters["stale"] += 1
+                return False
+            self._counters["refused"] += 1
+        return refuse(self.location, size, len(key) // 4, options.pinned, plan.reason, budgets)
+
+    def _plan(self, eid: bytes, key: bytes, namespace: str, size: int, options: StoreOptions) -> StorePlan:
+        return self._catalog.plan_store(
+            eid, key, namespace, size, options, self._now(), max_bytes=self.max_bytes, max_entries=self.max_entries
+        )
+
+    def _commit_store(
+        self, eid: bytes, key: bytes, namespace: str, size: int, options: StoreOptions, plan: StorePlan, ref: _Blob
+    ) -> tuple[StorePlan, Optional[list[tuple[bytes, _Blob]]]]:
+        """Commit `plan` (planning again while other clients get there first). Returns the
+        final plan and, if committed, the chunks the store made obsolete."""
+        for attempt in range(COMMIT_ATTEMPTS):
+            if attempt:
+                plan = self._plan(eid, key, namespace, size, options)
+            state = plan.state
+            if state is None:
+                return plan, None
+            catalog = self._catalog
+            values: list[bytes] = []
+            if plan.superseded is not None:
+                old = catalog.get(plan.superseded)
+                assert old is not None
+                values = [plan.superseded, _pack_values(old.used, old.value, old.pinned, True)]
+            args: list[Any] = [repr(plan.clock), len(plan.victims), *plan.victims, len(values) // 2, *values, 1,
+                               eid, _pack_meta(namespace, key, size, state, ref),
+                               _pack_values(state.used, state.value, state.pinned, False)]  # fmt: skip
+            reply = self._script("commit", args)
+            if reply[5] == 1:
+                if reply[0] != self._epoch or reply[1] != self._seq + len(plan.victims) + len(values) // 2 + 1:
+                    self._seq = -1  # not what was planned: read everything again
+                    return plan, []
+                obsolete = []
+                for victim in plan.victims:
+                    old_ref = self._forget(victim, evicted=True)
+                    self._counters["evictions"] += 1
+                    if old_ref is not None:
+                        obsolete.append((victim, old_ref))
+                if plan.superseded is not None:
+                    old = catalog.get(plan.superseded)
+                    assert old is not None
+                    catalog.update(plan.superseded, value=old.value, pinned=old.pinned, superseded=True)
+                catalog.clock = plan.clock
+                replaced = self._refs.get(eid)
+                if replaced is not None:
+                    obsolete.append((eid, replaced))
+                catalog.put(eid, key, state)
+                self._refs[eid] = ref
+                self._seq = reply[1]
+                self._counters["stores"] += 1
+                return plan, obsolete
+            status = self._absorb(reply)
+            while status == "more":
+                status = self._absorb(self._script("sync", []))
+            if status == "rebuild":
+                self._rebuild()
+        return plan, None
+
+    def _finish_store(self, eid: bytes, ref: _Blob, obsolete: list[tuple[bytes, _Blob]]) -> None:
+        """Make the new chunks permanent and unlink the ones the store replaced or evicted (one round trip)."""
+        try:
+            self._chunk_commands([("PERSIST", eid, ref)] + [("UNLINK", e, r) for e, r in obsolete])
+        except _ServerError:
+            with self._lock:
+                self._failed()  # the entry stays until its chunks expire; then it is a miss and goes
+
+    def _discard(self, eid: bytes, ref: _Blob) -> None:
+        try:
+            self._chunk_commands([("UNLINK", eid, ref)])
+        except _ServerError:
+            pass  # they expire
+
+    def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Optional[Match]:
+        try:
+            with self._lock:
+                self._sync()
+                index = self._catalog.index
+                hit = index.longest_common(namespace, key) if partial else index.longest_prefix(namespace, key)
+                if hit is None:
+                    self._counters["misses"] += 1
+                    return None
+                ref = self._refs.get(hit.entry_id)
+                stored_key = index.key_of(hit.entry_id)
+                if ref is None:  # cannot happen: the index and the blob table change together
+                    self._counters["misses"] += 1
+                    return None
+            blob = self._fetch(hit.entry_id, ref)
+            if blob is None:  # torn (server eviction, a lost chunk, a race with a replace): a miss, cleaned up
+                self._remove_torn(hit.entry_id, ref)
+                with self._lock:
+                    self._counters["misses"] += 1
+                return None
+        except (_ServerError, _Rebuild):
+            with self._lock:
+                self._failed()
+                self._counters["misses"] += 1
+            return None
+        with self._lock:
+            if touch:
+                self._touch(hit.entry_id)
+            self._counters["hits"] += 1
+        return Match(hit.length, stored_key, blob, namespace)
+
+    def _remove_torn(self, eid: bytes, ref: _Blob) -> None:
+        with self._lock:
+            reply = self._script("delete", [eid, ref.blob_id])
+            if self._absorb(reply) == "rebuild":
+                self._seq = -1
+        self._discard(eid, ref)
+
+    def match_length(self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False) -> int:
+        """How many tokens of `tokens` the best entry covers (0: none), like `lookup`
+        but without reading the blob or counting a use: one round trip. The tiered
+        cache asks this before fetching from this tier."""
+        key = _tokens.encode(tokens)
+        self._check_open()
+        if not key:
+            return 0
+        with self._lock:
+            try:
+                self._sync()
+            except (_ServerError, _Rebuild):
+                self._failed()
+                return 0
+            index = self._catalog.index
+            hit = index.longest_common(namespace, key) if partial else index.longest_prefix(namespace, key)
+            return 0 if hit is None else hit.length
+
+    def _touch_entry(self, key: bytes, namespace: str) -> bool:
+        """Record a use from the mirror, saved with a later sync: no round trip of its own."""
+        eid = entry_id(namespace, key)
+        with self._lock:
+            if self._seq < 0:
+                try:
+                    self._sync()
+                except (_ServerError, _Rebuild):
+                    self._failed()
+                    return False
+            found = eid in self._catalog
+            if found:
+                self._touch(eid)
+            return found
+
+    def _delete(self, key: bytes, namespace: str) -> bool:
+        eid = entry_id(namespace, key)
+        try:
+            with self._lock:
+                reply = self._script("delete", [eid, b""])
+                deleted = reply[5]
+                meta = deleted[0] if isinstance(deleted, list) and deleted else None
+                if self._absorb(reply) == "rebuild":
+                    self._seq = -1
+                if not meta:
+                    return False
+                parsed = _meta(eid, meta)
+                self._forget(eid)
+            if parsed is not None:
+                self._discard(eid, parsed[6])
+            return True
+        except (_ServerError, _Rebuild):
+            with self._lock:
+                self._failed()
+            return False
+
+    def _set_pinned(self, key: bytes, namespace: str, pinned: bool) -> bool:
+        eid = entry_id(namespace, key)
+        try:
+            with self._lock:
+                self._sync()
+                for _ in range(COMMIT_ATTEMPTS):
+                    state = self._catalog.get(eid)
+                    if state is None:
+                        return False
+                    if state.pinned == pinned:
+                        return True
+                    if pinned and not self._catalog.pins_fit(state.size, self.max_bytes, self.max_entries):
+                        raise CacheFull(
+                            f"{self.location}: cannot pin {state.tokens} tokens: pinned entries would exceed "
+                            f"max_bytes={self.max_bytes}, max_entries={self.max_entries}"
+                        )
+                    values = _pack_values(state.used, state.value, pinned, state.superseded)
+                    reply = self._script("commit", [repr(self._catalog.clock), 0, 1, eid, values, 0])
+                    if reply[5] == 1:
+                        if reply[1] != self._seq + 1:
+                            self._seq = -1
+                        else:
+                            self._catalog.update(eid, value=state.value, pinned=pinned, superseded=state.superseded)
+                            self._seq = reply[1]
+                        return True
+                    status = self._absorb(reply)
+                    while status == "more":
+                        status = self._absorb(self._script("sync", []))
+                    if status == "rebuild":
+                        self._rebuild()
+                self._failed()
+                return False
+        except (_ServerError, _Rebuild):
+            with self._lock:
+                self._failed()
+            return False
+
+    def _clear(self) -> None:
+        obsolete: list[tuple[bytes, _Blob]] = []
+        try:
+            with self._lock:
+                self._sync()
+                for attempt in range(COMMIT_ATTEMPTS + 1):
+                    force = attempt == COMMIT_ATTEMPTS  # the store kept changing: clear what we cannot list
+                    reply = self._script("clear", ["1" if force else "0"])
+                    if reply[5] == 1:
+                        obsolete = list(self._refs.items())
+                        self._catalog.clear()
+                        self._refs.clear()
+                        self._pending.clear()
+                        self._damaged.clear()
+                        if force or reply[0] != self._epoch or reply[1] != self._seq + 1:
+                            self._seq = -1
+                        else:
+                            self._seq = reply[1]
+                        break
+                    status = self._absorb(reply)
+                    while status == "more":
+                        status = self._absorb(self._script("sync", []))
+                    if status == "rebuild":
+                        self._rebuild()
+            for first in range(0, len(obsolete), 1000):
+                self._chunk_commands([("UNLINK", eid, ref) for eid, ref in obsolete[first : first + 1000]])
+        except (_ServerError, _Rebuild):
+            with self._lock:
+                self._failed()
+
+    def _refresh(self) -> None:
+        """Sync for a listing; on failure the listing shows the last known state."""
+        try:
+            self._sync()
+        except (_ServerError, _Rebuild):
+            self._failed()
+
+    def _stats(self) -> Stats:
+        with self._lock:
+            self._refresh()
+            catalog = self._catalog
+            return Stats(
+                backend=type(self).__name__,
+                location=self.location,
+                entries=len(catalog),
+                bytes=catalog.total,
+                max_bytes=self.max_bytes,
+                max_entries=self.max_entries,
+                namespaces=len(catalog.index.namespaces()),
+                damaged=len(self._damaged),
+                pinned=catalog.pinned_count,
+                pinned_bytes=catalog.pinned_bytes,
+                **self._counters,
+            )
+
+    def _len(self) -> int:
+        with self._lock:
+            self._refresh()
+            return len(self._catalog)
+
+    def _entries(self, namespace: Optional[str]) -> list[EntryInfo]:
+        with self._lock:
+            self._refresh()
+            catalog = self._catalog
+            found = []
+            for eid in catalog.by_use(namespace):
+                state = catalog.get(eid)
+                assert state is not None
+                found.append(
+                    EntryInfo(
+                        state.namespace, _tokens.decode(catalog.index.key_of(eid)), state.size,
+                        state.created / 1e9, state.used / 1e9, state.priority, state.pinned, state.generation,
+                    )  # fmt: skip
+                )
+            return found
+
+    def _close(self) -> None:
+        with self._lock:
+            try:
+                self._flush_touches()
+            except (_ServerError, _Rebuild) as exc:
+                log.warning("sippcache: could not save recency updates of %s on close: %s", self.location, exc)
+            if self._redis is not None:
+                try:
+                    self._redis.close()
+                except Exception:  # closing must not fail
+                    pass
+                self._redis = None
+            _open_backends.discard(self)
+
+    # -- recency -----------------------------------------------------------------------------
+
+    def _now(self) -> int:
+        self._last_time = max(time.time_ns(), self._last_time + 1)
+        return self._last_time
+
+    def _touch(self, eid: bytes) -> None:
+        state = self._catalog.get(eid)
+        if state is None:
+            return
+        used = self._now()
+        value = self._catalog.value(state.priority, state.tokens)
+        if not self._pending:
+            self._pending_since = time.monotonic()
+        self._pending[eid] = (used, value)
+        self._catalog.use(eid, used, value)
+
+
+class RedisTLSBackend(RedisBackend):
+    """`rediss://`: the same backend over TLS (redis-py's ``ssl_*`` options pass through)."""
+
+    def __init__(self, location: str = "", **options: Any) -> None:
+        super().__init__(location, tls=True, **options)
