@@ -1,0 +1,71 @@
+"""A lookup costs one round trip (the sync script) whatever the store size and the prompt
+length; a hit adds its chunk GETs, pipelined in 16 MiB windows. Counted on the servers
+(INFO commandstats) and by the client (`round_trips`)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+import sippcache
+from redis_testtools import bulk_fill, commands_during
+from sippcache_redis.servers import ValkeyCluster, ValkeyServer
+
+MiB = 1024**2
+
+
+def _measure(url: str, servers: list[Any], prompts: dict[int, tuple[list[int], bytes]]) -> dict[tuple[int, str], tuple[dict[str, int], int]]:
+    """For each prompt length: the commands and client round trips of a miss and of a hit."""
+    out = {}
+    with sippcache.open(url) as cache:
+        assert cache.lookup([1]) is None  # the first use rebuilds the mirror and loads the scripts
+        for prompt, _ in prompts.values():  # and connects to every node the blobs live on
+            assert cache.lookup([*prompt, 7], touch=False) is not None
+        for length, (prompt, blob) in prompts.items():
+            for what, query in (("miss", [2**31 - 1, *prompt[1:]]), ("hit", [*prompt, 7])):
+                before = cache.round_trips
+                found: list[Any] = []
+                commands = commands_during(servers, lambda: found.append(cache.lookup(query, touch=False)))
+                if what == "hit":
+                    assert found[0] is not None and found[0].length == length and bytes(found[0].blob) == blob
+                else:
+                    assert found[0] is None
+                out[(length, what)] = (commands, cache.round_trips - before)
+    return out
+
+
+@pytest.mark.parametrize("where", ["server", "cluster"])
+def test_lookup_cost_is_flat(where: str, valkey_server: ValkeyServer, valkey_cluster: ValkeyCluster, prefix: str) -> None:
+    if where == "server":
+        url, servers, bulk = valkey_server.url, [valkey_server.client()], valkey_server.client()
+    else:
+        url, servers, bulk = valkey_cluster.url, [n.client() for n in valkey_cluster.nodes], valkey_cluster.client()
+    rng = random.Random(5)
+    prompts = {
+        100: ([rng.randrange(1000) for _ in range(100)], rng.randbytes(100_000)),
+        32_000: ([rng.randrange(1000) for _ in range(32_000)], rng.randbytes(20 * MiB)),  # 20 chunks: 2 windows
+    }
+    results = {}
+    for entries in (10, 100_000):
+        store_url = f"{url}?prefix={prefix}-{entries}&max_bytes=1GiB"
+        bulk_fill(bulk, f"{prefix}-{entries}", entries, seed=entries)
+        with sippcache.open(store_url) as cache:
+            for prompt, blob in prompts.values():
+                assert cache.store(prompt, blob)
+            assert len(cache) == entries + 2
+        results[entries] = _measure(store_url, servers, prompts)
+    for entries, measured in results.items():
+        for (length, what), (commands, trips) in measured.items():
+            scripts = {name: n for name, n in commands.items() if name not in ("evalsha", "get")}
+            top = {name: n for name, n in commands.items() if name in ("evalsha", "get")}
+            chunks = -(-len(prompts[length][1]) // MiB)
+            windows = -(-len(prompts[length][1]) // (16 * MiB))
+            if what == "miss":
+                assert top == {"evalsha": 1} and trips == 1, (entries, length, commands)
+            else:
+                assert top == {"evalsha": 1, "get": chunks} and trips == 1 + windows, (entries, length, commands)
+            # Inside the script: the same few commands every time (nothing per entry or token).
+            assert scripts == {"type": 4, "hmget": 1}, (entries, length, what, commands)
+    print({entries: {k: v for k, v in measured.items()} for entries, measured in results.items()})
