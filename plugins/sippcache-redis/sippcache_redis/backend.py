@@ -13,8 +13,9 @@ A store plans locally (eviction victims, supersession, generations: all in
 the catalog) on a mirror that is exact at log position `seq`, uploads its
 chunks, then commits with a script that applies the plan only if the store is
 still at `seq`; otherwise the script returns the records in between and the
-client plans again. Chunks are uploaded with a time-to-live and made permanent
-after the commit, so a client that dies mid-store leaves nothing behind.
+client plans again. Chunks are uploaded with a short time-to-live and given a
+ten-year one after the commit, so a client that dies mid-store leaves nothing
+behind, and a server with ``maxmemory-policy volatile-lru`` evicts only blobs.
 
 Faults are misses: a server that is down, restarting, read-only, out of memory
 or too slow makes lookups miss and stores drop (counted in `Stats.errors`,
@@ -72,6 +73,10 @@ MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 1024, 256 * 1024**2
 WINDOW_BYTES = 16 * 1024**2
 #: Chunks live this long until their entry is committed (a client that dies mid-store leaves nothing).
 UPLOAD_TTL_MS = 15 * 60 * 1000
+#: A committed entry's chunks get this (ten years) instead: long enough never to matter, and a TTL
+#: makes them "volatile", so a server with maxmemory-policy volatile-lru evicts blobs, never the
+#: metadata (which has none).
+KEEP_TTL_MS = 10 * 365 * 86400 * 1000
 #: Log records returned by one script call; a client further behind pages or rebuilds.
 MAX_RECORDS = 256
 #: Times a store (or pin, or clear) plans again after another client changed the store first.
@@ -370,14 +375,19 @@ class RedisBackend(BaseBackend):
             pipe = client.pipeline(transaction=False)
             pipe.execute_command("SET", chunk, b"x", "PX", 10_000)
             pipe.execute_command("GET", chunk)
-            pipe.execute_command("PERSIST", chunk)
+            pipe.execute_command("PEXPIRE", chunk, KEEP_TTL_MS)
             pipe.execute_command("UNLINK", chunk)
             pipe.execute()
             client.execute_command("HSCAN", self._keys[1], 0, "COUNT", 1)
             self.round_trips += 2
-        except rexc.NoPermissionError as exc:
+        except rexc.ResponseError as exc:
+            text = str(exc)
+            if not isinstance(exc, rexc.NoPermissionError) and "no permissions" not in text.lower() \
+                    and "acl failure" not in text.lower():  # fmt: skip
+                raise
             user = self.address.username or "default"
-            raise AccessDenied(f"{self.address.display()}: the ACL of user {user!r} denies what sippcache needs: {exc}") from None
+            text = " ".join(text.split())  # one line
+            raise AccessDenied(f"{self.address.display()}: the ACL of user {user!r} denies what sippcache needs: {text}") from None
 
     def _client(self) -> Any:
         if self._redis is None:
@@ -549,6 +559,8 @@ class RedisBackend(BaseBackend):
                 status = self._absorb(reply)
             except _Rebuild:
                 status = "rebuild"
+            if status == "ok" and self._lost_metadata(reply):
+                status = "rebuild"
             if status == "ok":
                 self._settle_uploads()
                 return
@@ -556,6 +568,12 @@ class RedisBackend(BaseBackend):
                 self._rebuild()
                 return
         self._rebuild()
+
+    def _lost_metadata(self, reply: list[Any]) -> bool:
+        """Whether `cat` holds fewer entries than the mirror (at the same log position): the
+        server lost metadata without a log record (evicted `cat`, or someone deleted fields)."""
+        count = reply[5]
+        return type(count) is int and count < len(self._catalog)
 
     def _touch_args(self) -> list[bytes]:
         args: list[bytes] = []
@@ -605,10 +623,11 @@ class RedisBackend(BaseBackend):
                 log.warning("sippcache: %s has %d damaged entries; they are invisible and removed now",
                             self.location, len(damaged))  # fmt: skip
             for _ in range(64):
-                status = self._absorb(self._script("sync", []))
+                reply = self._script("sync", [])
+                status = self._absorb(reply)
                 if status != "more":
                     break
-            if status == "ok":
+            if status == "ok" and not self._lost_metadata(reply):
                 self._purge_damaged()
                 self._settle_uploads()
                 return
@@ -655,7 +674,7 @@ class RedisBackend(BaseBackend):
         for eid, ref in unsure:
             (keep if self._refs.get(eid) == ref else drop).append((eid, ref))
         try:
-            self._chunk_commands([("PERSIST", e, r) for e, r in keep] + [("UNLINK", e, r) for e, r in drop])
+            self._chunk_commands([("KEEP", e, r) for e, r in keep] + [("UNLINK", e, r) for e, r in drop])
         except _ServerError:
             pass  # they expire by themselves
 
@@ -666,7 +685,8 @@ class RedisBackend(BaseBackend):
         return [base + str(i) for i in range(ref.count)]
 
     def _chunk_commands(self, work: Sequence[tuple[str, bytes, _Blob]]) -> None:
-        """PERSIST or UNLINK the chunks of several entries, pipelined (each command stays in one slot)."""
+        """KEEP (the committed chunks' long TTL) or UNLINK the chunks of several entries,
+        pipelined (each command stays in one slot)."""
         if not work:
             return
         with self._server() as client:
@@ -677,7 +697,7 @@ class RedisBackend(BaseBackend):
                     pipe.execute_command("UNLINK", *keys)
                 else:
                     for key in keys:
-                        pipe.execute_command("PERSIST", key)
+                        pipe.execute_command("PEXPIRE", key, KEEP_TTL_MS)
             pipe.execute(raise_on_error=False)
         self.round_trips += 1
 
@@ -707,8 +727,8 @@ class RedisBackend(BaseBackend):
                 got = pipe.execute(raise_on_error=False)
             self.round_trips += 1
             for i, part in enumerate(got, first):
-                if isinstance(part, Exception):  # refused (moved, loading...): unavailable, not torn
-                    raise _Unavailable(f"{type(part).__name__}: {part}")
+                if isinstance(part, Exception) and not str(part).startswith("WRONGTYPE"):
+                    raise _Unavailable(f"{type(part).__name__}: {part}")  # moved, loading...: not torn
                 if not isinstance(part, bytes) or len(part) != sizes[i]:
                     return None
                 parts.append(part)
@@ -726,14 +746,15 @@ class RedisBackend(BaseBackend):
                 self._counters["refused"] += 1
             return refuse(self.location, size, len(key) // 4, options.pinned, "larger than max_bytes", budgets)
         ref = _Blob(secrets.token_bytes(8), blob.nbytes, self.chunk_size, xxhash.xxh3_64_intdigest(blob))
-        uploaded = False
+        phase = "plan"
         try:
             with self._lock:
                 self._sync()
                 plan = self._plan(eid, key, namespace, size, options)
             if plan.state is not None:
+                phase = "upload"
                 self._upload(eid, ref, blob)
-                uploaded = True
+                phase = "commit"
                 with self._lock:
                     plan, done = self._commit_store(eid, key, namespace, size, options, plan, ref)
                 if done is not None:
@@ -749,10 +770,10 @@ class RedisBackend(BaseBackend):
         except (_ServerError, _Rebuild) as exc:
             with self._lock:
                 self._failed()
-                if uploaded and isinstance(exc, _Unavailable):
+                if phase == "commit" and isinstance(exc, _Unavailable):
                     self._unsure.append((eid, ref))  # the commit may have happened: settle at the next sync
-                elif uploaded:
-                    self._discard(eid, ref)
+            if phase != "plan" and not isinstance(exc, _Unavailable):
+                self._discard(eid, ref)  # refused (out of memory, say): free what was uploaded now
             return False
         with self._lock:  # refused by the plan
             if plan.reason == "stale":
@@ -818,9 +839,9 @@ class RedisBackend(BaseBackend):
         return plan, None
 
     def _finish_store(self, eid: bytes, ref: _Blob, obsolete: list[tuple[bytes, _Blob]]) -> None:
-        """Make the new chunks permanent and unlink the ones the store replaced or evicted (one round trip)."""
+        """Keep the new chunks and unlink the ones the store replaced or evicted (one round trip)."""
         try:
-            self._chunk_commands([("PERSIST", eid, ref)] + [("UNLINK", e, r) for e, r in obsolete])
+            self._chunk_commands([("KEEP", eid, ref)] + [("UNLINK", e, r) for e, r in obsolete])
         except _ServerError:
             with self._lock:
                 self._failed()  # the entry stays until its chunks expire; then it is a miss and goes
@@ -865,7 +886,9 @@ class RedisBackend(BaseBackend):
     def _remove_torn(self, eid: bytes, ref: _Blob) -> None:
         with self._lock:
             reply = self._script("delete", [eid, ref.blob_id])
-            if self._absorb(reply) == "rebuild":
+            if self._absorb(reply) == "rebuild" or (self._refs.get(eid) == ref and reply[4] == [] and reply[3] == b"ok"):
+                # Nothing to delete, yet the mirror (up to date) still holds it: the metadata
+                # was lost without a log record. Read everything again.
                 self._seq = -1
         self._discard(eid, ref)
 

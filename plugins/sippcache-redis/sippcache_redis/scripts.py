@@ -126,6 +126,8 @@ end
 """ % {"keep": LOG_KEEP}
 
 # ARGV: client epoch, client seq, candidate epoch, max records, then (id, used+value) pairs to touch.
+# Result: the number of entries in `cat`; fewer than the caller's mirror holds means that
+# metadata was lost outside the log (the server evicted `cat` under allkeys-lru): rebuild.
 SYNC = """#!lua flags=allow-oom
 """ + _COMMON + """
 open_store(ARGV[3])
@@ -143,7 +145,7 @@ if epoch == ARGV[1] and #ARGV > 4 then
 end
 finish()
 local status, recs = records(ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4]))
-return {epoch, seq, clock, status, recs, false}
+return {epoch, seq, clock, status, recs, redis.call('HLEN', C)}
 """
 
 # ARGV: client epoch, expected seq, candidate epoch, max records, clock,
@@ -232,6 +234,7 @@ PROBE = """#!lua flags=allow-oom
 local h, s = KEYS[1], KEYS[2]
 redis.call('TYPE', h)
 redis.call('HSET', h, 'a', '1')
+redis.call('HLEN', h)
 redis.call('HGET', h, 'a')
 redis.call('HMGET', h, 'a')
 redis.call('HEXISTS', h, 'a')

@@ -57,3 +57,99 @@ def bulk_fill(client: Any, prefix: str, count: int, *, tokens: int = 8, blob: by
     pipe.execute()
     client.execute_command("DEL", f"{tag}:log")
     client.execute_command("HSET", f"{tag}:state", "epoch", secrets.token_hex(8), "seq", "0", "clock", "0")
+
+
+class Proxy:
+    """A TCP forwarder in front of a server, for faults at an exact point of a transfer:
+    `hold(direction, after)` stops forwarding once that many bytes went that way
+    ("down": server to client, "up": client to server) and sets `held`; `cut()` then
+    closes every connection (the client sees the server vanish mid-reply)."""
+
+    def __init__(self, target_port: int) -> None:
+        import socket
+        import threading
+
+        self.target = target_port
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port = self.listener.getsockname()[1]
+        self.held = threading.Event()
+        self._limits: dict[str, int] = {}
+        self._counts = {"up": 0, "down": 0}
+        self._sockets: list[Any] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def hold(self, direction: str, after: int) -> None:
+        with self._lock:
+            self._counts[direction] = 0
+            self._limits[direction] = after
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, "up"), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, "down"), daemon=True).start()
+
+    def _pump(self, source: Any, sink: Any, direction: str) -> None:
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                with self._lock:
+                    limit = self._limits.get(direction)
+                    if limit is not None:
+                        room = limit - self._counts[direction]
+                        if room <= 0 or len(data) > room:
+                            data = data[: max(room, 0)]
+                            self.held.set()
+                    self._counts[direction] += len(data)
+                if data:
+                    sink.sendall(data)
+                if self.held.is_set() and limit is not None:
+                    break  # forward nothing more that way
+        except OSError:
+            pass
+        if not self.held.is_set():
+            for sock in (source, sink):
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        """Close every connection through the proxy, as a dead server would."""
+        import socket
+
+        with self._lock:
+            for sock in self._sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+            self._sockets.clear()
+            self._limits.clear()
+        self.held.clear()
+
+    def close(self) -> None:
+        self._closed = True
+        self.cut()
+        self.listener.close()
