@@ -30,6 +30,7 @@ BUILTINS: dict[str, tuple[str, Optional[str], Optional[str]]] = {
     "ram": ("sippcache.backends.ram:RAMBackend", None, None),
     "lmdb": ("sippcache.backends.lmdb:LMDBBackend", "lmdb", "lmdb"),
     "diskcache": ("sippcache.backends.diskcache:DiskCacheBackend", "diskcache", "diskcache"),
+    "tiered": ("sippcache.backends.tiered:TieredBackend", None, None),
 }
 
 
