@@ -95,10 +95,12 @@ _TLS_OPTIONS: dict[str, type] = {
     "ssl_cert_reqs": str, "ssl_check_hostname": bool, "ssl_ciphers": str,
 }  # fmt: skip
 
-#: Errors that mean the server cannot be used right now: back off, then try again.
+#: Errors that mean the server cannot be used right now: back off, then try again. (A MOVED,
+#: ASK or TRYAGAIN reply is not one: the cluster client has updated its slot map, so the
+#: operation is a miss and the next one goes to the right node.)
 _UNAVAILABLE: tuple[type[BaseException], ...] = (
-    rexc.ConnectionError, rexc.TimeoutError, rexc.ReadOnlyError, rexc.ClusterError, rexc.TryAgainError,
-    rexc.RedisClusterException, rexc.AskError, OSError,
+    rexc.ConnectionError, rexc.TimeoutError, rexc.ReadOnlyError, rexc.ClusterError, rexc.RedisClusterException,
+    OSError,
 )  # fmt: skip
 
 
@@ -579,6 +581,7 @@ class RedisBackend(BaseBackend):
             if status == "ok" and self._lost_metadata(reply):
                 status = "rebuild"
             if status == "ok":
+                self._purge_damaged()
                 self._settle_uploads()
                 return
             if status == "rebuild":
