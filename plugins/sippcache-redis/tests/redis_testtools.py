@@ -1,62 +1,8 @@
-"""Helpers shared by the plugin's test modules (imported by name: this folder is on sys.path)."""
+"""Fault injection for the plugin's tests (imported by name: this folder is on sys.path)."""
 
 from __future__ import annotations
 
-import random
-import secrets
-import time
 from typing import Any
-
-import xxhash
-
-from sippcache import tokens as _tokens
-from sippcache.catalog import EntryState
-from sippcache.engine import entry_id
-from sippcache_redis.backend import _Blob, _pack_meta, _pack_values
-
-
-def commandstats(clients: list[Any]) -> dict[str, int]:
-    """Calls per command, summed over `clients` (one per server)."""
-    total: dict[str, int] = {}
-    for client in clients:
-        for name, row in client.info("commandstats").items():
-            name = name.removeprefix("cmdstat_")
-            total[name] = total.get(name, 0) + int(row["calls"])
-    return total
-
-
-def commands_during(clients: list[Any], action: Any) -> dict[str, int]:
-    """The commands the servers received while `action()` ran (our INFO calls subtracted)."""
-    before = commandstats(clients)
-    action()
-    after = commandstats(clients)
-    delta = {name: after[name] - before.get(name, 0) for name in after}
-    delta["info"] -= len(clients)  # the INFO that read `before`
-    return {name: count for name, count in delta.items() if count}
-
-
-def bulk_fill(client: Any, prefix: str, count: int, *, tokens: int = 8, blob: bytes = b"x", seed: int = 0) -> None:
-    """Write `count` entries straight into the store's hashes, pipelined (a store through the
-    backend costs 4 round trips; 100,000 of them would take minutes), then start a new epoch
-    so every client rebuilds its mirror from the hashes."""
-    rng = random.Random(seed)
-    tag = "{" + prefix + "}"
-    now = time.time_ns()
-    checksum = xxhash.xxh3_64_intdigest(blob)
-    pipe = client.pipeline(transaction=False)
-    for i in range(count):
-        key = _tokens.encode([rng.randrange(2**31) for _ in range(tokens)])
-        eid = entry_id("", key)
-        ref = _Blob(secrets.token_bytes(8), len(blob), 1024**2, checksum)
-        state = EntryState("", tokens, len(blob) + len(key), float(tokens), now, now, now + i, 1.0)
-        pipe.execute_command("HSET", f"{tag}:cat", eid, _pack_meta("", key, state.size, state, ref))
-        pipe.execute_command("HSET", f"{tag}:val", eid, _pack_values(state.used, state.value, False, False))
-        pipe.execute_command("SET", f"{prefix}:b:{{{eid.hex()}}}:{ref.blob_id.hex()}:0", blob)
-        if i % 5000 == 4999:
-            pipe.execute()
-    pipe.execute()
-    client.execute_command("DEL", f"{tag}:log")
-    client.execute_command("HSET", f"{tag}:state", "epoch", secrets.token_hex(8), "seq", "0", "clock", "0")
 
 
 class Proxy:

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 import sippcache
-from redis_testtools import bulk_fill, commands_during
 from sippcache_redis.servers import ValkeyCluster, ValkeyServer
+from sippcache_redis.testing import bulk_fill, commands_during
 
 MiB = 1024**2
 
