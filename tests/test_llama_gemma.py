@@ -10,7 +10,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from sippcache.llama import LlamaCache, PrefixCache
+from sippcache import states
+from sippcache.llama import CHECKPOINT_ALIGNMENT, LlamaCache, PrefixCache
 from sippcache.llama import Llama as SippLlama
 from tests.conftest import last_logits, prefill_in_new_process, reference_logits
 
@@ -55,28 +56,42 @@ def test_exact_repeat_in_a_fresh_context(gemma_model, make_llama, tokens, tmp_pa
     assert np.argmax(last_logits(llm)) == np.argmax(whole)
 
 
-def diverging_case(gemma_model, make_llama, tokens, url: str) -> tuple[list[int], np.ndarray, np.ndarray]:
+def diverging_case(gemma_model, make_llama, tokens, url: str) -> tuple[list[int], np.ndarray, np.ndarray, int]:
     """Store checkpoints of A (2,100 tokens, every 512); return B, which shares
-    A's first 1,000 tokens, and B's never-cached logits (one eval; split at 512)."""
+    A's first 1,000 tokens (and by chance one more), B's never-cached logits (one
+    eval; and split where a cached prefill of B restores (512), checkpoints the
+    prefix it shares with A (rounded down to CHECKPOINT_ALIGNMENT) and checkpoints
+    by interval (1,024)), and that shared-prefix checkpoint's length."""
     a = tokens[:2100]
     b = a[:1000] + tokens[2400:2600]
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    branch = shared - shared % CHECKPOINT_ALIGNMENT
     with PrefixCache(make_llama(gemma_model, n_ctx=N_CTX), url, checkpoint_interval=512) as pc:
         pc.prefill(a)
-    whole, split = reference_logits(make_llama, gemma_model, b, splits=(512,), n_ctx=N_CTX)
-    return b, whole, split
+    whole, split = reference_logits(make_llama, gemma_model, b, splits=(512, branch, 1024), n_ctx=N_CTX)
+    return b, whole, split, branch
 
 
 def test_diverging_query_never_truncates_unsafely(gemma_model, make_llama, tokens, tmp_path) -> None:
     url = f"lmdb://{tmp_path}/cache"
-    b, whole, split = diverging_case(gemma_model, make_llama, tokens, url)
+    b, whole, split, branch = diverging_case(gemma_model, make_llama, tokens, url)
     llm = make_llama(gemma_model, n_ctx=N_CTX)
     with PrefixCache(llm, url, checkpoint_interval=512) as pc:
         # Entries sharing 1,000 tokens exist (1,024 ... 2,099 tokens), but a restored
         # iSWA state cannot be cut back to 1,000; the 512-token checkpoint is used whole.
         assert pc.prefill(b) == 512
         assert pc.stats()["rejected_entries"] >= 1
+        pc.flush()
     np.testing.assert_array_equal(last_logits(llm), split)
     assert np.argmax(last_logits(llm)) == np.argmax(whole)
+    # The prefix B shares with A became an entry of its own: a third prompt that
+    # shares it is restored exactly, without any truncation.
+    c = b[:1000] + tokens[2700:2800]
+    llm = make_llama(gemma_model, n_ctx=N_CTX)
+    with PrefixCache(llm, url, checkpoint_interval=512) as pc:
+        assert pc.prefill(c) == branch and pc.stats()["partial_hits"] == 0
+    _, same_split = reference_logits(make_llama, gemma_model, c, splits=(branch,), n_ctx=N_CTX)
+    np.testing.assert_array_equal(last_logits(llm), same_split)
 
 
 def test_the_trap_is_real_without_the_rule(gemma_model, make_llama, tokens, tmp_path, monkeypatch) -> None:
@@ -86,8 +101,8 @@ def test_the_trap_is_real_without_the_rule(gemma_model, make_llama, tokens, tmp_
     truncation matches bit for bit (as on the non-SWA tiny model,
     test_llama_tiny.py::test_diverging_query_truncates_a_longer_entry)."""
     url = f"lmdb://{tmp_path}/cache"
-    b, _, _ = diverging_case(gemma_model, make_llama, tokens, url)
-    monkeypatch.setattr(PrefixCache, "_can_truncate", lambda self, length: True)
+    b, *_ = diverging_case(gemma_model, make_llama, tokens, url)
+    monkeypatch.setattr(states, "can_truncate", lambda *args: True)
     llm = make_llama(gemma_model, n_ctx=N_CTX)
     with PrefixCache(llm, url, checkpoint_interval=512) as pc:
         reused = pc.prefill(b)
