@@ -69,3 +69,19 @@ def test_lookup_cost_is_flat(where: str, valkey_server: ValkeyServer, valkey_clu
             # Inside the script: the same few commands every time (nothing per entry or token).
             assert scripts == {"type": 4, "hmget": 1, "hlen": 1}, (entries, length, what, commands)
     print({entries: {k: v for k, v in measured.items()} for entries, measured in results.items()})
+
+
+def test_the_same_entry_found_again_at_once_is_not_transferred_twice(valkey_server: ValkeyServer, prefix: str) -> None:
+    """The adapter asks for the longest prefix, then the longest common prefix: usually the
+    same entry. The second answer reuses the blob just fetched, unless the entry changed."""
+    url = f"{valkey_server.url}?prefix={prefix}"
+    servers = [valkey_server.client()]
+    with sippcache.open(url) as cache, sippcache.open(url) as other:
+        cache.store([1, 2, 3], b"a" * 3 * MiB)
+        assert bytes(cache.lookup([1, 2, 3, 4]).blob) == b"a" * 3 * MiB
+        again = commands_during(servers, lambda: cache.lookup([1, 2, 3, 5], partial=True))
+        assert "get" not in again and again["evalsha"] == 1
+        other.store([1, 2, 3], b"b" * 3 * MiB)  # replaced by another process: a new blob id
+        changed: list[Any] = []
+        fetched = commands_during(servers, lambda: changed.append(cache.lookup([1, 2, 3, 4])))
+        assert fetched["get"] == 3 and bytes(changed[0].blob) == b"b" * 3 * MiB
