@@ -37,10 +37,10 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, Optional
 
 import msgpack
 import xxhash
@@ -50,7 +50,7 @@ from sippcache import tokens as _tokens
 from sippcache.catalog import Catalog, EntryState, StorePlan, refuse
 from sippcache.engine import TOUCH_BATCH, TOUCH_SECONDS, entry_id
 from sippcache.errors import CacheFull
-from sippcache.options import Size
+from sippcache.options import Size, coerce_options
 
 try:
     import redis
@@ -324,6 +324,11 @@ class RedisBackend(BaseBackend):
         _open_backends.add(self)
         try:
             self._open()
+        except BaseException:
+            _open_backends.discard(self)
+            if self._redis is not None:
+                self._redis.close()
+            raise
         finally:
             self._opening = False
 
@@ -333,8 +338,6 @@ class RedisBackend(BaseBackend):
 
         The scheme is not part of `location`; `sippcache.open` gives it to no backend,
         so TLS is chosen by the class the entry point names (see `RedisTLSBackend`)."""
-        from sippcache.options import coerce_options
-
         kwargs = coerce_options(cls.__name__, options, cls.options)
         try:
             return cls(location, **kwargs)

@@ -3,7 +3,6 @@ with write access) is a miss or is repaired, never an exception and never a wron
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from typing import Any
 
