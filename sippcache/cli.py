@@ -377,8 +377,9 @@ def ls(url: Optional[str], cache_option: Optional[str], namespace: Optional[str]
     Console().print(table)
 
 
-def _check_entry(cache: CacheBackend, entry: EntryInfo) -> Optional[str]:
-    """Why `entry` is bad, or None if its blob is an intact frame for its key."""
+def _check_entry(cache: CacheBackend, entry: EntryInfo, secret: Optional[bytes]) -> Optional[str]:
+    """Why `entry` is bad, or None if its blob is an intact frame for its key (with a
+    valid MAC, if a secret is given)."""
     match = cache.lookup(list(entry.key), namespace=entry.namespace, touch=False)
     if match is None or match.length != len(entry.key) or tuple(match.key) != tuple(entry.key):
         if match is not None:
@@ -386,7 +387,7 @@ def _check_entry(cache: CacheBackend, entry: EntryInfo) -> Optional[str]:
         return "a lookup of its key does not return it"
     try:
         try:
-            decoded = _frame.decode(match.blob)
+            decoded = _frame.decode(match.blob, secret=secret)
         except Exception as exc:  # any failure to parse the blob makes the entry unusable
             return str(exc) or type(exc).__name__
         same = decoded.tokens == tuple(entry.key)
@@ -404,10 +405,12 @@ def _check_entry(cache: CacheBackend, entry: EntryInfo) -> Optional[str]:
 def verify(url: Optional[str], cache_option: Optional[str], delete: bool, as_json: bool) -> None:
     """Read every entry and check its frame (checksums, sizes, tokens = key).
 
+    With SIPPCACHE_SECRET set, entries must also carry a valid MAC made with it.
     Exit code 1 if bad entries were found and not deleted. Reading does not
     count as a use: recency and last-used times stay as they were.
     """
     url = _resolve_url(url, cache_option)
+    secret = _frame.secret_from_environment()
     bad: list[dict[str, Any]] = []
     deleted = 0
     with _open(url) as cache:
@@ -421,7 +424,7 @@ def verify(url: Optional[str], cache_option: Optional[str], delete: bool, as_jso
         with _progress("verifying") as progress:
             task = progress.add_task("verify", total=sum(e.size for e in entries))
             for entry in entries:
-                reason = _check_entry(cache, entry)
+                reason = _check_entry(cache, entry, secret)
                 if reason is not None:
                     bad.append({"namespace": entry.namespace, "tokens": len(entry.key), "reason": reason})
                     if delete and cache.delete(list(entry.key), namespace=entry.namespace):
@@ -661,18 +664,19 @@ def demo(cache_url: Optional[str], as_json: bool) -> None:
 @click.option("--model", "model_path", required=True, type=_FILE, help="The GGUF model file.")
 @click.option("--prompt-file", "prompt_files", multiple=True, type=_FILE, help="A prompt to precompute (repeatable).")
 @click.option("--scope", default="default", show_default=True, help="The namespace scope (as in PrefixCache).")
+@click.option("--pin", is_flag=True, help="Pin the prompts' entries (e.g. a system prompt): budgets never evict them.")
 @url_argument
 @_json_report
 @one_line_errors
 def warm(
-    model_path: str, prompt_files: tuple[str, ...], scope: str,
+    model_path: str, prompt_files: tuple[str, ...], scope: str, pin: bool,
     url: Optional[str], cache_option: Optional[str], as_json: bool,
 ) -> None:  # fmt: skip
     """Precompute and store the states of prompts for a model."""
     from .demo import warm as run_warm
 
     cache_url = _resolve_url(url, cache_option)
-    sys.exit(run_warm(model_path, list(prompt_files), cache_url, scope=scope, as_json=as_json))
+    sys.exit(run_warm(model_path, list(prompt_files), cache_url, scope=scope, pin=pin, as_json=as_json))
 
 
 @main.command()

@@ -72,10 +72,12 @@ def _native_stderr_silenced() -> Iterator[None]:
 
 
 def _load_llama(model_path: str, **kwargs: Any) -> Any:
-    import llama_cpp
+    """A `sippcache.llama.Llama`: its entries keep the prompt's logits (what a server using
+    sippcache looks for), and an exact repeat samples from them."""
+    from sippcache.llama import Llama
 
     with _native_stderr_silenced():
-        return llama_cpp.Llama(model_path=model_path, verbose=False, **kwargs)
+        return Llama(model_path=model_path, verbose=False, **kwargs)
 
 
 @contextmanager
@@ -122,13 +124,13 @@ def run_demo(cache_url: Optional[str] = None, *, as_json: bool = False) -> int:
             cache.flush()
             # Warm: an empty context, so every reused token comes from the store.
             llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
-            llm.n_tokens = 0
+            llm.reset()
             started = time.perf_counter()
             reused = _prefill_with_bar(progress, "Warm prefill (from the cache)", cache, tokens)
             warm_token = llm.sample(temp=0.0)
             warm_ttft = time.perf_counter() - started
             answer = llm.detokenize([warm_token] + [t for _, t in zip(range(23), llm.generate([warm_token], temp=0.0, reset=False))])
-            match = cache.cache.lookup(tokens[:-1], namespace=cache.namespace)
+            match = cache.cache.lookup(tokens, namespace=cache.namespace, touch=False)
             entry_bytes, writer_pid, written_at = 0, None, None
             if match is not None:
                 with match:
@@ -182,9 +184,11 @@ def warm(
     cache_url: Optional[str] = None,
     *,
     scope: str = "default",
+    pin: bool = False,
     as_json: bool = False,
 ) -> int:
-    """Prefill each prompt file into the cache so the first real request is warm.
+    """Prefill each prompt file into the cache so the first real request is warm
+    (and, with `pin`, pin their entries).
 
     The model is loaded with llama-cpp-python's default cache settings; a
     server must use the same settings (K/V types, flash attention) to hit.
@@ -210,7 +214,7 @@ def warm(
         with PrefixCache(llm, cache_url, scope=scope) as cache:
             for name, tokens in zip(prompt_files, prompts):
                 started = time.perf_counter()
-                reused = _prefill_with_bar(progress, f"Prefilling {name}", cache, tokens)
+                reused = _prefill_with_bar(progress, f"Prefilling {name}", cache, tokens, pin=pin)
                 rows.append({"file": name, "tokens": len(tokens), "reused": reused,
                              "seconds": round(time.perf_counter() - started, 3)})  # fmt: skip
             cache.flush()

@@ -318,7 +318,9 @@ class PrefixCache:
             if reuse.logits is not None:
                 self._set_stored_logits(len(ids), reuse.logits)
             if reuse.start < len(ids):
-                self._evaluate(ids, reuse.start, reuse.branch, progress=progress, pin=pin)
+                # After a lookup, no usable entry holds the whole prompt with its logits: store
+                # the final snapshot even over one without logits. Without a lookup, check first.
+                self._evaluate(ids, reuse.start, reuse.branch, progress=progress, pin=pin, replace_final=restore)
             elif pin:
                 self._set_pinned(self._final_key(ids), True)
             result = PrefillResult(
@@ -522,12 +524,12 @@ class PrefixCache:
 
     def _evaluate(
         self, ids: list[int], start: int, branch: int, *,
-        progress: Optional[Callable[[int, int], None]] = None, pin: bool = False,
+        progress: Optional[Callable[[int, int], None]] = None, pin: bool = False, replace_final: bool = False,
     ) -> None:  # fmt: skip
         """Evaluate `ids[start:]`, snapshotting at checkpoint boundaries, where the
         prompt leaves the entry it shares most with (`branch`), and at the end: the
-        whole prompt with its logits, or (for a plain `llama_cpp.Llama`) the
-        prompt minus its last token."""
+        whole prompt with its logits (over an entry without them if `replace_final`),
+        or (for a plain `llama_cpp.Llama`) the prompt minus its last token."""
         n = len(ids)
         final = len(self._final_key(ids))
         interval = self.checkpoint_interval
@@ -549,7 +551,7 @@ class PrefixCache:
         self._eval(ids, position, final, start, n, progress)
         if final > start and final >= self.min_tokens:
             logits = states.copy_logits(self.llm.ctx, self._n_vocab) if self.stored_logits else None
-            self._checkpoint(ids[:final], logits=logits, pinned=pin)
+            self._checkpoint(ids[:final], logits=logits, pinned=pin, replace=replace_final and logits is not None)
         elif pin:
             self._set_pinned(ids[:final], True)
         self._eval(ids, final, n, start, n, progress)
@@ -571,13 +573,13 @@ class PrefixCache:
 
     def _checkpoint(
         self, key: list[int], *, budget: Optional[int] = None, logits: Optional[np.ndarray] = None,
-        pinned: bool = False,
+        pinned: bool = False, replace: bool = False,
     ) -> int:  # fmt: skip
         """Copy sequence 0's state (and `logits`, the last position's) now, on the
         thread that owns the context, and store it in the background, unless `key`
-        is stored already (without logits to add) or the state is larger than
+        is stored already (and not to be replaced) or the state is larger than
         `budget`. Returns the bytes queued."""
-        if logits is None and self._exists(key):
+        if not replace and self._exists(key):
             if pinned:
                 self._set_pinned(key, True)
             return 0
@@ -599,8 +601,7 @@ class PrefixCache:
         if len(evaluated) < self.min_tokens:
             return
         logits = llm._current_logits() if isinstance(llm, Llama) and self.stored_logits else None
-        if not self._exists(evaluated):
-            self._checkpoint(evaluated, logits=logits)
+        self._checkpoint(evaluated, logits=logits)
 
     def _max_bytes(self) -> Optional[int]:
         try:

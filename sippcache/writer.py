@@ -4,7 +4,9 @@ The llama context is not thread-safe, so the state is copied on the calling
 thread; everything after that (hashing, framing, the store's write
 transaction) happens here. The queue is bounded, so a slow store applies
 back-pressure instead of growing memory. A failing store logs and drops the
-entry: caching must never fail the request.
+entry: caching must never fail the request. On Linux the thread runs at a
+lower scheduling priority (nice +10), so on a machine whose cores all run
+llama.cpp it writes in the gaps instead of slowing the next tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +63,7 @@ class BackgroundWriter:
             self._thread.join()
 
     def _run(self) -> None:
+        _lower_priority_of_this_thread()
         while True:
             item = self._queue.get()
             try:
@@ -71,3 +75,19 @@ class BackgroundWriter:
                 log.warning("sippcache: could not store a cache entry: %s: %s", type(exc).__name__, exc)
             finally:
                 self._queue.task_done()
+
+
+#: How much lower the writer thread's scheduling priority is (added to its nice value).
+NICE_INCREMENT = 10
+
+
+def _lower_priority_of_this_thread() -> None:
+    """Raise this thread's nice value (Linux: per thread; elsewhere it would be the
+    whole process's, so nothing is done)."""
+    if sys.platform != "linux":
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + NICE_INCREMENT))
+    except OSError as exc:  # a sandbox may forbid it: write at normal priority
+        log.debug("sippcache: could not lower the writer thread's priority: %s", exc)

@@ -36,7 +36,7 @@ def test_demo_twice_second_run_is_served_by_the_first(tmp_path: Path, gemma_mode
     assert first["restored_from_previous_run"] is False
     assert second["restored_from_previous_run"] is True
     for report in reports:
-        assert report["reused_tokens"] == report["prompt_tokens"] - 1 > 2000
+        assert report["reused_tokens"] == report["prompt_tokens"] > 2000  # the whole prompt, with its logits
         assert report["same_first_token"] is True
         assert report["warm_ttft_s"] > 0 and report["cold_ttft_s"] > 0
         assert report["cache_url"] == env["SIPPCACHE_URL"]
@@ -62,7 +62,18 @@ def test_warm_prefills_prompt_files(tmp_path: Path, gemma_model: Path) -> None:
     assert report["namespace"].endswith("/office")
     again = json.loads(run("warm", "--model", str(gemma_model), "--prompt-file", str(prompt), "--scope", "office",
                            url, "--json").stdout)  # fmt: skip
-    assert again["prompts"][0]["reused"] == report["prompts"][0]["tokens"] - 1
+    assert again["prompts"][0]["reused"] == report["prompts"][0]["tokens"]  # the whole prompt, with its logits
+
+
+def test_warm_pin_pins_the_prompt(tmp_path: Path, gemma_model: Path) -> None:
+    prompt = tmp_path / "system.txt"
+    prompt.write_text("You are a careful assistant for a harbour office. " * 10)
+    url = f"lmdb://{tmp_path}/cache"
+    result = run("warm", "--model", str(gemma_model), "--prompt-file", str(prompt), "--pin", url, "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    tokens = json.loads(result.stdout)["prompts"][0]["tokens"]
+    with sippcache.open(url) as cache:
+        assert [(len(e.key), e.pinned) for e in cache.entries()] == [(tokens, True)]
 
 
 def test_warm_bad_input(tmp_path: Path) -> None:
