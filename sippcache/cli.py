@@ -690,5 +690,24 @@ def bench(quick: bool, as_json: bool) -> None:
     sys.exit(run_bench(quick=quick, as_json=as_json))
 
 
+# -- the server, implemented in sippcache.serve (imported when run) --------------------------------
+
+
+@main.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[SERVER OPTIONS]... [--cache URL]")
+def serve(args: tuple[str, ...]) -> None:
+    """Serve models over HTTP: llama-cpp-python's OpenAI-compatible server with
+    this cache (every option of `python -m llama_cpp.server`, plus --cache URL;
+    see `sippcache serve --help`)."""
+    try:
+        from .serve import main as serve_main
+    except ImportError as exc:
+        raise CLIError(f'sippcache serve needs the server extra: pip install "sippcache[server]" ({exc})') from None
+    sys.exit(serve_main(list(args), prog="sippcache serve"))
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,239 @@
+"""`sippcache serve` and llama-cpp-python's server: the coupling point, settings, the
+command line, start-up failures. Fast: no gemma here (the tiny generated model
+where a model is needed).
+
+`test_upstream_symbols_are_where_serve_expects_them` is the tripwire: if a
+llama-cpp-python upgrade moves anything `sippcache.serve` relies on, it fails
+and says which symbol.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(sys.executable).with_name("sippcache")
+
+
+def test_upstream_symbols_are_where_serve_expects_them() -> None:
+    import llama_cpp.server.app as app
+    import llama_cpp.server.cli as cli
+    import llama_cpp.server.model as model
+    import llama_cpp.server.settings as settings
+
+    def need(condition: bool, symbol: str, why: str) -> None:
+        assert condition, f"llama-cpp-python {llama_cpp.__version__} moved {symbol}: sippcache.serve relies on it ({why})"
+
+    need(callable(getattr(app, "create_app", None)), "llama_cpp.server.app.create_app", "it builds the app")
+    parameters = inspect.signature(app.create_app).parameters if hasattr(app, "create_app") else {}
+    need({"server_settings", "model_settings"} <= set(parameters),
+         "create_app(server_settings=, model_settings=)", "serve passes the parsed settings")  # fmt: skip
+    need(getattr(app, "LlamaProxy", None) is model.LlamaProxy or getattr(app, "LlamaProxy", None) is not None,
+         "llama_cpp.server.app.LlamaProxy", "install() replaces this module global, which create_app instantiates")  # fmt: skip
+    need("LlamaProxy(models=" in inspect.getsource(app.set_llama_proxy),
+         "llama_cpp.server.app.set_llama_proxy", "it must build the proxy by the module-global name LlamaProxy")  # fmt: skip
+    need(hasattr(app, "_llama_proxy"), "llama_cpp.server.app._llama_proxy", "the proxy the endpoints use")
+    need(callable(getattr(app, "authenticate", None)), "llama_cpp.server.app.authenticate", "the API key check on /metrics")
+    loader = inspect.getattr_static(model.LlamaProxy, "load_llama_from_model_settings", None)
+    need(isinstance(loader, staticmethod), "LlamaProxy.load_llama_from_model_settings (a staticmethod)",
+         "CachingLlamaProxy overrides it")  # fmt: skip
+    source = inspect.getsource(model.LlamaProxy)
+    need(source.count("self.load_llama_from_model_settings(") >= 2, "LlamaProxy.__init__/__call__",
+         "they must load models through self.load_llama_from_model_settings")  # fmt: skip
+    need("settings.cache" in inspect.getsource(model.LlamaProxy.load_llama_from_model_settings),
+         "ModelSettings.cache in the loader", "serve turns upstream's cache off with cache=False")  # fmt: skip
+    need(callable(getattr(cli, "add_args_from_model", None)) and callable(getattr(cli, "parse_model_from_args", None)),
+         "llama_cpp.server.cli.add_args_from_model/parse_model_from_args", "serve parses arguments with them")  # fmt: skip
+    for name in ("Settings", "ServerSettings", "ModelSettings", "ConfigFileSettings"):
+        need(hasattr(settings, name), f"llama_cpp.server.settings.{name}", "serve parses settings with it")
+    from sippcache.serve import STATE_SETTINGS, UPSTREAM_CACHE_SETTINGS
+
+    fields = settings.ModelSettings.model_fields
+    for name in ("model", "model_alias", "vocab_only", *UPSTREAM_CACHE_SETTINGS, *STATE_SETTINGS):
+        need(name in fields, f"ModelSettings.{name}", "serve reads it")
+    need("models" in settings.ConfigFileSettings.model_fields, "ConfigFileSettings.models", "config files list models")
+    for name in ("host", "port", "ssl_keyfile", "ssl_certfile"):
+        need(name in settings.ServerSettings.model_fields, f"ServerSettings.{name}", "serve passes it to uvicorn")
+
+
+def test_upstream_loader_returns_a_plain_llama_and_makes_a_cache_only_when_asked(tiny_model: Path) -> None:
+    from llama_cpp.server.model import LlamaProxy
+    from llama_cpp.server.settings import ModelSettings
+
+    plain = LlamaProxy.load_llama_from_model_settings(ModelSettings(model=str(tiny_model), n_ctx=512, verbose=False))
+    try:
+        assert type(plain) is llama_cpp.Llama  # what ServedLlama's __class__ swap requires
+        assert plain.cache is None
+    finally:
+        plain.close()
+    cached = LlamaProxy.load_llama_from_model_settings(
+        ModelSettings(model=str(tiny_model), n_ctx=512, verbose=False, cache=True)
+    )
+    try:  # why CachingLlamaProxy passes cache=False
+        assert isinstance(cached.cache, llama_cpp.LlamaRAMCache)
+    finally:
+        cached.close()
+
+
+def test_the_app_uses_the_caching_proxy_and_every_model_gets_its_cache(tiny_model: Path, tmp_path: Path) -> None:
+    """In process, on the tiny model: create_app builds our proxy; completions use sippcache;
+    swapping aliases frees one model (its writes flushed, its counts kept) and loads the other."""
+    import llama_cpp.server.app as app
+    from llama_cpp.server.settings import ModelSettings, ServerSettings
+
+    from sippcache import serve
+
+    models = [
+        ModelSettings(model=str(tiny_model), model_alias="a", n_ctx=512, verbose=False, logits_all=False),
+        ModelSettings(model=str(tiny_model), model_alias="b", n_ctx=512, verbose=False, rope_freq_base=20000.0),
+    ]
+    pool = serve.CachePool.open(models, {}, f"lmdb://{tmp_path}/store")
+    original = app.LlamaProxy
+    try:
+        fastapi_app = serve.create_server_app(ServerSettings(), models, pool)
+        ours = {getattr(route, "path", None) for route in fastapi_app.routes}
+        assert {"/metrics", "/v1/cache/stats"} <= ours
+        assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(fastapi_app.openapi()["paths"])
+        proxy = app._llama_proxy
+        assert isinstance(proxy, serve.CachingLlamaProxy)
+        prompt = " ".join(f"w{i}" for i in range(60))
+        llm = proxy("a")
+        assert type(llm) is serve.ServedLlama and isinstance(llm.cache, serve.sippllama.LlamaCache)
+        first = llm.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
+        llm = proxy("b")  # frees "a"
+        llm.create_completion(prompt, max_tokens=4, temperature=0)
+        llm = proxy("a")  # back: warm from the store
+        again = llm.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
+        assert again == first
+        rows = {row["model"]: row for row in pool.model_rows()}
+        assert rows["a"]["lookups"] == 2 and rows["a"]["hits"] == 1 and rows["a"]["loaded"]
+        assert rows["a"]["logits_hits"] == 1  # logits_all=False: the exact repeat evaluated nothing
+        assert rows["b"]["entries_written"] >= 1 and not rows["b"]["loaded"]  # flushed when freed
+        assert rows["a"]["scope"] == "default" and rows["b"]["scope"].startswith("settings-")
+        assert rows["a"]["namespace"] != rows["b"]["namespace"]  # other RoPE base: never mixed
+        text = pool.metrics.render().decode()
+        assert 'sippcache_hits_total{model="a"} 1.0' in text
+        assert 'sippcache_model_loaded{model="b"} 0.0' in text
+        assert "sippcache_store_entries{" in text
+        assert json.loads(json.dumps(pool.metrics.as_json()))["models"]["a"]["hits"] == 1
+    finally:
+        app.LlamaProxy = original
+        if app._llama_proxy is not None:
+            app._llama_proxy.free()
+            app._llama_proxy = None
+        pool.close()
+
+
+def test_config_file_cache_url_is_taken_out_before_upstream_validates(tmp_path: Path, monkeypatch) -> None:
+    from sippcache import serve
+
+    config = {
+        "host": "127.0.0.1",
+        "models": [
+            {"model": "a.gguf", "model_alias": "a", "cache_url": "ram://"},
+            {"model": "b.gguf", "n_ctx": 1024},
+            {"model": "c.gguf", "model_alias": "c", "cache_url": False},
+        ],
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    args = serve.build_parser().parse_args(["--config_file", str(path)])
+    server_settings, models, urls = serve.load_settings(args)
+    assert server_settings.host == "127.0.0.1"
+    assert [m.model_alias for m in models] == ["a", None, "c"] and models[1].n_ctx == 1024
+    assert urls == {"a": "ram://", "b.gguf": None, "c": "false"}
+    yaml_path = tmp_path / "config.yaml"
+    yaml_path.write_text("models:\n  - model: a.gguf\n    cache_url: lmdb:///tmp/x\n")
+    monkeypatch.setenv("CONFIG_FILE", str(yaml_path))  # as upstream: the variable wins over --config_file
+    _, models, urls = serve.load_settings(args)
+    assert urls == {"a.gguf": "lmdb:///tmp/x"}
+
+
+def test_cache_values_and_scopes() -> None:
+    from llama_cpp.server.settings import ModelSettings
+
+    from sippcache import serve
+
+    pool = serve.CachePool.open(
+        [ModelSettings(model="a"), ModelSettings(model="b"), ModelSettings(model="c")],
+        {"a": "ram://", "b": "false", "c": "true"}, "ram://?max_bytes=1MiB",
+    )  # fmt: skip
+    try:
+        rows = {row["model"]: row for row in pool.model_rows()}
+        assert rows["a"]["store"] == "ram://" and rows["b"]["store"] is None
+        assert rows["c"]["store"] == serve.redact_url(serve.default_url())
+    finally:
+        pool.close()
+    assert serve.scope_for(ModelSettings(model="m")) == "default"
+    assert serve.scope_for(ModelSettings(model="m", n_ctx=8192, type_k=8, chat_format="chatml")) == "default"
+    rope = serve.scope_for(ModelSettings(model="m", rope_freq_base=1e6))
+    assert rope.startswith("settings-") and rope == serve.scope_for(ModelSettings(model="m", rope_freq_base=1e6))
+    assert rope != serve.scope_for(ModelSettings(model="m", kv_overrides=["a.b=int:3"]))
+
+
+def test_redact_url() -> None:
+    from sippcache.serve import redact_url
+
+    assert redact_url("lmdb:///var/cache/sipp?max_bytes=2GiB") == "lmdb:///var/cache/sipp?max_bytes=2GiB"
+    assert redact_url("redis://app:hunter2@cache:6379/0?prefix=p") == "redis://app:***@cache:6379/0?prefix=p"
+    assert "hunter2" not in redact_url("rediss://h?password=hunter2")
+    inner = "tiered://?l1=lmdb%3A%2F%2F%2Ftmp%2Fa&l2=redis%3A%2F%2Fu%3Ahunter2%40h%3A6379%2F0"
+    assert "hunter2" not in redact_url(inner) and "redis://u:***@h:6379/0" in redact_url(inner)
+
+
+def run_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sippcache.serve", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("cache", "says"),
+    [
+        ("nosuch://x", "no cache backend named 'nosuch'"),
+        ("notaurl", "is not a cache URL"),
+        ("lmdb:///tmp/sippcache-serve-test?max_bytes=lots", "max_bytes"),
+    ],
+)
+def test_a_bad_cache_url_stops_the_server_with_one_line(tiny_model: Path, cache: str, says: str) -> None:
+    result = run_serve("--model", str(tiny_model), "--cache", cache, "--port", "9")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot open the cache") and says in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_bad_settings_and_a_bad_default_url_are_one_line_too(tiny_model: Path, tmp_path: Path) -> None:
+    result = run_serve("--model", str(tiny_model), env={"SIPPCACHE_URL": "bogus://"})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "bogus" in result.stderr, result.stderr
+    result = run_serve("--n_ctx", "512")  # no --model
+    assert result.returncode == 2 and result.stderr.strip() == "error: invalid settings: model: Field required"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"models": [{"model": str(tiny_model), "cache_url": 3}]}))
+    result = run_serve("--config_file", str(config))
+    assert result.returncode == 2 and "cache_url must be a cache URL" in result.stderr and "Traceback" not in result.stderr
+    result = run_serve("--model", str(tmp_path / "missing.gguf"), "--cache", "ram://")
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: cannot start the server")
+    assert "Traceback" not in result.stderr
+
+
+def test_the_sippcache_command_serves_with_upstream_options() -> None:
+    assert SCRIPT.exists(), f"the sippcache console script is not installed at {SCRIPT}"
+    result = subprocess.run([str(SCRIPT), "serve", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for option in ("--model", "--n_ctx", "--chat_format", "--config_file", "--api_key", "--cache URL"):
+        assert option in result.stdout
+    assert result.stdout.startswith("usage: sippcache serve")
+    result = subprocess.run([str(SCRIPT), "serve", "--model", "m.gguf", "--cache", "nosuch://"], capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2 and result.stderr.startswith("error: cannot open the cache nosuch://")
+    assert result.stderr.count("\n") == 1
