@@ -153,7 +153,10 @@ class ServeMetrics:
         for reader in self.source.store_readers():
             values, up = reader.read()
             stores[reader.label] = {"up": up, **values}
-        return {"models": models, "stores": stores}
+        errors = sum(row.get(key, 0) for row in models.values() for key, _ in BACKEND_ERRORS)
+        errors += sum(_number(store, "errors") for store in stores.values())
+        # backend_errors: every store failure seen (the adapter's lookups and writes, the stores' own count).
+        return {"backend_errors": int(errors), "models": models, "stores": stores}
 
 
 class _Collector(Collector):

@@ -339,7 +339,9 @@ class CachePool:
         rows = []
         with self._lock:
             entries = [(e, e.live, dict(e.retired)) for e in self._models.values()]
-        for entry, live, totals in entries:
+        zeros = {**sippllama.PrefixStats().as_dict(), "write_failures": 0}
+        for entry, live, retired in entries:
+            totals = {**zeros, **retired}
             cache = live._sippcache if live is not None else None
             if cache is not None:
                 for key, value in cache.prefix_cache(live).stats().items():
