@@ -25,7 +25,7 @@ from .errors import (
     UnknownBackend,
     UnsupportedEntry,
 )
-from .protocol import BaseBackend, CacheBackend, EntryInfo, Match, Stats, StoreOptions
+from .protocol import BaseBackend, CacheBackend, EntryInfo, Match, Peek, Stats, StoreOptions
 from .registry import BackendInfo, backends, default_url, open
 
 __version__ = "0.1.0"
@@ -43,6 +43,7 @@ __all__ = [
     "EntryInfo",
     "Match",
     "MissingDependency",
+    "Peek",
     "SippcacheError",
     "Stats",
     "StoreOptions",

@@ -35,7 +35,7 @@ from typing import Optional
 
 from .errors import CacheFull
 from .index import PrefixIndex
-from .protocol import StoreOptions
+from .protocol import Peek, StoreOptions
 
 log = logging.getLogger("sippcache")
 
@@ -170,6 +170,11 @@ class Catalog:
         self._push(eid, entry)
 
     # -- questions -------------------------------------------------------------------
+
+    def peek(self, namespace: str, key: bytes, partial: bool) -> Optional[Peek]:
+        """The index's answer to a lookup of `key` (token bytes), as `Peek`."""
+        hit = self.index.longest_common(namespace, key) if partial else self.index.longest_prefix(namespace, key)
+        return None if hit is None else Peek(hit.length, self._entries[hit.entry_id].tokens)
 
     def plan_store(
         self, eid: bytes, key: bytes, namespace: str, size: int, options: StoreOptions, now: int,

@@ -46,7 +46,7 @@ import xxhash
 from . import tokens as _tokens
 from .catalog import Catalog, EntryState, StorePlan, refuse
 from .errors import CacheFull, CorruptStore
-from .protocol import BaseBackend, EntryInfo, Match, Stats, StoreOptions
+from .protocol import BaseBackend, EntryInfo, Match, Peek, Stats, StoreOptions
 
 log = logging.getLogger("sippcache")
 
@@ -332,6 +332,11 @@ class KVBackend(BaseBackend):
             stored_key = index.key_of(hit.entry_id)
             self._flush_touches_if_due()
         return Match(hit.length, stored_key, blob, namespace, end)
+
+    def _peek(self, key: bytes, namespace: str, partial: bool) -> Optional[Peek]:
+        with self._lock:
+            self._refresh()
+            return self._catalog.peek(namespace, key, partial)
 
     def _touch_entry(self, key: bytes, namespace: str) -> bool:
         eid = entry_id(namespace, key)

@@ -52,7 +52,7 @@ from . import tokens as _tokens
 from .errors import CorruptEntry, UnsupportedEntry
 from .fingerprint import Fingerprint, llama_fingerprint
 from .frame import Secret, secret_from_environment
-from .protocol import CacheBackend, Match
+from .protocol import CacheBackend, Match, Peek
 from .registry import open as open_cache
 from .writer import BackgroundWriter
 
@@ -345,47 +345,41 @@ class PrefixCache:
         """Put the longest usable prefix of `ids` in the context.
 
         Candidates, best first: a stored entry for the whole prompt with its
-        logits (nothing to evaluate); then, for `ids[:-1]`, the live context,
-        the entry whose key is the longest prefix, the entry sharing the
-        longest common prefix (usable only if truncating it is exact).
+        logits (nothing to evaluate); then, for `ids[:-1]`, the live context, the
+        entry whose key is the longest prefix, the entry sharing the longest common
+        prefix (usable only if truncating it is exact). The cache is asked with
+        `peek` first, so the only entry fetched is the one restored: that matters
+        when states cross a network.
         """
         n, target = len(ids), ids[:-1]
-        matches: list[Match] = []
+        prefix: Optional[Peek] = None
         if self.stored_logits:
-            whole = self._lookup(ids, partial=False)
+            whole = self._peek(ids, partial=False)
             if whole is not None and whole.length == n:
-                with whole:
-                    logits = self._restore(whole, n, ids, with_logits=True)
+                logits = self._fetch_and_restore(ids, partial=False, with_logits=True)
                 if logits is not None:
                     self._stats.logits_hits += 1
                     return _Reuse(n, n, logits)
             elif whole is not None:
-                matches.append(whole)  # a prefix of target too
-        branch = 0
+                prefix = whole  # shorter than the prompt: the longest prefix of target too
+        shared: Optional[Peek] = None
         if target:
-            if not matches:
-                found = self._lookup(target, partial=False)
-                matches += [found] if found is not None else []
-            shared = self._lookup(target, partial=True)
-            if shared is not None:
-                branch = shared.length
-                if any(m.key == shared.key for m in matches):
-                    shared.release()  # both lookups found the same entry
-                else:
-                    matches.append(shared)
-        try:
-            # Longest first; on equal length, an exact-prefix entry (no truncation) first.
-            matches.sort(key=lambda m: (m.length, len(m.key) == m.length), reverse=True)
-            for match in matches:
-                live = self._live_common(target)
-                if live >= match.length and self._truncate_live(live):
-                    break  # the context already holds at least as much
-                if match.length >= self.min_tokens and self._restore(match, match.length, target) is not None:
-                    self._stats.partial_hits += match.length < len(match.key)
-                    return _Reuse(match.length, match.length, branch=branch)
-        finally:
-            for match in matches:
-                match.release()
+            prefix = prefix or self._peek(target, partial=False)
+            shared = self._peek(target, partial=True)
+        candidates = [(prefix.length, False)] if prefix is not None else []
+        if shared is not None and shared.length > (prefix.length if prefix else 0):
+            if states.may_truncate_restored(shared.key_length, shared.length, self.n_swa):
+                candidates.append((shared.length, True))
+        branch = shared.length if shared is not None else 0
+        for length, partial in sorted(candidates, reverse=True):
+            live = self._live_common(target)
+            if live >= length and self._truncate_live(live):
+                break  # the context already holds at least as much
+            if length >= self.min_tokens:
+                restored = self._fetch_and_restore(target, partial=partial)
+                if restored is not None:
+                    self._stats.partial_hits += partial and restored < len(target)
+                    return _Reuse(restored, restored, branch=branch)
         self._stats.misses += 1
         live = self._live_common(target)
         if self._truncate_live(live):
@@ -393,6 +387,19 @@ class PrefixCache:
             return _Reuse(live, branch=branch)
         self._clear_context()
         return _Reuse(0, branch=branch)
+
+    def _fetch_and_restore(self, query: list[int], *, partial: bool, with_logits: bool = False) -> Optional[Any]:
+        """Look `query` up and restore the match: with `with_logits`, only an entry for
+        all of `query` with its logits (returned); else the tokens restored, or None."""
+        match = self._lookup(query, partial=partial)
+        if match is None:
+            return None
+        with match:
+            length = match.length
+            if length < self.min_tokens or (with_logits and length != len(query)):
+                return None
+            restored = self._restore(match, length, query, with_logits=with_logits)
+        return restored if with_logits or restored is None else length
 
     def _live_common(self, target: list[int]) -> int:
         return _common_length(self.llm.input_ids[: self.llm.n_tokens], target)
@@ -483,6 +490,14 @@ class PrefixCache:
             return self.cache.lookup(key, namespace=self.namespace, partial=partial)
         except Exception as exc:
             self._backend_error("lookup", exc)
+            return None
+
+    def _peek(self, key: list[int], *, partial: bool) -> Optional[Peek]:
+        """What a lookup would find (no blob read, not a use); a backend error is a miss."""
+        try:
+            return self.cache.peek(key, namespace=self.namespace, partial=partial)
+        except Exception as exc:
+            self._backend_error("peek", exc)
             return None
 
     def _drop(self, key: Sequence[int]) -> None:
@@ -686,13 +701,9 @@ class LlamaCache(BaseLlamaCache):
         raise KeyError("sippcache put the prompt in the context; nothing to load")
 
     def __contains__(self, key: Sequence[int]) -> bool:
-        llm = self._caller()
-        prefix_cache = self.prefix_cache(llm)
-        match = prefix_cache._lookup([int(t) for t in key][:-1], partial=False)
-        if match is None:
-            return False
-        match.release()
-        return match.length >= prefix_cache.min_tokens
+        prefix_cache = self.prefix_cache(self._caller())
+        found = prefix_cache._peek([int(t) for t in key][:-1], partial=False)
+        return found is not None and found.length >= prefix_cache.min_tokens
 
     def __setitem__(self, key: Sequence[int], value: Any) -> None:
         prefix_cache = self.prefix_cache(self._caller())

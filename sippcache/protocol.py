@@ -136,6 +136,15 @@ class Match:
 
 
 @dataclass(frozen=True)
+class Peek:
+    """What `lookup` would return, without the blob: how many query tokens the entry
+    covers, and how long its key is (longer than `length` for a partial match)."""
+
+    length: int
+    key_length: int
+
+
+@dataclass(frozen=True)
 class EntryInfo:
     """One stored entry, as listed by `CacheBackend.entries` (no blob)."""
 
@@ -247,6 +256,10 @@ class CacheBackend(Protocol):
         A hit counts as a use for eviction unless `touch` is False (for tools
         that read entries without using them)."""
 
+    def peek(self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False) -> Optional[Peek]:
+        """What `lookup` would find, without reading the blob or counting a use: to
+        decide whether an entry is worth fetching (a large state over a network)."""
+
     def delete(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
         """Remove the entry stored under exactly `tokens`; True if there was one."""
 
@@ -285,7 +298,7 @@ class BaseBackend(ABC):
 
     Subclasses implement the `_store`, `_lookup`, `_delete`, `_set_pinned`,
     `_clear`, `_stats`, `_len`, `_entries` and `_close` hooks (and may override
-    `_touch_entry`), which receive
+    `_peek` and `_touch_entry`), which receive
     validated arguments: tokens as little-endian uint32 bytes
     (`sippcache.tokens.encode`), a str namespace, a non-empty bytes-like blob,
     resolved `StoreOptions`.
@@ -351,6 +364,15 @@ class BaseBackend(ABC):
             return None
         with self._damage_as_corrupt_store():
             return self._lookup(key, namespace, bool(partial), bool(touch))
+
+    def peek(self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False) -> Optional[Peek]:
+        key = _tokens.encode(tokens)
+        _check_namespace(namespace)
+        self._check_open()
+        if not key:
+            return None
+        with self._damage_as_corrupt_store():
+            return self._peek(key, namespace, bool(partial))
 
     def delete(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
         key = _tokens.encode(tokens)
@@ -431,6 +453,15 @@ class BaseBackend(ABC):
             raise CacheClosed(f"{type(self).__name__} is closed")
 
     # -- storage hooks -------------------------------------------------------
+
+    def _peek(self, key: bytes, namespace: str, partial: bool) -> Optional[Peek]:
+        """`peek`: by default a lookup that does not count as a use, its blob unread;
+        override where the index can answer alone (every built-in backend does)."""
+        match = self._lookup(key, namespace, partial, False)
+        if match is None:
+            return None
+        with match:
+            return Peek(match.length, len(match.key))
 
     def _touch_entry(self, key: bytes, namespace: str) -> bool:
         """`touch`: by default an exact lookup whose blob is not read; override

@@ -94,6 +94,14 @@ def can_truncate(mem: Any, seq: int, length: int, n_swa: int) -> bool:
     return llama_cpp.llama_memory_seq_pos_min(mem, seq) <= max(0, length - n_swa) if n_swa > 0 else True
 
 
+def may_truncate_restored(key_length: int, length: int, n_swa: int) -> bool:
+    """Whether a state restored from an entry of `key_length` tokens is likely to pass
+    `can_truncate` for `length`: a restored sequence keeps the last n_swa positions of
+    its sliding-window layers, so it starts at max(0, key_length - n_swa). Used to skip
+    fetching an entry that could not be used; the real check runs after the restore."""
+    return length >= key_length or n_swa == 0 or key_length <= n_swa
+
+
 def truncate(mem: Any, seq: int, length: int, n_swa: int) -> bool:
     """Cut sequence `seq` to its first `length` positions if that is exact."""
     return can_truncate(mem, seq, length, n_swa) and bool(llama_cpp.llama_memory_seq_rm(mem, seq, length, -1))

@@ -150,6 +150,24 @@ class BackendTests:
         assert _blob(cache.lookup([1, 2, 3, 5])) == b"first"  # a hit is a use
         assert _blob(cache.lookup([1, 2, 3, 7], partial=True)) == b"first"
 
+    def test_peek_answers_as_lookup_would_without_using(self, open_cache: Opener) -> None:
+        cache = open_cache(max_bytes=3500)
+        cache.store([1, 2, 3], bytes(1000))
+        cache.store([1, 2, 3, 4, 5, 6], bytes(1000))
+        cache.store([9], bytes(1000))
+        assert cache.peek([1, 2, 3, 4, 7]) == sippcache.Peek(3, 3)
+        assert cache.peek([1, 2, 3, 4, 7], partial=True) == sippcache.Peek(4, 6)
+        assert cache.peek([1, 2, 3, 4, 5, 6, 7]) == sippcache.Peek(6, 6)
+        assert cache.peek([2]) is None and cache.peek([]) is None and cache.peek([1, 2, 3], namespace="x") is None
+        for query, partial in (([1, 2, 3, 4, 7], False), ([1, 2, 3, 4, 7], True), ([9, 9], False)):
+            peeked, match = cache.peek(query, partial=partial), cache.lookup(query, partial=partial, touch=False)
+            assert match is not None and peeked == sippcache.Peek(match.length, len(match.key))
+            match.release()
+        for _ in range(5):
+            cache.peek([1, 2, 3])  # not a use: [1, 2, 3] stays the least recently used
+        cache.store([8], bytes(1000))
+        assert cache.lookup([1, 2, 3], touch=False) is None
+
     def test_token_sequence_types(self, cache: CacheBackend) -> None:
         numpy = pytest.importorskip("numpy")
         cache.store(array("i", [9, 8, 7]), b"x")

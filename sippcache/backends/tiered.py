@@ -45,7 +45,7 @@ from urllib.parse import parse_qsl, urlencode
 
 from ..errors import BadOption, CacheFull
 from ..options import Size, coerce_options
-from ..protocol import BaseBackend, CacheBackend, EntryInfo, Match, Stats, StoreOptions
+from ..protocol import BaseBackend, CacheBackend, EntryInfo, Match, Peek, Stats, StoreOptions
 
 log = logging.getLogger("sippcache")
 
@@ -223,7 +223,6 @@ class TieredBackend(BaseBackend):
         self._counters = dict(hits=0, misses=0, stores=0, errors=0)
         self._l2_down: Optional[str] = None
         self._l2_failures = 0
-        self._peek = getattr(l2, "match_length", None)  # optional: how long L2's match is, without its blob
 
     @classmethod
     def from_url(cls, location: str, options: Mapping[str, str]) -> TieredBackend:
@@ -356,10 +355,19 @@ class TieredBackend(BaseBackend):
             self._forward_touch(first.key, namespace)
         return first
 
+    def _peek(self, key: bytes, namespace: str, partial: bool) -> Optional[Peek]:
+        tokens = _tokens(key)
+        first = self.l1.peek(tokens, namespace=namespace, partial=partial)
+        if first is not None and first.length == len(tokens):
+            return first
+        self._drain()
+        second = self._l2(lambda: self.l2.peek(tokens, namespace=namespace, partial=partial), None)
+        return second if second is not None and (first is None or second.length > first.length) else first
+
     def _l2_longer(self, tokens: array, namespace: str, partial: bool, best: int) -> Optional[Match]:
-        """L2's match if it covers more than `best` tokens (its blob is read only then, if L2
-        can say how long its match is: `match_length`)."""
-        if self._peek is not None and self._l2(lambda: self._peek(tokens, namespace=namespace, partial=partial), 0) <= best:
+        """L2's match if it covers more than `best` tokens (its blob is read only then)."""
+        peeked = self._l2(lambda: self.l2.peek(tokens, namespace=namespace, partial=partial), None)
+        if peeked is None or peeked.length <= best:
             return None
         found = self._l2(lambda: self.l2.lookup(tokens, namespace=namespace, partial=partial, touch=False), None)
         if found is not None and found.length <= best:

@@ -45,7 +45,7 @@ from typing import Any, ClassVar, Optional
 import msgpack
 import xxhash
 
-from sippcache import BadOption, BaseBackend, EntryInfo, Match, MissingDependency, Stats, StoreOptions
+from sippcache import BadOption, BaseBackend, EntryInfo, Match, MissingDependency, Peek, Stats, StoreOptions
 from sippcache import tokens as _tokens
 from sippcache.catalog import Catalog, EntryState, StorePlan, refuse
 from sippcache.engine import TOUCH_BATCH, TOUCH_SECONDS, entry_id
@@ -86,10 +86,6 @@ COMMIT_ATTEMPTS = 8
 BACKOFF_FIRST, BACKOFF_MAX = 0.5, 5.0
 #: Entries read per HSCAN call while rebuilding.
 SCAN_COUNT = 1000
-#: The blob a hit fetched is kept this long (one per handle, up to RECENT_MAX_BYTES), so the same
-#: entry found again right away (the llama adapter asks for the longest prefix, then the longest
-#: common prefix) is not transferred twice. A blob id is never reused, so the copy cannot be stale.
-RECENT_SECONDS, RECENT_MAX_BYTES = 2.0, 512 * 1024**2
 
 _PREFIX = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _VALUES = struct.Struct(">Qd??")  # used (ns), retention value, pinned, superseded: 18 bytes
@@ -310,7 +306,6 @@ class RedisBackend(BaseBackend):
         self._pending_since = 0.0
         self._damaged: set[bytes] = set()
         self._unsure: list[tuple[bytes, _Blob]] = []  # uploads whose commit outcome is unknown
-        self._recent: Optional[tuple[bytes, _Blob, bytes, float]] = None  # (id, blob ref, bytes, when)
         self._last_time = 0
         self._counters = dict(hits=0, misses=0, stores=0, evictions=0, refused=0, stale=0, errors=0)
         #: Network exchanges made (a script call, a pipeline, a scan page): a diagnostic.
@@ -894,11 +889,7 @@ class RedisBackend(BaseBackend):
                 if ref is None:  # cannot happen: the index and the blob table change together
                     self._counters["misses"] += 1
                     return None
-            blob = self._recently_fetched(hit.entry_id, ref)
-            if blob is None:
-                blob = self._fetch(hit.entry_id, ref)
-                if blob is not None and len(blob) <= RECENT_MAX_BYTES:
-                    self._recent = (hit.entry_id, ref, blob, time.monotonic())
+            blob = self._fetch(hit.entry_id, ref)
             if blob is None:  # torn (server eviction, a lost chunk, a race with a replace): a miss, cleaned up
                 self._remove_torn(hit.entry_id, ref)
                 with self._lock:
@@ -915,15 +906,6 @@ class RedisBackend(BaseBackend):
             self._counters["hits"] += 1
         return Match(hit.length, stored_key, blob, namespace)
 
-    def _recently_fetched(self, eid: bytes, ref: _Blob) -> Optional[bytes]:
-        recent = self._recent
-        if recent is None:
-            return None
-        if time.monotonic() - recent[3] > RECENT_SECONDS:
-            self._recent = None
-            return None
-        return recent[2] if recent[0] == eid and recent[1] == ref else None
-
     def _remove_torn(self, eid: bytes, ref: _Blob) -> None:
         with self._lock:
             reply = self._script("delete", [eid, ref.blob_id])
@@ -933,23 +915,15 @@ class RedisBackend(BaseBackend):
                 self._seq = -1
         self._discard(eid, ref)
 
-    def match_length(self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False) -> int:
-        """How many tokens of `tokens` the best entry covers (0: none), like `lookup`
-        but without reading the blob or counting a use: one round trip. The tiered
-        cache asks this before fetching from this tier."""
-        key = _tokens.encode(tokens)
-        self._check_open()
-        if not key:
-            return 0
+    def _peek(self, key: bytes, namespace: str, partial: bool) -> Optional[Peek]:
+        """From the mirror after one sync round trip; no blob is read."""
         with self._lock:
             try:
                 self._sync()
             except (_ServerError, _Rebuild):
                 self._failed()
-                return 0
-            index = self._catalog.index
-            hit = index.longest_common(namespace, key) if partial else index.longest_prefix(namespace, key)
-            return 0 if hit is None else hit.length
+                return None
+            return self._catalog.peek(namespace, key, partial)
 
     def _touch_entry(self, key: bytes, namespace: str) -> bool:
         """Record a use from the mirror, saved with a later sync: no round trip of its own."""
@@ -1106,7 +1080,6 @@ class RedisBackend(BaseBackend):
                 self._flush_touches()
             except (_ServerError, _Rebuild) as exc:
                 log.warning("sippcache: could not save recency updates of %s on close: %s", self.location, exc)
-            self._recent = None
             if self._redis is not None:
                 try:
                     self._redis.close()

@@ -102,3 +102,29 @@ def test_completions_succeed_with_the_server_dead(
     finally:
         llm.close()
     assert any("unavailable" in r.getMessage() for r in caplog.records)
+
+
+def test_a_warm_prefill_transfers_one_entry(tiny_model: Path, valkey_server: ValkeyServer, prefix: str) -> None:
+    """The adapter peeks at its candidates (one round trip each, no blob) and fetches
+    only the entry it restores: a long prompt with several stored checkpoints moves
+    one entry's chunks, not two or three."""
+    import llama_cpp
+
+    from sippcache.llama import Llama, PrefixCache
+    from sippcache_redis.testing import commands_during
+
+    url = f"{valkey_server.url}?prefix={prefix}&chunk_size=65536"
+    tokens = _prompt(1500)
+    with PrefixCache(Llama(model_path=str(tiny_model), n_ctx=2048, verbose=False), url, checkpoint_interval=512) as pc:
+        pc.prefill(tokens)  # stores checkpoints at 512 and 1024 and the whole prompt
+    longer = tokens + _prompt(40, seed=1)[1:]
+    llm = llama_cpp.Llama(model_path=str(tiny_model), n_ctx=2048, verbose=False)
+    with PrefixCache(llm, url, checkpoint_interval=512) as pc:
+        entry = pc.cache.peek(tokens, namespace=pc.namespace)
+        assert entry is not None and entry.key_length == 1500
+        client = valkey_server.client()
+        result: list[Any] = []
+        counts = commands_during([client], lambda: result.append(pc.prefill(longer)))
+        assert result[0].restored == 1500
+        size = next(e.size for e in pc.cache.entries(namespace=pc.namespace) if len(e.key) == 1500) - 4 * 1500
+    assert counts.get("get", 0) == -(-size // 65536)  # the chunks of the one entry restored

@@ -71,17 +71,16 @@ def test_lookup_cost_is_flat(where: str, valkey_server: ValkeyServer, valkey_clu
     print({entries: {k: v for k, v in measured.items()} for entries, measured in results.items()})
 
 
-def test_the_same_entry_found_again_at_once_is_not_transferred_twice(valkey_server: ValkeyServer, prefix: str) -> None:
-    """The adapter asks for the longest prefix, then the longest common prefix: usually the
-    same entry. The second answer reuses the blob just fetched, unless the entry changed."""
+def test_peek_is_one_round_trip_and_moves_no_blob(valkey_server: ValkeyServer, prefix: str) -> None:
+    """The adapter peeks at its candidates and fetches only the one it restores."""
     url = f"{valkey_server.url}?prefix={prefix}"
     servers = [valkey_server.client()]
-    with sippcache.open(url) as cache, sippcache.open(url) as other:
+    with sippcache.open(url) as cache:
         cache.store([1, 2, 3], b"a" * 3 * MiB)
-        assert bytes(cache.lookup([1, 2, 3, 4]).blob) == b"a" * 3 * MiB
-        again = commands_during(servers, lambda: cache.lookup([1, 2, 3, 5], partial=True))
-        assert "get" not in again and again["evalsha"] == 1
-        other.store([1, 2, 3], b"b" * 3 * MiB)  # replaced by another process: a new blob id
-        changed: list[Any] = []
-        fetched = commands_during(servers, lambda: changed.append(cache.lookup([1, 2, 3, 4])))
-        assert fetched["get"] == 3 and bytes(changed[0].blob) == b"b" * 3 * MiB
+        for partial in (False, True):
+            peeked: list[Any] = []
+            counts = commands_during(servers, lambda: peeked.append(cache.peek([1, 2, 3, 4], partial=partial)))
+            # One round trip (the sync script; INFO also counts the commands it runs inside), no GET.
+            assert counts["evalsha"] == 1 and "get" not in counts and peeked == [sippcache.Peek(3, 3)]
+        fetched = commands_during(servers, lambda: cache.lookup([1, 2, 3, 4]).release())
+        assert fetched["evalsha"] == 1 and fetched["get"] == 3
