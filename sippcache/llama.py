@@ -37,10 +37,8 @@ import inspect
 import logging
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 import llama_cpp
@@ -49,51 +47,30 @@ from llama_cpp.llama_cache import BaseLlamaCache
 
 from . import states
 from . import tokens as _tokens
-from .errors import CorruptEntry, UnsupportedEntry
 from .fingerprint import Fingerprint, llama_fingerprint
-from .frame import Secret, secret_from_environment
-from .protocol import CacheBackend, Match, Peek
-from .registry import open as open_cache
-from .writer import BackgroundWriter
+from .frame import Secret
+from .protocol import CacheBackend
+from .seqcache import (
+    CHECKPOINT_ALIGNMENT,
+    DEFAULT_CHECKPOINT_INTERVAL,
+    DEFAULT_MIN_TOKENS,
+    PrefixStats,
+    Reuse,
+    SequenceCache,
+    check_options,
+    common_length,
+    open_cache_argument,
+)
 
 log = logging.getLogger("sippcache")
 
 #: The `kind` of entries holding one llama.cpp sequence's state.
 KIND = states.KIND
-DEFAULT_MIN_TOKENS = 16
-DEFAULT_CHECKPOINT_INTERVAL = 2048
-#: Checkpoints where a prompt leaves a stored one are rounded down to a multiple of
-#: this. llama.cpp's quantized kernels give results that depend on where a batch
-#: is split: measured on gemma-3-270m (q4_k_m, AVX-512), splitting an evaluation
-#: at a multiple of 8 tokens is bit-identical to not splitting it, while splitting
-#: at 999 or 1,001 moves logits by up to 1.1. Aligned, a checkpoint costs nothing
-#: in exactness (and at most 31 tokens of reuse).
-CHECKPOINT_ALIGNMENT = 32
 
-
-@dataclass
-class PrefixStats:
-    """Counters of one `PrefixCache` (this process only)."""
-
-    lookups: int = 0  # prefills that looked in the cache
-    hits: int = 0  # prefills that restored an entry
-    partial_hits: int = 0  # hits on a longer or diverging entry, truncated to the shared prefix
-    logits_hits: int = 0  # exact repeats served with stored logits: nothing evaluated
-    misses: int = 0
-    tokens_reused: int = 0  # restored from the cache
-    context_tokens_reused: int = 0  # already in the llama context
-    tokens_evaluated: int = 0
-    entries_written: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    restore_seconds: float = 0.0
-    corrupt_entries: int = 0
-    rejected_entries: int = 0  # refused by llama.cpp or not truncatable
-    backend_errors: int = 0  # lookups and deletes that failed (the request went on uncached)
-    write_failures: int = 0  # background stores that failed
-
-    def as_dict(self) -> dict[str, Union[int, float]]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+__all__ = [
+    "CHECKPOINT_ALIGNMENT", "KIND", "Llama", "LlamaCache", "PrefillResult", "PrefixCache", "PrefixStats",
+    "SessionPool",
+]  # fmt: skip
 
 
 class PrefillResult(int):
@@ -129,59 +106,9 @@ class PrefillResult(int):
         )
 
 
-@dataclass
-class _Reuse:
-    """What `_reuse` put in the context: `start` tokens (`restored` of them from the
-    cache), the stored logits if they came with it, and where the prompt leaves the
-    entry it shares the most with (a place worth a checkpoint)."""
-
-    start: int
-    restored: int = 0
-    logits: Optional[np.ndarray] = None
-    branch: int = 0
-
-
-def _check_options(
-    scope: Any, min_tokens: Any, checkpoint_interval: Any, max_pending_writes: Any = 1,
-    secret: Any = None, on_prefill: Any = None,
-) -> None:  # fmt: skip
-    """Refuse bad options before anything is opened or created."""
-    if not isinstance(scope, str):
-        raise TypeError(f"scope must be a str, not {type(scope).__name__}")
-    for name, value in (("min_tokens", min_tokens), ("checkpoint_interval", checkpoint_interval),
-                        ("max_pending_writes", max_pending_writes)):  # fmt: skip
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
-    if secret is not None and (not isinstance(secret, (str, bytes)) or not secret):
-        raise TypeError("secret must be a non-empty str or bytes")
+def _check_observer(on_prefill: Any) -> None:
     if on_prefill is not None and not callable(on_prefill):
         raise TypeError("on_prefill must be callable")
-
-
-def _secret(secret: Optional[Secret]) -> Optional[bytes]:
-    """The MAC secret: the one given, else `SIPPCACHE_SECRET`, else none."""
-    if secret is None:
-        return secret_from_environment()
-    return secret.encode("utf-8") if isinstance(secret, str) else secret
-
-
-def _open(cache: Union[str, CacheBackend, None]) -> tuple[CacheBackend, bool]:
-    """The backend for `cache` (a URL, an open backend, or None) and whether we opened it."""
-    if cache is None or isinstance(cache, str):
-        return open_cache(cache), True
-    if not isinstance(cache, CacheBackend):
-        raise TypeError(f"cache must be a URL or a CacheBackend, not {type(cache).__name__}")
-    return cache, False
-
-
-def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
-    return int(diff[0]) if diff.size else n
 
 
 class PrefixCache:
@@ -211,23 +138,22 @@ class PrefixCache:
     ) -> None:
         if not isinstance(llm, llama_cpp.Llama):
             raise TypeError(f"llm must be a llama_cpp.Llama, not {type(llm).__name__}")
-        _check_options(scope, min_tokens, checkpoint_interval, max_pending_writes, secret, on_prefill)
+        check_options(scope, min_tokens, checkpoint_interval, max_pending_writes, secret)
+        _check_observer(on_prefill)
         self.llm = llm
         self.fingerprint: Fingerprint = llama_fingerprint(llm)
-        self.cache, self._owns_cache = _open(cache)
-        self.scope = scope
-        self.namespace = f"llama:{self.fingerprint.digest}/{scope}"
-        self.min_tokens = min_tokens
-        self.checkpoint_interval = checkpoint_interval
-        self.secret = _secret(secret)
+        self._states = SequenceCache(
+            cache, fingerprint=self.fingerprint, scope=scope, n_swa=int(llama_cpp.llama_model_n_swa(llm.model)),
+            n_vocab=llm.n_vocab(), min_tokens=min_tokens, checkpoint_interval=checkpoint_interval,
+            max_pending_writes=max_pending_writes, secret=secret,
+        )  # fmt: skip
+        self.cache, self.namespace, self.scope = self._states.cache, self._states.namespace, scope
+        self.min_tokens, self.checkpoint_interval = min_tokens, checkpoint_interval
+        self.secret, self.n_swa = self._states.secret, self._states.n_swa
         self.on_prefill = on_prefill
-        self.n_swa = int(llama_cpp.llama_model_n_swa(llm.model))
         #: Whole-prompt entries keep their logits, and exact repeats sample from them.
         self.stored_logits = isinstance(llm, Llama) and not llm._logits_all
-        self._n_vocab = llm.n_vocab()
-        self._stats = PrefixStats()
         self._lock = threading.Lock()  # one prefill at a time: the llama context is not thread-safe
-        self._writer = BackgroundWriter(self._write_entry, max_pending=max_pending_writes)
         self._closed = False
 
     # -- public API ------------------------------------------------------------
@@ -252,30 +178,26 @@ class PrefixCache:
     def pin(self, tokens: _tokens.Tokens) -> bool:
         """Pin the entry a prefill of `tokens` stores (budgets never evict it), e.g. a
         system prompt every request starts with; True if it is in the cache."""
-        return self._set_pinned(self._final_key(self._checked(tokens)), True)
+        return self._states.set_pinned(self._final_key(self._checked(tokens)), True)
 
     def unpin(self, tokens: _tokens.Tokens) -> bool:
         """Undo `pin`; True if the entry is in the cache."""
-        return self._set_pinned(self._final_key(self._checked(tokens)), False)
+        return self._states.set_pinned(self._final_key(self._checked(tokens)), False)
 
     def flush(self) -> None:
         """Wait until every queued snapshot is written to the cache."""
-        self._writer.flush()
+        self._states.flush()
 
     def stats(self) -> dict[str, Union[int, float]]:
         """This cache's counters (see `PrefixStats`)."""
-        out = self._stats.as_dict()
-        out["write_failures"] = self._writer.failures
-        return out
+        return self._states.counters()
 
     def close(self) -> None:
         """Write pending snapshots, stop the writer, and close a cache opened from a URL."""
         if self._closed:
             return
         self._closed = True
-        self._writer.close()
-        if self._owns_cache:
-            self.cache.close()
+        self._states.close()
 
     def __enter__(self) -> PrefixCache:
         return self
@@ -290,7 +212,7 @@ class PrefixCache:
         ids = list(_tokens.decode(_tokens.encode(tokens)))
         if not ids:
             raise ValueError("cannot prefill an empty prompt")
-        n_vocab = self._n_vocab
+        n_vocab = self._states.n_vocab
         if max(ids) >= n_vocab:
             position = next(i for i, t in enumerate(ids) if t >= n_vocab)
             raise ValueError(f"token id {ids[position]} at position {position} is outside the vocabulary (n_vocab={n_vocab})")
@@ -304,29 +226,29 @@ class PrefixCache:
         self, ids: list[int], *, restore: bool = True, progress: Optional[Callable[[int, int], None]] = None,
         pin: bool = False,
     ) -> PrefillResult:  # fmt: skip
+        llm, stats = self.llm, self._states.stats
         with self._lock:
-            restore_before = self._stats.restore_seconds
+            restore_before = stats.restore_seconds
             if self._logits_current(ids):
-                reuse = _Reuse(len(ids))  # the context already holds the prompt, ready to sample
-                self._stats.context_tokens_reused += len(ids)
-            elif restore:
-                self._stats.lookups += 1
-                reuse = self._reuse(ids)
+                start, restored, logits, branch = len(ids), 0, None, 0  # ready to sample: nothing to do
+                stats.context_tokens_reused += len(ids)
             else:
-                self._clear_context()
-                reuse = _Reuse(0)
-            if reuse.logits is not None:
-                self._set_stored_logits(len(ids), reuse.logits)
-            if reuse.start < len(ids):
+                live = llm.input_ids[: llm.n_tokens]
+                if restore:
+                    reuse = self._states.reuse(llm.ctx, 0, ids, live, with_logits=self.stored_logits)
+                else:
+                    states.clear(states.memory(llm.ctx), 0)
+                    reuse = Reuse(0)
+                start, restored, logits, branch = reuse.start, reuse.restored, reuse.logits, reuse.branch
+                self._context_set(ids, start, logits)
+            if start < len(ids):
                 # After a lookup, no usable entry holds the whole prompt with its logits: store
                 # the final snapshot even over one without logits. Without a lookup, check first.
-                self._evaluate(ids, reuse.start, reuse.branch, progress=progress, pin=pin, replace_final=restore)
+                self._evaluate(ids, start, branch, progress=progress, pin=pin, replace_final=restore)
             elif pin:
-                self._set_pinned(self._final_key(ids), True)
-            result = PrefillResult(
-                reuse.restored, reuse.start - reuse.restored, len(ids) - reuse.start, reuse.logits is not None,
-                self._stats.restore_seconds - restore_before,
-            )  # fmt: skip
+                self._states.set_pinned(self._final_key(ids), True)
+            result = PrefillResult(restored, start - restored, len(ids) - start, logits is not None,
+                                   stats.restore_seconds - restore_before)  # fmt: skip
         if self.on_prefill is not None:
             try:
                 self.on_prefill(result)
@@ -339,201 +261,25 @@ class PrefixCache:
         logits) when they can be used, else the prompt minus its last token."""
         return ids if self.stored_logits else ids[:-1]
 
-    # -- restoring ----------------------------------------------------------------
-
-    def _reuse(self, ids: list[int]) -> _Reuse:
-        """Put the longest usable prefix of `ids` in the context.
-
-        Candidates, best first: a stored entry for the whole prompt with its
-        logits (nothing to evaluate); then, for `ids[:-1]`, the live context, the
-        entry whose key is the longest prefix, the entry sharing the longest common
-        prefix (usable only if truncating it is exact). The cache is asked with
-        `peek` first, so the only entry fetched is the one restored: that matters
-        when states cross a network.
-        """
-        n, target = len(ids), ids[:-1]
-        prefix: Optional[Peek] = None
-        if self.stored_logits:
-            whole = self._peek(ids, partial=False)
-            if whole is not None and whole.length == n:
-                logits = self._fetch_and_restore(ids, partial=False, with_logits=True)
-                if logits is not None:
-                    self._stats.logits_hits += 1
-                    return _Reuse(n, n, logits)
-            elif whole is not None:
-                prefix = whole  # shorter than the prompt: the longest prefix of target too
-        shared: Optional[Peek] = None
-        if target:
-            prefix = prefix or self._peek(target, partial=False)
-            shared = self._peek(target, partial=True)
-        candidates = [(prefix.length, False)] if prefix is not None else []
-        if shared is not None and shared.length > (prefix.length if prefix else 0):
-            if states.may_truncate_restored(shared.key_length, shared.length, self.n_swa):
-                candidates.append((shared.length, True))
-        branch = shared.length if shared is not None else 0
-        for length, partial in sorted(candidates, reverse=True):
-            live = self._live_common(target)
-            if live >= length and self._truncate_live(live):
-                break  # the context already holds at least as much
-            if length >= self.min_tokens:
-                restored = self._fetch_and_restore(target, partial=partial)
-                if restored is not None:
-                    self._stats.partial_hits += partial and restored < len(target)
-                    return _Reuse(restored, restored, branch=branch)
-        self._stats.misses += 1
-        live = self._live_common(target)
-        if self._truncate_live(live):
-            self._stats.context_tokens_reused += live
-            return _Reuse(live, branch=branch)
-        self._clear_context()
-        return _Reuse(0, branch=branch)
-
-    def _fetch_and_restore(self, query: list[int], *, partial: bool, with_logits: bool = False) -> Optional[Any]:
-        """Look `query` up and restore the match: with `with_logits`, only an entry for
-        all of `query` with its logits (returned); else the tokens restored, or None."""
-        match = self._lookup(query, partial=partial)
-        if match is None:
-            return None
-        with match:
-            length = match.length
-            if length < self.min_tokens or (with_logits and length != len(query)):
-                return None
-            restored = self._restore(match, length, query, with_logits=with_logits)
-        return restored if with_logits or restored is None else length
-
-    def _live_common(self, target: list[int]) -> int:
-        return _common_length(self.llm.input_ids[: self.llm.n_tokens], target)
-
     def _logits_current(self, ids: list[int]) -> bool:
         """The context holds exactly `ids` and can sample the next token right away."""
         llm = self.llm
-        if llm.n_tokens != len(ids) or _common_length(llm.input_ids[: llm.n_tokens], ids) != len(ids):
+        if llm.n_tokens != len(ids) or common_length(llm.input_ids[: llm.n_tokens], ids) != len(ids):
             return False
         if isinstance(llm, Llama):
             return llm._current_logits() is not None
         return not llm._requires_eval
 
-    def _truncate_live(self, length: int) -> bool:
-        """Cut the live context to `length` tokens if llama.cpp can do so exactly."""
+    def _context_set(self, ids: list[int], start: int, logits: Optional[np.ndarray]) -> None:
+        """Record that sequence 0 now holds `ids[:start]`, set without an evaluation: the
+        context's logits are not current; the stored ones are, if given."""
         llm = self.llm
-        if length == 0:
-            return False
-        if length == llm.n_tokens:
-            return True
-        if not states.truncate(self._memory(), 0, length, self.n_swa):
-            return False
-        llm.n_tokens = length
-        self._context_changed()
-        return True
-
-    def _restore(self, match: Match, length: int, ids: list[int], *, with_logits: bool = False) -> Optional[Any]:
-        """Load `match` into sequence 0 and keep its first `length` tokens; None if
-        unusable. With `with_logits` the entry must carry the logits of its last
-        position (the whole of `ids`): they are returned (a copy); otherwise True."""
-        started = time.perf_counter()
-        key = match.key
-        try:
-            entry = states.decode_entry(
-                match.blob, key, fingerprint=self.fingerprint.digest, n_vocab=self._n_vocab, secret=self.secret
-            )
-        except UnsupportedEntry as exc:  # a newer sippcache's entry: not ours to delete
-            log.info("sippcache: skipping a cache entry (%d tokens): %s", len(key), exc)
-            return None
-        except CorruptEntry as exc:
-            log.warning("sippcache: dropping a corrupt cache entry (%d tokens): %s", len(key), exc)
-            self._stats.corrupt_entries += 1
-            self._drop(key)
-            return None
-        if with_logits and entry.logits is None:
-            return None  # usable only with an evaluation of the last token: find a shorter entry
-        logits = np.frombuffer(entry.logits, dtype=np.float32).copy() if with_logits else True  # type: ignore[arg-type]
-        loaded = states.restore_state(self.llm.ctx, 0, entry.state, len(key), self.n_swa)
-        del entry  # views of the match: gone before it is released
-        if not loaded:  # refused, or a well-formed state for other positions than its key says
-            log.warning(
-                "sippcache: dropping a cached state (%d tokens) that llama.cpp refused or that holds other positions",
-                len(key),
-            )
-            self._stats.rejected_entries += 1
-            self._drop(key)
-            self._clear_context()
-            return None
-        if length < len(key) and not states.truncate(self._memory(), 0, length, self.n_swa):
-            self._stats.rejected_entries += 1
-            self._clear_context()
-            return None
-        llm = self.llm
-        llm.input_ids[:length] = ids[:length]
-        llm.n_tokens = length
-        self._context_changed()
-        self._stats.hits += 1
-        self._stats.tokens_reused += length
-        self._stats.bytes_read += len(match.blob)
-        self._stats.restore_seconds += time.perf_counter() - started
-        return logits
-
-    def _context_changed(self) -> None:
-        """The context was set without an evaluation: its logits are not current."""
-        llm = self.llm
+        llm.input_ids[:start] = ids[:start]
+        llm.n_tokens = start
+        llm._requires_eval = logits is None  # llama-cpp-python's generate() may sample at once
         if isinstance(llm, Llama):
-            llm._stored_logits, llm._logits_at = None, -1
-        llm._requires_eval = True
-
-    def _set_stored_logits(self, n_tokens: int, logits: np.ndarray) -> None:
-        assert isinstance(self.llm, Llama)
-        self.llm._stored_logits = (n_tokens, logits)
-        self.llm._requires_eval = False  # llama-cpp-python's generate() may sample at once
-
-    def _lookup(self, key: list[int], *, partial: bool) -> Optional[Match]:
-        """A cache lookup that never fails the request: a backend error is logged and is a miss."""
-        try:
-            return self.cache.lookup(key, namespace=self.namespace, partial=partial)
-        except Exception as exc:
-            self._backend_error("lookup", exc)
-            return None
-
-    def _peek(self, key: list[int], *, partial: bool) -> Optional[Peek]:
-        """What a lookup would find (no blob read, not a use); a backend error is a miss."""
-        try:
-            return self.cache.peek(key, namespace=self.namespace, partial=partial)
-        except Exception as exc:
-            self._backend_error("peek", exc)
-            return None
-
-    def _drop(self, key: Sequence[int]) -> None:
-        try:
-            self.cache.delete(key, namespace=self.namespace)
-        except Exception as exc:
-            self._backend_error("delete of a bad entry", exc)
-
-    def _set_pinned(self, key: list[int], pinned: bool) -> bool:
-        if len(key) < self.min_tokens:
-            return False
-        try:
-            return (self.cache.pin if pinned else self.cache.unpin)(key, namespace=self.namespace)
-        except Exception as exc:
-            self._backend_error("pin", exc)
-            return False
-
-    def _exists(self, key: list[int]) -> bool:
-        """Whether `key` is stored (counting as a use of it, which it is)."""
-        try:
-            return self.cache.touch(key, namespace=self.namespace)
-        except Exception as exc:
-            self._backend_error("touch", exc)
-            return False
-
-    def _backend_error(self, what: str, exc: Exception) -> None:
-        self._stats.backend_errors += 1
-        log.warning("sippcache: cache %s failed, continuing uncached: %s: %s", what, type(exc).__name__, exc)
-
-    def _clear_context(self) -> None:
-        states.clear(self._memory(), 0)
-        self.llm.n_tokens = 0
-        self._context_changed()
-
-    def _memory(self) -> Any:
-        return states.memory(self.llm.ctx)
+            llm._stored_logits = None if logits is None else (start, logits)
+            llm._logits_at = -1
 
     # -- evaluating and storing -------------------------------------------------
 
@@ -545,32 +291,24 @@ class PrefixCache:
         prompt leaves the entry it shares most with (`branch`), and at the end: the
         whole prompt with its logits (over an entry without them if `replace_final`),
         or (for a plain `llama_cpp.Llama`) the prompt minus its last token."""
-        n = len(ids)
+        n, ctx, cache = len(ids), self.llm.ctx, self._states
         final = len(self._final_key(ids))
-        interval = self.checkpoint_interval
-        boundaries = {b for b in range((start // interval + 1) * interval, final, interval) if b >= self.min_tokens}
-        branch -= branch % CHECKPOINT_ALIGNMENT
-        if start < branch < final and branch >= self.min_tokens:
-            boundaries.add(branch)
-        # Intermediate checkpoints of one prefill may take half the cache's budget,
-        # so they never evict everything else (the final one is always offered).
-        max_bytes = self._max_bytes()
-        budget = None if max_bytes is None else max_bytes // 2
+        budget = cache.checkpoint_budget()
         position = start
-        for boundary in sorted(boundaries):
+        for boundary in cache.boundaries(start, branch, final):
             self._eval(ids, position, boundary, start, n, progress)
             position = boundary
-            spent = self._checkpoint(ids[:boundary], budget=budget)
+            spent = cache.snapshot(ctx, 0, ids[:boundary], budget=budget)
             if budget is not None:
                 budget -= spent
         self._eval(ids, position, final, start, n, progress)
         if final > start and final >= self.min_tokens:
-            logits = states.copy_logits(self.llm.ctx, self._n_vocab) if self.stored_logits else None
-            self._checkpoint(ids[:final], logits=logits, pinned=pin, replace=replace_final and logits is not None)
+            logits = states.copy_logits(ctx, cache.n_vocab) if self.stored_logits else None
+            cache.snapshot(ctx, 0, ids[:final], logits=logits, pinned=pin, replace=replace_final and logits is not None)
         elif pin:
-            self._set_pinned(ids[:final], True)
+            cache.set_pinned(ids[:final], True)
         self._eval(ids, final, n, start, n, progress)
-        self._stats.tokens_evaluated += n - start
+        cache.stats.tokens_evaluated += n - start
 
     def _eval(
         self, ids: list[int], begin: int, stop: int, start: int, end: int,
@@ -586,28 +324,6 @@ class PrefixCache:
             if progress is not None:
                 progress(min(stop, piece + step) - start, end - start)
 
-    def _checkpoint(
-        self, key: list[int], *, budget: Optional[int] = None, logits: Optional[np.ndarray] = None,
-        pinned: bool = False, replace: bool = False,
-    ) -> int:  # fmt: skip
-        """Copy sequence 0's state (and `logits`, the last position's) now, on the
-        thread that owns the context, and store it in the background, unless `key`
-        is stored already (and not to be replaced) or the state is larger than
-        `budget`. Returns the bytes queued."""
-        if not replace and self._exists(key):
-            if pinned:
-                self._set_pinned(key, True)
-            return 0
-        ctx = self.llm.ctx
-        if budget is not None and llama_cpp.llama_state_seq_get_size(ctx, 0) > budget:
-            return 0
-        state = states.copy_state(ctx, 0)
-        if state is None:
-            log.warning("sippcache: llama.cpp could not copy the sequence state; not caching it")
-            return 0
-        self._writer.submit(states.Snapshot(key, state, logits, time.time_ns(), pinned))
-        return len(state)
-
     def _snapshot_context(self) -> None:
         """Store what the context holds now, with its logits when they are current
         (after a completion: the prompt and the tokens generated)."""
@@ -616,23 +332,7 @@ class PrefixCache:
         if len(evaluated) < self.min_tokens:
             return
         logits = llm._current_logits() if isinstance(llm, Llama) and self.stored_logits else None
-        self._checkpoint(evaluated, logits=logits)
-
-    def _max_bytes(self) -> Optional[int]:
-        try:
-            return self.cache.stats().max_bytes
-        except Exception:  # stats are advisory here
-            return None
-
-    def _write_entry(self, snapshot: states.Snapshot) -> None:
-        blob = states.encode_entry(
-            snapshot, fingerprint=self.fingerprint.digest, n_swa=self.n_swa, scope=self.scope, secret=self.secret
-        )
-        self.cache.store(
-            snapshot.key, blob, namespace=self.namespace, pinned=snapshot.pinned, generation=snapshot.generation
-        )
-        self._stats.entries_written += 1
-        self._stats.bytes_written += len(blob)
+        self._states.snapshot(llm.ctx, 0, evaluated, logits=logits)
 
 
 class LlamaCache(BaseLlamaCache):
@@ -663,10 +363,11 @@ class LlamaCache(BaseLlamaCache):
         secret: Optional[Secret] = None,
         on_prefill: Optional[Callable[[PrefillResult], None]] = None,
     ) -> None:
-        _check_options(scope, min_tokens, checkpoint_interval, secret=secret, on_prefill=on_prefill)
+        check_options(scope, min_tokens, checkpoint_interval, secret=secret)
+        _check_observer(on_prefill)
         if llm is not None and not isinstance(llm, llama_cpp.Llama):
             raise TypeError(f"llm must be a llama_cpp.Llama, not {type(llm).__name__}")
-        self.cache, self._owns_cache = _open(cache)
+        self.cache, self._owns_cache = open_cache_argument(cache)
         super().__init__(capacity_bytes=self.cache.stats().max_bytes or 0)
         self._options: dict[str, Any] = dict(
             scope=scope, min_tokens=min_tokens, checkpoint_interval=checkpoint_interval, secret=secret,
@@ -702,7 +403,7 @@ class LlamaCache(BaseLlamaCache):
 
     def __contains__(self, key: Sequence[int]) -> bool:
         prefix_cache = self.prefix_cache(self._caller())
-        found = prefix_cache._peek([int(t) for t in key][:-1], partial=False)
+        found = prefix_cache._states.peek([int(t) for t in key][:-1], partial=False)
         return found is not None and found.length >= prefix_cache.min_tokens
 
     def __setitem__(self, key: Sequence[int], value: Any) -> None:

@@ -55,9 +55,14 @@ def memory(ctx: Any) -> Any:
     return llama_cpp.llama_get_memory(ctx)
 
 
+def state_size(ctx: Any, seq: int) -> int:
+    """Bytes `copy_state` would copy."""
+    return int(llama_cpp.llama_state_seq_get_size(ctx, seq))
+
+
 def copy_state(ctx: Any, seq: int) -> Optional[memoryview]:
     """Sequence `seq`'s state, copied; None if llama.cpp cannot copy it."""
-    size = llama_cpp.llama_state_seq_get_size(ctx, seq)
+    size = state_size(ctx, seq)
     buffer = bytearray(size)
     written = llama_cpp.llama_state_seq_get_data(ctx, (ctypes.c_uint8 * size).from_buffer(buffer), size, seq)
     if written == 0 or written > size:

@@ -1,0 +1,386 @@
+"""The cache as llama.cpp sequences see it: where prefills find states and leave them.
+
+`PrefixCache` (sequence 0 of a `Llama`'s context) and `SessionPool` (one
+sequence per slot of a shared context) both use a `SequenceCache`, so both
+follow the same rules and keep the same counters:
+
+- every call to the store is one that never fails a request: a backend error
+  is logged, counted and answered as a miss;
+- candidates are peeked at first and only the entry restored is fetched;
+- a restored entry must check out (`sippcache.states.decode_entry`), hold
+  exactly its key's positions, and is cut back only where llama.cpp can do so
+  exactly (the sliding-window rule);
+- snapshots are copied on the thread that owns the context and written by one
+  background writer, each with its generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from . import states
+from .errors import CorruptEntry, UnsupportedEntry
+from .fingerprint import Fingerprint
+from .frame import Secret, secret_from_environment
+from .protocol import CacheBackend, Match, Peek
+from .registry import open as open_cache
+from .writer import BackgroundWriter
+
+log = logging.getLogger("sippcache")
+
+DEFAULT_MIN_TOKENS = 16
+DEFAULT_CHECKPOINT_INTERVAL = 2048
+#: Checkpoints where a prompt leaves a stored one are rounded down to a multiple of
+#: this. llama.cpp's quantized kernels give results that depend on where a batch
+#: is split: measured on gemma-3-270m (q4_k_m, AVX-512), splitting an evaluation
+#: at a multiple of 8 tokens is bit-identical to not splitting it, while splitting
+#: at 999 or 1,001 moves logits by up to 1.1. Aligned, a checkpoint costs nothing
+#: in exactness (and at most 31 tokens of reuse).
+CHECKPOINT_ALIGNMENT = 32
+
+
+@dataclass
+class PrefixStats:
+    """Counters of one `PrefixCache` or `SessionPool` (this process only)."""
+
+    lookups: int = 0  # prefills that looked in the cache
+    hits: int = 0  # prefills that restored an entry
+    partial_hits: int = 0  # hits on a longer or diverging entry, truncated to the shared prefix
+    logits_hits: int = 0  # exact repeats served with stored logits: nothing evaluated
+    misses: int = 0
+    tokens_reused: int = 0  # restored from the cache
+    context_tokens_reused: int = 0  # already in the llama context
+    tokens_evaluated: int = 0
+    entries_written: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    restore_seconds: float = 0.0
+    corrupt_entries: int = 0
+    rejected_entries: int = 0  # refused by llama.cpp or not truncatable
+    backend_errors: int = 0  # lookups and deletes that failed (the request went on uncached)
+    write_failures: int = 0  # background stores that failed
+
+    def as_dict(self) -> dict[str, Union[int, float]]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class Reuse:
+    """What `SequenceCache.reuse` put in the sequence: its first `start` tokens
+    (`restored` of them from the cache), the stored logits if they came with it,
+    and where the prompt leaves the entry it shares the most with (`branch`: a
+    place worth a checkpoint)."""
+
+    start: int
+    restored: int = 0
+    logits: Optional[np.ndarray] = None
+    branch: int = 0
+
+
+def check_options(
+    scope: Any, min_tokens: Any, checkpoint_interval: Any, max_pending_writes: Any = 1, secret: Any = None,
+) -> None:  # fmt: skip
+    """Refuse bad options before anything is opened or created."""
+    if not isinstance(scope, str):
+        raise TypeError(f"scope must be a str, not {type(scope).__name__}")
+    for name, value in (("min_tokens", min_tokens), ("checkpoint_interval", checkpoint_interval),
+                        ("max_pending_writes", max_pending_writes)):  # fmt: skip
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if secret is not None and (not isinstance(secret, (str, bytes)) or not secret):
+        raise TypeError("secret must be a non-empty str or bytes")
+
+
+def open_cache_argument(cache: Union[str, CacheBackend, None]) -> tuple[CacheBackend, bool]:
+    """The backend for `cache` (a URL, an open backend, or None) and whether we opened it."""
+    if cache is None or isinstance(cache, str):
+        return open_cache(cache), True
+    if not isinstance(cache, CacheBackend):
+        raise TypeError(f"cache must be a URL or a CacheBackend, not {type(cache).__name__}")
+    return cache, False
+
+
+def common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if diff.size else n
+
+
+class SequenceCache:
+    """One model's namespace in a store, seen from llama.cpp sequences.
+
+    `cache` is a URL, an open `CacheBackend`, or None for `sippcache.open()`'s
+    default (closed by `close()` only if opened here). The namespace is
+    ``llama:<fingerprint>/<scope>``. With a `secret` (default:
+    `SIPPCACHE_SECRET`) entries carry a MAC and entries without a valid one are
+    misses.
+    """
+
+    def __init__(
+        self,
+        cache: Union[str, CacheBackend, None],
+        *,
+        fingerprint: Fingerprint,
+        scope: str,
+        n_swa: int,
+        n_vocab: int,
+        min_tokens: int = DEFAULT_MIN_TOKENS,
+        checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
+        max_pending_writes: int = 4,
+        secret: Optional[Secret] = None,
+    ) -> None:
+        check_options(scope, min_tokens, checkpoint_interval, max_pending_writes, secret)
+        self.cache, self._owns_cache = open_cache_argument(cache)
+        self.fingerprint = fingerprint
+        self.scope = scope
+        self.namespace = f"llama:{fingerprint.digest}/{scope}"
+        self.n_swa = n_swa
+        self.n_vocab = n_vocab
+        self.min_tokens = min_tokens
+        self.checkpoint_interval = checkpoint_interval
+        self.secret = secret_from_environment() if secret is None else secret.encode() if isinstance(secret, str) else secret
+        self.stats = PrefixStats()
+        self._writer = BackgroundWriter(self._write_entry, max_pending=max_pending_writes)
+
+    # -- the store, never failing a request -------------------------------------------
+
+    def peek(self, key: list[int], *, partial: bool) -> Optional[Peek]:
+        """What a lookup would find (no blob read, not a use); a backend error is a miss."""
+        try:
+            return self.cache.peek(key, namespace=self.namespace, partial=partial)
+        except Exception as exc:
+            self.backend_error("peek", exc)
+            return None
+
+    def lookup(self, key: list[int], *, partial: bool) -> Optional[Match]:
+        """A lookup that never fails the request: a backend error is logged and is a miss."""
+        try:
+            return self.cache.lookup(key, namespace=self.namespace, partial=partial)
+        except Exception as exc:
+            self.backend_error("lookup", exc)
+            return None
+
+    def exists(self, key: list[int]) -> bool:
+        """Whether `key` is stored (counting as a use of it, which it is)."""
+        try:
+            return self.cache.touch(key, namespace=self.namespace)
+        except Exception as exc:
+            self.backend_error("touch", exc)
+            return False
+
+    def set_pinned(self, key: list[int], pinned: bool) -> bool:
+        if len(key) < self.min_tokens:
+            return False
+        try:
+            return (self.cache.pin if pinned else self.cache.unpin)(key, namespace=self.namespace)
+        except Exception as exc:
+            self.backend_error("pin", exc)
+            return False
+
+    def drop(self, key: Sequence[int]) -> None:
+        try:
+            self.cache.delete(key, namespace=self.namespace)
+        except Exception as exc:
+            self.backend_error("delete of a bad entry", exc)
+
+    def backend_error(self, what: str, exc: Exception) -> None:
+        self.stats.backend_errors += 1
+        log.warning("sippcache: cache %s failed, continuing uncached: %s: %s", what, type(exc).__name__, exc)
+
+    # -- restoring ----------------------------------------------------------------
+
+    def reuse(self, ctx: Any, seq: int, ids: list[int], live: Sequence[int], *, with_logits: bool) -> Reuse:
+        """Put the longest usable prefix of `ids` into sequence `seq`, which holds `live` now.
+
+        Candidates, best first: with `with_logits`, a stored entry for the whole
+        prompt with its logits (nothing to evaluate); then, for `ids[:-1]`, the
+        live sequence, the entry whose key is the longest prefix, the entry
+        sharing the longest common prefix (usable only if truncating it is
+        exact). Entries are peeked at first, so the only one fetched is the one
+        restored. Afterwards the sequence holds exactly `ids[:start]`.
+        """
+        self.stats.lookups += 1
+        n, target = len(ids), ids[:-1]
+        prefix: Optional[Peek] = None
+        if with_logits:
+            whole = self.peek(ids, partial=False)
+            if whole is not None and whole.length == n:
+                logits = self._fetch_and_restore(ctx, seq, ids, partial=False, with_logits=True)
+                if logits is not None:
+                    self.stats.logits_hits += 1
+                    return Reuse(n, n, logits)
+                live = ()  # a failed restore leaves the sequence empty
+            elif whole is not None:
+                prefix = whole  # shorter than the prompt: the longest prefix of target too
+        shared: Optional[Peek] = None
+        if target:
+            prefix = prefix or self.peek(target, partial=False)
+            shared = self.peek(target, partial=True)
+        candidates = [(prefix.length, False)] if prefix is not None else []
+        if shared is not None and shared.length > (prefix.length if prefix else 0):
+            if states.may_truncate_restored(shared.key_length, shared.length, self.n_swa):
+                candidates.append((shared.length, True))
+        branch = shared.length if shared is not None else 0
+        for length, partial in sorted(candidates, reverse=True):
+            common = common_length(live, target)
+            if common >= length and self._truncate_live(ctx, seq, live, common):
+                break  # the sequence already holds at least as much
+            if length >= self.min_tokens:
+                restored = self._fetch_and_restore(ctx, seq, target, partial=partial)
+                if restored is not None:
+                    self.stats.partial_hits += partial and restored < len(target)
+                    return Reuse(restored, restored, branch=branch)
+                live = ()  # a failed restore leaves the sequence empty
+        self.stats.misses += 1
+        common = common_length(live, target)
+        if self._truncate_live(ctx, seq, live, common):
+            self.stats.context_tokens_reused += common
+            return Reuse(common, branch=branch)
+        states.clear(states.memory(ctx), seq)
+        return Reuse(0, branch=branch)
+
+    def _truncate_live(self, ctx: Any, seq: int, live: Sequence[int], length: int) -> bool:
+        """Cut the live sequence to `length` tokens if llama.cpp can do so exactly."""
+        if length == 0:
+            return False
+        return length == len(live) or states.truncate(states.memory(ctx), seq, length, self.n_swa)
+
+    def _fetch_and_restore(
+        self, ctx: Any, seq: int, query: list[int], *, partial: bool, with_logits: bool = False
+    ) -> Optional[Any]:
+        """Look `query` up and restore the match into `seq`: with `with_logits`, only an
+        entry for all of `query` with its logits (returned); else the tokens restored."""
+        match = self.lookup(query, partial=partial)
+        if match is None:
+            return None
+        with match:
+            length = match.length
+            if length < self.min_tokens or (with_logits and length != len(query)):
+                return None
+            restored = self.restore(ctx, seq, match, length, with_logits=with_logits)
+        return restored if with_logits or restored is None else length
+
+    def restore(self, ctx: Any, seq: int, match: Match, length: int, *, with_logits: bool = False) -> Optional[Any]:
+        """Load `match` into `seq` and keep its first `length` tokens; None if unusable
+        (the sequence is then empty). With `with_logits` the entry must carry the logits
+        of its last position: they are returned (a copy); otherwise True."""
+        started = time.perf_counter()
+        key = match.key
+        try:
+            entry = states.decode_entry(match.blob, key, fingerprint=self.fingerprint.digest, n_vocab=self.n_vocab,
+                                        secret=self.secret)  # fmt: skip
+        except UnsupportedEntry as exc:  # a newer sippcache's entry: not ours to delete
+            log.info("sippcache: skipping a cache entry (%d tokens): %s", len(key), exc)
+            return None
+        except CorruptEntry as exc:
+            log.warning("sippcache: dropping a corrupt cache entry (%d tokens): %s", len(key), exc)
+            self.stats.corrupt_entries += 1
+            self.drop(key)
+            return None
+        if with_logits and entry.logits is None:
+            return None  # usable only with an evaluation of the last token: find a shorter entry
+        logits = np.frombuffer(entry.logits, dtype=np.float32).copy() if with_logits else True  # type: ignore[arg-type]
+        mem = states.memory(ctx)
+        states.clear(mem, seq)
+        loaded = states.restore_state(ctx, seq, entry.state, len(key), self.n_swa)
+        del entry  # views of the match: gone before it is released
+        if not loaded:  # refused, or a well-formed state for other positions than its key says
+            log.warning(
+                "sippcache: dropping a cached state (%d tokens) that llama.cpp refused or that holds other positions",
+                len(key),
+            )
+            self.stats.rejected_entries += 1
+            self.drop(key)
+            states.clear(mem, seq)
+            return None
+        if length < len(key) and not states.truncate(mem, seq, length, self.n_swa):
+            self.stats.rejected_entries += 1
+            states.clear(mem, seq)
+            return None
+        self.stats.hits += 1
+        self.stats.tokens_reused += length
+        self.stats.bytes_read += len(match.blob)
+        self.stats.restore_seconds += time.perf_counter() - started
+        return logits
+
+    # -- storing ------------------------------------------------------------------
+
+    def boundaries(self, start: int, branch: int, final: int) -> list[int]:
+        """Where an evaluation from `start` to `final` takes intermediate snapshots: every
+        `checkpoint_interval` tokens, and where the prompt leaves the entry it shares
+        most with (`branch`, rounded down to `CHECKPOINT_ALIGNMENT`)."""
+        interval = self.checkpoint_interval
+        found = {b for b in range((start // interval + 1) * interval, final, interval) if b >= self.min_tokens}
+        branch -= branch % CHECKPOINT_ALIGNMENT
+        if start < branch < final and branch >= self.min_tokens:
+            found.add(branch)
+        return sorted(found)
+
+    def checkpoint_budget(self) -> Optional[int]:
+        """Bytes the intermediate snapshots of one prefill may take: half the store's
+        budget, so they never evict everything else (the final one is always offered)."""
+        try:
+            max_bytes = self.cache.stats().max_bytes
+        except Exception:  # stats are advisory here
+            return None
+        return None if max_bytes is None else max_bytes // 2
+
+    def snapshot(
+        self, ctx: Any, seq: int, key: list[int], *, budget: Optional[int] = None,
+        logits: Optional[np.ndarray] = None, pinned: bool = False, replace: bool = False,
+    ) -> int:  # fmt: skip
+        """Copy sequence `seq`'s state (and `logits`, the last position's) now, on the
+        thread that owns the context, and store it in the background, unless `key`
+        is stored already (and not to be replaced) or the state is larger than
+        `budget`. Returns the bytes queued."""
+        if not replace and self.exists(key):
+            if pinned:
+                self.set_pinned(key, True)
+            return 0
+        if budget is not None and states.state_size(ctx, seq) > budget:
+            return 0
+        state = states.copy_state(ctx, seq)
+        if state is None:
+            log.warning("sippcache: llama.cpp could not copy the sequence state; not caching it")
+            return 0
+        self._writer.submit(states.Snapshot(key, state, logits, time.time_ns(), pinned))
+        return len(state)
+
+    def _write_entry(self, snapshot: states.Snapshot) -> None:
+        blob = states.encode_entry(
+            snapshot, fingerprint=self.fingerprint.digest, n_swa=self.n_swa, scope=self.scope, secret=self.secret
+        )
+        self.cache.store(
+            snapshot.key, blob, namespace=self.namespace, pinned=snapshot.pinned, generation=snapshot.generation
+        )
+        self.stats.entries_written += 1
+        self.stats.bytes_written += len(blob)
+
+    # -- lifetime ---------------------------------------------------------------------
+
+    def counters(self) -> dict[str, Union[int, float]]:
+        """The counters (see `PrefixStats`)."""
+        out = self.stats.as_dict()
+        out["write_failures"] = self._writer.failures
+        return out
+
+    def flush(self) -> None:
+        """Wait until every queued snapshot is written to the cache."""
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Write pending snapshots, stop the writer, and close a cache opened from a URL."""
+        self._writer.close()
+        if self._owns_cache:
+            self.cache.close()
