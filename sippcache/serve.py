@@ -23,6 +23,7 @@ if llama-cpp-python moves any of them.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import inspect
 import json
 import logging
@@ -36,6 +37,7 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 import llama_cpp
 import llama_cpp.server.app as upstream_app
+import numpy as np
 import xxhash
 from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
 from llama_cpp.server.model import LlamaProxy
@@ -378,24 +380,50 @@ class ServedLlama(sippllama.Llama):
 
     - `close()` first writes the model's pending cache entries and stops its
       writer (the proxy closes a model when a request names another alias);
+    - with ``logits_all`` (upstream's server default, for ``logprobs``), the
+      prompt the cache prefills is evaluated with logits for its last position
+      only, which is the only prompt position anything reads (the first
+      generated token's logprobs), copied into ``scores``. Computing logits for
+      every prompt position costs more than the rest of gemma-3-270m's forward
+      pass (a 262k vocabulary), and the rows of positions restored from the
+      cache would hold none anyway. Upstream's own evaluation (generation)
+      keeps every row;
     - a completion asking for the prompt's own logprobs (``echo`` with
-      ``logprobs``) is evaluated from scratch, uncached: those read
-      ``Llama.scores`` at every prompt position, and positions restored from
-      the cache have no scores (sequence states hold no logits).
+      ``logprobs``) reads those rows: it is evaluated from scratch, uncached,
+      by upstream's code alone.
     """
 
     _sippcache: Optional[sippllama.LlamaCache] = None
     _sippcache_pool: Optional[CachePool] = None
     _sippcache_alias: str = ""
+    #: True from the start of a completion until upstream's generate() runs: the cache's prefill.
+    _sippcache_prefill: bool = False
 
     def create_completion(self, *args: Any, **kwargs: Any) -> Any:
         arguments = _COMPLETION_SIGNATURE.bind(self, *args, **kwargs).arguments
         if arguments.get("echo") and arguments.get("logprobs") is not None:
-            self.cache = None
+            self.cache, self._sippcache_prefill = None, False
             self.reset()  # generate() then evaluates every prompt position, filling its scores
         else:
-            self.cache = self._sippcache
+            self.cache, self._sippcache_prefill = self._sippcache, self._sippcache is not None
         return super().create_completion(*args, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        self._sippcache_prefill = False  # runs at the first next(), after the cache's prefill
+        return (yield from super().generate(*args, **kwargs))
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        if not (self._sippcache_prefill and self._logits_all and len(tokens)):
+            return super().eval(tokens)
+        self._logits_all = False  # upstream's eval then asks llama.cpp for the last position's logits only
+        try:
+            super().eval(tokens)
+        finally:
+            self._logits_all = True
+        last = llama_cpp.llama_get_logits_ith(self.ctx, -1)
+        self.scores[self.n_tokens - 1, :] = np.ctypeslib.as_array(
+            ctypes.cast(last, ctypes.POINTER(ctypes.c_float)), shape=(self._n_vocab,)
+        )
 
     def close(self) -> None:
         pool, self._sippcache_pool = self._sippcache_pool, None

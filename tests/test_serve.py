@@ -226,6 +226,12 @@ def requests_of_every_kind(server: Server) -> dict[str, Any]:
         model="gemma", messages=sampled, temperature=0.9, top_p=0.95, seed=1234, max_tokens=16
     )
     out["chat_seeded"] = reply.choices[0].message.content
+    asked = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which flags are in the log?"}]
+    reply = client.chat.completions.create(
+        model="gemma", messages=asked, temperature=0, max_tokens=6, logprobs=True, top_logprobs=2
+    )
+    out["chat_logprobs"] = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+                            for t in reply.choices[0].logprobs.content]  # fmt: skip
     # Short: upstream computes prompt logprobs in pure Python (a sort of the vocabulary per token).
     prompt = "The keeper's log, day 12, at dawn: the schooner Eider passed the cape under a grey sky, and"
     out["completion"] = client.completions.create(model="gemma", prompt=prompt, temperature=0, max_tokens=16).choices[0].text

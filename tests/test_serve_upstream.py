@@ -132,6 +132,43 @@ def test_the_app_uses_the_caching_proxy_and_every_model_gets_its_cache(tiny_mode
         pool.close()
 
 
+def test_logprobs_are_upstream_s(tiny_model: Path, tmp_path: Path) -> None:
+    """With logits_all (upstream's server default), the served model evaluates the
+    prompt with logits for its last position only: the logprobs a completion reports
+    are still upstream's, from a cold cache and from a warm one, and prompt logprobs
+    (echo) too."""
+    from llama_cpp.server.settings import ModelSettings
+
+    from sippcache import serve
+
+    settings = ModelSettings(model=str(tiny_model), model_alias="t", n_ctx=512, verbose=False)
+    assert settings.logits_all
+    plain = llama_cpp.Llama(model_path=str(tiny_model), n_ctx=512, logits_all=True, verbose=False)
+    pool = serve.CachePool.open([settings], {}, f"lmdb://{tmp_path}/store")
+    serve.install(pool)
+    try:
+        served = serve.CachingLlamaProxy.load_llama_from_model_settings(settings)
+        prompt = " ".join(f"w{i}" for i in range(50))
+        for echo in (False, True):
+            expected = plain.create_completion(prompt, max_tokens=4, temperature=0, logprobs=3, echo=echo)
+            for _ in ("cold", "warm"):
+                served.create_completion("something else entirely " * 8, max_tokens=1)  # the live context moves on
+                got = served.create_completion(prompt, max_tokens=4, temperature=0, logprobs=3, echo=echo)
+                assert got["choices"][0]["text"] == expected["choices"][0]["text"]
+                want, have = expected["choices"][0]["logprobs"], got["choices"][0]["logprobs"]
+                assert have["tokens"] == want["tokens"]
+                for a, b in zip(have["token_logprobs"], want["token_logprobs"]):
+                    assert (a is None and b is None) or abs(a - b) < 1e-3, (echo, have["token_logprobs"], want["token_logprobs"])
+        assert pool.model_rows()[0]["hits"] >= 2  # the warm one, and the other prompt's
+        served.close()
+    finally:
+        import llama_cpp.server.app as app
+
+        app.LlamaProxy = serve.LlamaProxy
+        plain.close()
+        pool.close()
+
+
 def test_config_file_cache_url_is_taken_out_before_upstream_validates(tmp_path: Path, monkeypatch) -> None:
     from sippcache import serve
 
