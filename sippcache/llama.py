@@ -49,6 +49,7 @@ from . import states
 from . import tokens as _tokens
 from .fingerprint import Fingerprint, llama_fingerprint
 from .frame import Secret
+from .pool import Completion, Sampling, SessionPool
 from .protocol import CacheBackend
 from .seqcache import (
     CHECKPOINT_ALIGNMENT,
@@ -68,8 +69,8 @@ log = logging.getLogger("sippcache")
 KIND = states.KIND
 
 __all__ = [
-    "CHECKPOINT_ALIGNMENT", "KIND", "Llama", "LlamaCache", "PrefillResult", "PrefixCache", "PrefixStats",
-    "SessionPool",
+    "CHECKPOINT_ALIGNMENT", "KIND", "Completion", "Llama", "LlamaCache", "PrefillResult", "PrefixCache",
+    "PrefixStats", "Sampling", "SessionPool",
 ]  # fmt: skip
 
 

@@ -11,12 +11,15 @@ follow the same rules and keep the same counters:
   exactly its key's positions, and is cut back only where llama.cpp can do so
   exactly (the sliding-window rule);
 - snapshots are copied on the thread that owns the context and written by one
-  background writer, each with its generation.
+  background writer, each with its generation; a prefill waits for the writer
+  only when a queued snapshot holds more of its prompt than the context does
+  (a session just parked and back, an exact repeat).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -152,6 +155,8 @@ class SequenceCache:
         self.secret = secret_from_environment() if secret is None else secret.encode() if isinstance(secret, str) else secret
         self.stats = PrefixStats()
         self._writer = BackgroundWriter(self._write_entry, max_pending=max_pending_writes)
+        self._queued: dict[int, list[int]] = {}  # keys of snapshots not yet written, by snapshot id
+        self._queued_lock = threading.Lock()
 
     # -- the store, never failing a request -------------------------------------------
 
@@ -211,6 +216,8 @@ class SequenceCache:
         restored. Afterwards the sequence holds exactly `ids[:start]`.
         """
         self.stats.lookups += 1
+        if self._queued_beyond(ids, common_length(live, ids)):
+            self.flush()  # a snapshot still queued (a session just parked, a repeat) holds more than the context
         n, target = len(ids), ids[:-1]
         prefix: Optional[Peek] = None
         if with_logits:
@@ -354,16 +361,28 @@ class SequenceCache:
         if state is None:
             log.warning("sippcache: llama.cpp could not copy the sequence state; not caching it")
             return 0
-        self._writer.submit(states.Snapshot(key, state, logits, time.time_ns(), pinned))
+        snapshot = states.Snapshot(key, state, logits, time.time_ns(), pinned)
+        with self._queued_lock:
+            self._queued[id(snapshot)] = key
+        self._writer.submit(snapshot)
         return len(state)
 
+    def _queued_beyond(self, ids: list[int], length: int) -> bool:
+        """Whether a snapshot not yet written shares more than `length` tokens with `ids`."""
+        with self._queued_lock:
+            return any(common_length(key, ids) > length for key in self._queued.values())
+
     def _write_entry(self, snapshot: states.Snapshot) -> None:
-        blob = states.encode_entry(
-            snapshot, fingerprint=self.fingerprint.digest, n_swa=self.n_swa, scope=self.scope, secret=self.secret
-        )
-        self.cache.store(
-            snapshot.key, blob, namespace=self.namespace, pinned=snapshot.pinned, generation=snapshot.generation
-        )
+        try:
+            blob = states.encode_entry(
+                snapshot, fingerprint=self.fingerprint.digest, n_swa=self.n_swa, scope=self.scope, secret=self.secret
+            )
+            self.cache.store(
+                snapshot.key, blob, namespace=self.namespace, pinned=snapshot.pinned, generation=snapshot.generation
+            )
+        finally:
+            with self._queued_lock:
+                self._queued.pop(id(snapshot), None)
         self.stats.entries_written += 1
         self.stats.bytes_written += len(blob)
 

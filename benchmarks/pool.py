@@ -1,0 +1,190 @@
+"""Many conversations on one model: SessionPool against one Llama serving turns in turn.
+
+gemma-3-270m, 8 conversations x 4 turns on a shared 1,000-token system prompt,
+32 new tokens per turn (greedy), each turn's prompt the conversation so far
+(its own answers included) plus a new question. Three ways, one after the
+other in one process, each with a fresh LMDB store:
+
+(a) one `llama_cpp.Llama`, turns one after another, no cache;
+(b) one `sippcache.llama.Llama` + `PrefixCache`, turns one after another;
+(c) `SessionPool(slots=4)`: each round's 8 turns in two calls of 4 sessions
+    (the other 4 parked in the cache meanwhile).
+
+For each: total time, generated tokens per second, and the median time to
+first token of the first turns and of the later ones. Goals: (c) >= 2x the
+tokens per second of (b); turns after the first warm in both (b) and (c)
+(at most 1/4 of the first turns' median TTFT).
+
+Memory (each in a new process, resident set size after one turn of 4
+conversations): one model with a 4-slot pool against 4 `Llama` objects.
+
+    python benchmarks/pool.py [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+N_CONVERSATIONS, N_TURNS, NEW_TOKENS, SLOTS = 8, 4, 32, 4
+N_CTX = 4096
+SYSTEM = (
+    "You are the harbour master's assistant at a small northern port. You keep the log of every vessel: "
+    "its name, flag, cargo, the hour of the tide and the pilot who brought it in. Answer briefly and "
+    "exactly, and say when the log does not know. "
+)
+QUESTIONS = [
+    "Which ship came in first this week?", "What cargo did it carry?", "Who was the pilot?",
+    "When is the next high tide?", "Which vessel flies the Danish flag?", "How many ferries left today?",
+    "Was the weather logged as stormy?", "Which ship stayed longest?",
+]
+
+
+def conversation_turns(vocab: Any) -> tuple[list[int], list[list[list[int]]]]:
+    """The system prompt (about 1,000 tokens) and each conversation's questions per turn."""
+    system = vocab.tokenize((SYSTEM * 40).encode())[:1000]
+    turns = [[vocab.tokenize(f" Question {t + 1}: {QUESTIONS[(c + t) % len(QUESTIONS)]} Answer:".encode(),
+                             add_bos=False) for t in range(N_TURNS)] for c in range(N_CONVERSATIONS)]  # fmt: skip
+    return system, turns
+
+
+def serve_one_by_one(llm: Any, system: list[int], questions: list[list[list[int]]], prefill: Any) -> dict[str, Any]:
+    """Turns one after another on one Llama: prefill(prompt), then greedy generation."""
+    histories = [list(system) for _ in questions]
+    ttft: list[list[float]] = [[] for _ in range(N_TURNS)]
+    generated = 0
+    started = time.perf_counter()
+    for turn in range(N_TURNS):
+        for c, asked in enumerate(questions):
+            prompt = histories[c] + asked[turn]
+            begin = time.perf_counter()
+            prefill(prompt)
+            answer = []
+            for token in llm.generate(prompt, temp=0.0):
+                if not answer:
+                    ttft[turn].append(time.perf_counter() - begin)
+                answer.append(token)
+                if len(answer) == NEW_TOKENS or llm.token_eos() == token:
+                    break
+            generated += len(answer)
+            histories[c] = prompt + answer
+    return {"seconds": time.perf_counter() - started, "tokens": generated, "ttft": ttft}
+
+
+def serve_with_pool(pool: Any, system: list[int], questions: list[list[list[int]]]) -> dict[str, Any]:
+    """Each round in calls of SLOTS sessions."""
+    histories = {c: list(system) for c in range(len(questions))}
+    ttft: list[list[float]] = [[] for _ in range(N_TURNS)]
+    generated = 0
+    started = time.perf_counter()
+    for turn in range(N_TURNS):
+        for first in range(0, len(questions), SLOTS):
+            prompts = {c: histories[c] + questions[c][turn] for c in range(first, first + SLOTS)}
+            results = pool.generate(prompts, max_tokens=NEW_TOKENS)
+            for c, result in results.items():
+                ttft[turn].append(result.ttft_seconds)
+                generated += len(result.tokens)
+                histories[c] = prompts[c] + result.tokens
+    return {"seconds": time.perf_counter() - started, "tokens": generated, "ttft": ttft,
+            "stats": pool.stats()}  # fmt: skip
+
+
+def memory_child(kind: str) -> dict[str, Any]:
+    """Resident memory after one turn of SLOTS conversations: one pool, or SLOTS Llamas."""
+    import llama_cpp
+
+    from sippcache.llama import SessionPool
+    from sippcache.models import gemma_model_path
+
+    model = str(gemma_model_path())
+    vocab = llama_cpp.Llama(model_path=model, n_ctx=64, vocab_only=True, verbose=False)
+    system, questions = conversation_turns(vocab)
+    with tempfile.TemporaryDirectory() as tmp:
+        if kind == "pool":
+            pool = SessionPool(model, f"lmdb://{tmp}/c", slots=SLOTS, n_ctx=SLOTS * 2048)
+            pool.generate({c: system + questions[c][0] for c in range(SLOTS)}, max_tokens=4)
+        else:
+            llms = [llama_cpp.Llama(model_path=model, n_ctx=2048, n_batch=512, verbose=False) for _ in range(SLOTS)]
+            for c, llm in enumerate(llms):
+                llm.eval(system + questions[c][0])
+        rss = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+    return {"kind": kind, "rss_mb": rss / 1024}
+
+
+def run_memory_child(kind: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, __file__, "--memory", kind], capture_output=True, text=True, check=True,
+                         timeout=900)  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--memory", choices=("pool", "llamas"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory:
+        print(json.dumps(memory_child(args.memory)))
+        return 0
+
+    import llama_cpp
+
+    from sippcache.llama import Llama, PrefixCache, SessionPool
+    from sippcache.models import gemma_model_path
+
+    model = str(gemma_model_path())
+    vocab = llama_cpp.Llama(model_path=model, n_ctx=64, vocab_only=True, verbose=False)
+    system, questions = conversation_turns(vocab)
+    runs: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = llama_cpp.Llama(model_path=model, n_ctx=N_CTX, n_batch=512, verbose=False)
+        runs["(a) one Llama, no cache"] = serve_one_by_one(plain, system, questions, lambda prompt: plain.reset())
+        plain.close()
+        ours = Llama(model_path=model, n_ctx=N_CTX, n_batch=512, verbose=False)
+        with PrefixCache(ours, f"lmdb://{tmp}/prefix") as cache:
+            runs["(b) one Llama + PrefixCache"] = serve_one_by_one(ours, system, questions, cache.prefill)
+        ours.close()
+        with SessionPool(model, f"lmdb://{tmp}/pool", slots=SLOTS, n_ctx=SLOTS * 2048) as pool:
+            runs["(c) SessionPool, 4 slots"] = serve_with_pool(pool, system, questions)
+    memory = [run_memory_child("pool"), run_memory_child("llamas")]
+    for run in runs.values():
+        run["tokens_per_second"] = run["tokens"] / run["seconds"]
+        run["first_turn_ttft"] = statistics.median(run["ttft"][0])
+        run["later_ttft"] = statistics.median([t for turn in run["ttft"][1:] for t in turn])
+    a, b, c = runs.values()
+    goals = {
+        "(c) >= 2x the tokens per second of (b)": c["tokens_per_second"] >= 2 * b["tokens_per_second"],
+        "(b) later turns warm (TTFT <= 1/4 of the first turns')": b["later_ttft"] <= b["first_turn_ttft"] / 4,
+        "(c) later turns warm (TTFT <= 1/4 of the first turns')": c["later_ttft"] <= c["first_turn_ttft"] / 4,
+    }
+    if args.json:
+        out = {name: {k: v for k, v in run.items() if k != "ttft"} for name, run in runs.items()}
+        print(json.dumps({"runs": out, "memory": memory, "goals": goals}))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"{N_CONVERSATIONS} conversations x {N_TURNS} turns, 1,000-token shared system prompt, "
+                            f"{NEW_TOKENS} tokens per turn (gemma-3-270m)")  # fmt: skip
+        for column in ("way", "total", "tokens/s", "vs (b)", "TTFT first turns", "TTFT later turns"):
+            table.add_column(column, justify="right")
+        for name, run in runs.items():
+            table.add_row(name, f"{run['seconds']:.1f} s", f"{run['tokens_per_second']:.1f}",
+                          f"{run['tokens_per_second'] / b['tokens_per_second']:.2f}x",
+                          f"{run['first_turn_ttft'] * 1000:,.0f} ms", f"{run['later_ttft'] * 1000:,.0f} ms")  # fmt: skip
+        console = Console()
+        console.print(table)
+        console.print(f"memory after one turn of {SLOTS} conversations: one model + a {SLOTS}-slot pool "
+                      f"{memory[0]['rss_mb']:,.0f} MB; {SLOTS} Llama objects {memory[1]['rss_mb']:,.0f} MB")
+        for goal, ok in goals.items():
+            console.print(f"{'PASS' if ok else 'FAIL'}  {goal}")
+    return 0 if all(goals.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
