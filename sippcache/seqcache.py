@@ -161,43 +161,32 @@ class SequenceCache:
     # -- the store, never failing a request -------------------------------------------
 
     def peek(self, key: list[int], *, partial: bool) -> Optional[Peek]:
-        """What a lookup would find (no blob read, not a use); a backend error is a miss."""
-        try:
-            return self.cache.peek(key, namespace=self.namespace, partial=partial)
-        except Exception as exc:
-            self.backend_error("peek", exc)
-            return None
+        """What a lookup would find (no blob read, not a use)."""
+        return self._safely("peek", lambda: self.cache.peek(key, namespace=self.namespace, partial=partial), None)
 
     def lookup(self, key: list[int], *, partial: bool) -> Optional[Match]:
-        """A lookup that never fails the request: a backend error is logged and is a miss."""
-        try:
-            return self.cache.lookup(key, namespace=self.namespace, partial=partial)
-        except Exception as exc:
-            self.backend_error("lookup", exc)
-            return None
+        return self._safely("lookup", lambda: self.cache.lookup(key, namespace=self.namespace, partial=partial), None)
 
     def exists(self, key: list[int]) -> bool:
         """Whether `key` is stored (counting as a use of it, which it is)."""
-        try:
-            return self.cache.touch(key, namespace=self.namespace)
-        except Exception as exc:
-            self.backend_error("touch", exc)
-            return False
+        return self._safely("touch", lambda: self.cache.touch(key, namespace=self.namespace), False)
 
     def set_pinned(self, key: list[int], pinned: bool) -> bool:
         if len(key) < self.min_tokens:
             return False
-        try:
-            return (self.cache.pin if pinned else self.cache.unpin)(key, namespace=self.namespace)
-        except Exception as exc:
-            self.backend_error("pin", exc)
-            return False
+        change = self.cache.pin if pinned else self.cache.unpin
+        return self._safely("pin", lambda: change(key, namespace=self.namespace), False)
 
     def drop(self, key: Sequence[int]) -> None:
+        self._safely("delete of a bad entry", lambda: self.cache.delete(key, namespace=self.namespace), None)
+
+    def _safely(self, what: str, call: Any, default: Any) -> Any:
+        """`call()`, or `default` if the backend fails: logged and counted, never raised."""
         try:
-            self.cache.delete(key, namespace=self.namespace)
+            return call()
         except Exception as exc:
-            self.backend_error("delete of a bad entry", exc)
+            self.backend_error(what, exc)
+            return default
 
     def backend_error(self, what: str, exc: Exception) -> None:
         self.stats.backend_errors += 1

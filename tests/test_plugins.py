@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,56 @@ def test_conformance_suite_passes_on_the_plugin(plugin_site: Path, tmp_path: Pat
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
     assert int(summary.split(" passed")[0].split()[-1]) >= 45
+
+
+def test_the_route_2_example_in_the_docs_passes_the_conformance_suite(tmp_path: Path) -> None:
+    """docs/plugins.md's backend written from scratch, built into a real distribution as written."""
+    text = (Path(__file__).parent.parent / "docs" / "plugins.md").read_text()
+    section = text[text.index("## Route 2") :]
+    code = section[section.index("```python\n") + len("```python\n") :]
+    code = code[: code.index("```")]
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "sippcache_dict_doc.py").write_text(code)
+    (source / "pyproject.toml").write_text(textwrap.dedent(
+        """
+        [build-system]
+        requires = ["setuptools>=61"]
+        build-backend = "setuptools.build_meta"
+        [project]
+        name = "sippcache-dict-doc"
+        version = "1.0"
+        dependencies = ["sippcache"]
+        [project.entry-points."sippcache.backends"]
+        dictdoc = "sippcache_dict_doc:DictBackend"
+        [tool.setuptools]
+        py-modules = ["sippcache_dict_doc"]
+        """
+    ))  # fmt: skip
+    (source / "test_conformance.py").write_text(textwrap.dedent(
+        """
+        import pytest
+        from sippcache.testing import BackendTests
+
+        class TestDictDoc(BackendTests):
+            @pytest.fixture
+            def cache_url(self):
+                return "dictdoc://"
+        """
+    ))  # fmt: skip
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
+         "--target", str(site), str(source)],
+        check=True,
+    )  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(source),
+         str(source / "test_conformance.py")],
+        env=env, cwd=source, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    summary = result.stdout.strip().splitlines()[-1]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+    assert int(summary.split(" passed")[0].split()[-1]) >= 60

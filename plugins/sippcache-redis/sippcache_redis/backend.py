@@ -1038,19 +1038,9 @@ class RedisBackend(BaseBackend):
     def _stats(self) -> Stats:
         with self._lock:
             self._refresh()
-            catalog = self._catalog
-            return Stats(
-                backend=type(self).__name__,
-                location=self.location,
-                entries=len(catalog),
-                bytes=catalog.total,
-                max_bytes=self.max_bytes,
-                max_entries=self.max_entries,
-                namespaces=len(catalog.index.namespaces()),
-                damaged=len(self._damaged),
-                pinned=catalog.pinned_count,
-                pinned_bytes=catalog.pinned_bytes,
-                **self._counters,
+            return self._catalog.stats(
+                backend=type(self).__name__, location=self.location, max_bytes=self.max_bytes,
+                max_entries=self.max_entries, damaged=len(self._damaged), **self._counters,
             )
 
     def _len(self) -> int:
