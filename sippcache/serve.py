@@ -288,7 +288,13 @@ class CachePool:
         if entry.store is None or settings.vocab_only:
             served.set_cache(None)
             return served
+        logits_all = served._logits_all
         try:
+            # The adapter keeps whole prompts with their logits (and answers exact repeats
+            # from them) unless the model keeps logits for every position; a served model
+            # needs only the last prompt position's (see ServedLlama), so the cache is made
+            # as for logits_all=False.
+            served._logits_all = False
             cache = sippllama.LlamaCache(
                 self._stores[entry.store], llm=served, scope=entry.scope,
                 on_prefill=self.metrics.prefill_observer(alias),
@@ -299,6 +305,8 @@ class CachePool:
             entry.retired["backend_errors"] = entry.retired.get("backend_errors", 0) + 1
             served.set_cache(None)
             return served
+        finally:
+            served._logits_all = logits_all
         served._sippcache = cache
         served.set_cache(cache)
         with self._lock:
@@ -383,7 +391,8 @@ class ServedLlama(sippllama.Llama):
     - with ``logits_all`` (upstream's server default, for ``logprobs``), the
       prompt the cache prefills is evaluated with logits for its last position
       only, which is the only prompt position anything reads (the first
-      generated token's logprobs), copied into ``scores``. Computing logits for
+      generated token's logprobs), copied into ``scores`` (from the store, on
+      an exact repeat answered with stored logits). Computing logits for
       every prompt position costs more than the rest of gemma-3-270m's forward
       pass (a 262k vocabulary), and the rows of positions restored from the
       cache would hold none anyway. Upstream's own evaluation (generation)
@@ -409,7 +418,11 @@ class ServedLlama(sippllama.Llama):
         return super().create_completion(*args, **kwargs)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        self._sippcache_prefill = False  # runs at the first next(), after the cache's prefill
+        # Runs at the first next(), after the cache's prefill: from here on, upstream's evaluation.
+        self._sippcache_prefill = False
+        stored = self._stored_logits
+        if self._logits_all and stored is not None and stored[0] == self.n_tokens:
+            self.scores[self.n_tokens - 1, :] = stored[1]  # an exact repeat: its logits came from the store
         return (yield from super().generate(*args, **kwargs))
 
     def eval(self, tokens: Sequence[int]) -> None:

@@ -31,9 +31,9 @@ def file_size_limit(limit: int) -> Callable[[], None]:
 
 
 def test_a_full_disk_costs_speed_only(gemma_model: Path, servers, tmp_path: Path) -> None:
-    server = servers(gemma_args(gemma_model, f"lmdb://{tmp_path}/store"), preexec_fn=file_size_limit(3_000_000))
+    server = servers(gemma_args(gemma_model, f"lmdb://{tmp_path}/store"), preexec_fn=file_size_limit(6_000_000))
     client = server.client()
-    # A short prompt: its entries (under 1 MB) still fit.
+    # A short prompt: its entries (under 2 MB each: state and logits) still fit.
     short = "The keeper's log, day 12, at dawn: the schooner Eider passed the cape under a grey sky, and"
     first = client.completions.create(model="gemma", prompt=short, temperature=0, max_tokens=8).choices[0].text
     server.settle()

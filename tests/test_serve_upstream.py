@@ -134,9 +134,9 @@ def test_the_app_uses_the_caching_proxy_and_every_model_gets_its_cache(tiny_mode
 
 def test_logprobs_are_upstream_s(tiny_model: Path, tmp_path: Path) -> None:
     """With logits_all (upstream's server default), the served model evaluates the
-    prompt with logits for its last position only: the logprobs a completion reports
-    are still upstream's, from a cold cache and from a warm one, and prompt logprobs
-    (echo) too."""
+    prompt with logits for its last position only, and answers an exact repeat from
+    stored logits: the logprobs a completion reports are still upstream's, from a
+    cold cache and from a warm one, and prompt logprobs (echo) too."""
     from llama_cpp.server.settings import ModelSettings
 
     from sippcache import serve
@@ -159,7 +159,9 @@ def test_logprobs_are_upstream_s(tiny_model: Path, tmp_path: Path) -> None:
                 assert have["tokens"] == want["tokens"]
                 for a, b in zip(have["token_logprobs"], want["token_logprobs"]):
                     assert (a is None and b is None) or abs(a - b) < 1e-3, (echo, have["token_logprobs"], want["token_logprobs"])
-        assert pool.model_rows()[0]["hits"] >= 2  # the warm one, and the other prompt's
+        row = pool.model_rows()[0]
+        assert row["hits"] >= 2  # the warm one, and the other prompt's
+        assert row["logits_hits"] >= 1  # the warm one was an exact repeat: answered from stored logits
         served.close()
     finally:
         import llama_cpp.server.app as app
