@@ -15,9 +15,12 @@ Arguments are parsed exactly as ``python -m llama_cpp.server`` parses them
 takes the place of upstream's boolean ``--cache``. In a config file, each model
 may have a ``cache_url`` key.
 
-The one place that touches upstream internals is `CachingLlamaProxy` and
-`install` below; `tests/test_serve_upstream.py` fails, naming the symbol,
-if llama-cpp-python moves any of them.
+Upstream internals are relied on in two documented places: the server's in
+`CachingLlamaProxy` and `install` (how the app builds its proxy and where the
+proxy loads models: `tests/test_serve_upstream.py` fails, naming the symbol,
+if llama-cpp-python moves any of them), and `llama_cpp.Llama`'s use of
+``logits_all`` and ``scores`` in `ServedLlama` (tests compare logprobs with a
+plain `llama_cpp.Llama`'s).
 """
 
 from __future__ import annotations
@@ -302,7 +305,8 @@ class CachePool:
             prefix_cache = cache.prefix_cache(served)
         except Exception as exc:  # a store that fails now costs speed only: serve uncached
             log.warning("sippcache: serving %s without a cache: %s: %s", alias, type(exc).__name__, exc)
-            entry.retired["backend_errors"] = entry.retired.get("backend_errors", 0) + 1
+            with self._lock:
+                entry.retired["backend_errors"] = entry.retired.get("backend_errors", 0) + 1
             served.set_cache(None)
             return served
         finally:
@@ -452,7 +456,7 @@ class CachingLlamaProxy(LlamaProxy):
     """Upstream's `LlamaProxy` (one model loaded at a time, swapped by alias) whose
     loader attaches sippcache.
 
-    This class and `install` are the only code that relies on upstream
+    This class and `install` are the only code that relies on the server's
     internals: ``LlamaProxy.load_llama_from_model_settings`` (a static method,
     called through ``self``, the only place upstream creates caches),
     ``llama_cpp.server.app.LlamaProxy`` (the name `create_app` instantiates),

@@ -276,3 +276,37 @@ def test_the_sippcache_command_serves_with_upstream_options() -> None:
                             text=True, timeout=120)  # fmt: skip
     assert result.returncode == 2 and result.stderr.startswith("error: cannot open the cache nosuch://")
     assert result.stderr.count("\n") == 1
+
+
+def test_metrics_need_the_api_key_when_one_is_set(tiny_model: Path, tmp_path: Path) -> None:
+    import time
+    import urllib.error
+    import urllib.request
+
+    from tests.test_serve import Server
+
+    def get(path: str, key: str | None = None) -> int:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(server.url + path, headers=headers), timeout=30) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+
+    server = Server(["--model", str(tiny_model), "--n_ctx", "512", "--api_key", "k3y", "--cache", "ram://"],
+                    tmp_path / "server.log")  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # up when it answers at all (401 included)
+            assert server.process.poll() is None, server.log_tail()
+            try:
+                get("/v1/models")
+                break
+            except OSError:
+                assert time.monotonic() < deadline, server.log_tail()
+                time.sleep(0.2)
+        for path in ("/metrics", "/v1/cache/stats", "/v1/models"):
+            assert get(path) == 401, path
+            assert get(path, "k3y") == 200, path
+    finally:
+        server.stop()
