@@ -22,11 +22,15 @@ SIPPCACHE_SLOW_TESTS=1 runs ten rounds of processes on the same store.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
+import diskcache
 import pytest
 
 import sippcache
+from sippcache.backends.diskcache import BytesOnlyDisk
 from tests.reliability_tools import (
     DEADLOCK_SECONDS,
     ITERATIONS,
@@ -135,3 +139,31 @@ def test_processes_and_threads_stay_within_a_small_budget(backend: str, tmp_path
     assert len(missing) <= evictions, f"{len(missing)} entries missing but only {evictions} evictions"
     rc, report, err = run_verify(url)
     assert rc == 0 and report and not report["bad"], (rc, report, err)
+
+
+class _FolderThief(BytesOnlyDisk):
+    """A diskcache disk whose value folder is removed right after it is made, as another
+    process's `remove` (os.removedirs of the folders it emptied) does at the worst moment."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.thefts = 3
+
+    def _make_folders(self, target: str) -> None:
+        super()._make_folders(target)
+        if self.thefts:
+            self.thefts -= 1
+            os.removedirs(target)
+
+
+def test_a_diskcache_value_folder_removed_by_another_process_is_made_again(tmp_path: Path) -> None:
+    """Seen in CI: a store failed with FileNotFoundError when a concurrent delete emptied
+    and removed the folder its value file was about to be created in."""
+    cache = diskcache.Cache(str(tmp_path / "store"), disk=_FolderThief, eviction_policy="none")
+    try:
+        value = b"x" * 100_000  # above diskcache's inline limit: a value file
+        cache.set(b"key", value)
+        assert cache.disk.thefts == 0, "the folder was never taken: the test tests nothing"
+        assert cache.get(b"key") == value
+    finally:
+        cache.close()

@@ -50,8 +50,33 @@ class BytesOnlyDisk(diskcache.Disk):
         # (never through a planted link) and a new file created 0600, never followed.
         if mode != "xb":
             raise TypeError("sippcache writes only binary value files")
+        self._inside(os.path.relpath(full_path, self._directory))
+        fd = self._create(full_path)
+        size = 0
+        with os.fdopen(fd, "wb") as writer:
+            for chunk in iterator:
+                size += len(chunk)
+                writer.write(chunk)
+        return size
+
+    def _create(self, full_path: str, attempts: int = 10) -> int:
+        # Another process's `remove` deletes folders it emptied (os.removedirs), so a
+        # folder made here may vanish before the file is created in it: make it again,
+        # as diskcache's own writer does.
+        for _ in range(attempts - 1):
+            try:
+                return self._create_once(full_path)
+            except FileNotFoundError:
+                continue
+        return self._create_once(full_path)
+
+    def _create_once(self, full_path: str) -> int:
+        self._make_folders(os.path.dirname(full_path))
+        return os.open(full_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+
+    def _make_folders(self, target: str) -> None:
         folder = self._directory
-        for part in os.path.relpath(os.path.dirname(full_path), self._directory).split(os.sep):
+        for part in os.path.relpath(target, self._directory).split(os.sep):
             folder = os.path.join(folder, part)
             try:
                 os.mkdir(folder, 0o700)
@@ -59,14 +84,6 @@ class BytesOnlyDisk(diskcache.Disk):
                 pass
             if not stat.S_ISDIR(os.lstat(folder).st_mode):  # a planted link or file: never write through it
                 raise CorruptStore(f"refusing value folder {folder}: it is not a real folder")
-        self._inside(os.path.relpath(full_path, self._directory))
-        fd = os.open(full_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        size = 0
-        with os.fdopen(fd, "wb") as writer:
-            for chunk in iterator:
-                size += len(chunk)
-                writer.write(chunk)
-        return size
 
     def put(self, key: Any) -> tuple[Any, bool]:
         if type(key) is not bytes:
