@@ -155,7 +155,7 @@ def main() -> int:
                       f"{r['mirror_build_s']:.2f} s")  # fmt: skip
     Console(width=150).print(table)
     print("server commands per lookup: miss", rows[-1]["miss_commands"], "hit", rows[-1]["hit_commands"])
-    print(f"growth 100 -> 100,000 entries: " + ", ".join(f"{n:,} tokens {g:.2f}x" for n, g in growth.items()))
+    print("growth 100 -> 100,000 entries: " + ", ".join(f"{n:,} tokens {g:.2f}x" for n, g in growth.items()))
     print(f"Goals: 1 round trip per miss and 2 per hit everywhere ({'yes' if flat_trips else 'NO'}), time at most "
           f"{GROWTH_LIMIT:g}x from 100 to 100,000 entries: {'met' if ok else 'MISSED'}")  # fmt: skip
     return 0 if ok else 1

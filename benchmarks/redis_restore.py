@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
-import numpy as np
 
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama import PrefixCache

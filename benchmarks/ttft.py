@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 SIZES = (1000, 2000, 4000)
 N_CTX = 4608

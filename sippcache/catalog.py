@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Optional
@@ -279,6 +280,44 @@ class Catalog:
             heapq.heapify(self._heap)
         elif not entry.pinned:
             heapq.heappush(self._heap, (*entry.order(), eid))
+
+
+#: Pending uses are saved once this many accumulate or this much time passes.
+TOUCH_BATCH = 256
+TOUCH_SECONDS = 1.0
+
+
+class PendingUses:
+    """Uses (hits, touches) applied to the catalog at once and saved to the store in
+    batches, so a hit never waits for a write. Use times are strictly increasing
+    nanoseconds, so two uses in one clock tick still have an order."""
+
+    def __init__(self) -> None:
+        #: entry id -> (use time, value), not yet saved.
+        self.items: dict[bytes, tuple[int, float]] = {}
+        self._since = 0.0
+        self._last_time = 0
+
+    def now(self) -> int:
+        """A use time: the wall clock in ns, later than every one given before."""
+        self._last_time = max(time.time_ns(), self._last_time + 1)
+        return self._last_time
+
+    def record(self, catalog: Catalog, eid: bytes) -> None:
+        """Entry `eid` was used now: in `catalog` at once, in the store later."""
+        state = catalog.get(eid)
+        if state is None:
+            return
+        used = self.now()
+        value = catalog.value(state.priority, state.tokens)
+        if not self.items:
+            self._since = time.monotonic()
+        self.items[eid] = (used, value)
+        catalog.use(eid, used, value)
+
+    def due(self) -> bool:
+        """Whether the pending uses should be saved now."""
+        return bool(self.items) and (len(self.items) >= TOUCH_BATCH or time.monotonic() - self._since >= TOUCH_SECONDS)
 
 
 def refuse(location: str, size: int, tokens: int, pinned: bool, why: str, budgets: str) -> bool:

@@ -193,8 +193,6 @@ def warm(
     The model is loaded with llama-cpp-python's default cache settings; a
     server must use the same settings (K/V types, flash attention) to hit.
     """
-    import llama_cpp
-
     from sippcache.llama import PrefixCache
 
     if not prompt_files:

@@ -33,7 +33,6 @@ import os
 import stat
 import struct
 import threading
-import time
 import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
@@ -44,7 +43,7 @@ import msgpack
 import xxhash
 
 from . import tokens as _tokens
-from .catalog import Catalog, EntryState, StorePlan, refuse
+from .catalog import Catalog, EntryState, PendingUses, StorePlan, refuse
 from .errors import CacheFull, CorruptStore
 from .protocol import BaseBackend, EntryInfo, Match, Peek, Stats, StoreOptions
 
@@ -57,9 +56,6 @@ _ENTRY_RECORDS = (b"B", b"M", b"U", b"V")
 _SEQ_KEY = struct.Struct(">Q")  # big-endian so log keys sort by number
 #: Log records kept for processes that fall behind; further behind means a rebuild.
 LOG_KEEP = 10_000
-#: Pending recency updates are written once this many accumulate or this much time passes.
-TOUCH_BATCH = 256
-TOUCH_SECONDS = 1.0
 
 
 class KVTxn(Protocol):
@@ -240,10 +236,8 @@ class KVBackend(BaseBackend):
         self._lock = threading.RLock()
         self._catalog = Catalog()
         self._seq = -1  # newest log record applied; -1 forces a rebuild
-        self._pending: dict[bytes, tuple[int, float]] = {}  # id -> (use time, value) not yet written
+        self._uses = PendingUses()
         self._damaged: set[bytes] = set()  # ids whose M record is damaged: removed on the next write
-        self._pending_since = 0.0
-        self._last_time = 0
         self._counters = dict(hits=0, misses=0, stores=0, evictions=0, refused=0, stale=0)
         _open_backends.add(self)
 
@@ -272,7 +266,7 @@ class KVBackend(BaseBackend):
         def put(txn: KVTxn, records: list[list[Any]], after: list[Callable[[], None]]) -> None:
             catalog = self._catalog
             plan = catalog.plan_store(
-                eid, key, namespace, size, options, self._now(), max_bytes=self.max_bytes, max_entries=self.max_entries
+                eid, key, namespace, size, options, self._uses.now(), max_bytes=self.max_bytes, max_entries=self.max_entries
             )
             plans[:] = [plan]  # a retried transaction plans again
             state = plan.state
@@ -327,7 +321,7 @@ class KVBackend(BaseBackend):
                 end()
                 end = None  # type: ignore[assignment]
             if touch:
-                self._touch(hit.entry_id)
+                self._uses.record(self._catalog, hit.entry_id)
             self._counters["hits"] += 1
             stored_key = index.key_of(hit.entry_id)
             self._flush_touches_if_due()
@@ -344,7 +338,7 @@ class KVBackend(BaseBackend):
             self._refresh()
             found = eid in self._catalog
             if found:
-                self._touch(eid)
+                self._uses.record(self._catalog, eid)
                 self._flush_touches_if_due()
             return found
 
@@ -439,7 +433,7 @@ class KVBackend(BaseBackend):
     def _close(self) -> None:
         with self._lock:
             try:
-                if self._pending:
+                if self._uses.items:
                     self._write(lambda txn, records, after: None)
             except Exception as exc:  # closing must not fail over lost recency data
                 log.warning("sippcache: could not save recency updates on close: %s", exc)
@@ -470,9 +464,9 @@ class KVBackend(BaseBackend):
         after: list[Callable[[], None]] = []
         with self._transaction() as txn:
             self._sync(txn)
-            if self._pending:
+            if self._uses.items:
                 touched = []
-                for eid, (used, value) in self._pending.items():
+                for eid, (used, value) in self._uses.items.items():
                     state = self._catalog.get(eid)
                     if state is not None and txn.get(b"M" + eid) is not None:
                         txn.put(b"U" + eid, _U64.pack(used))
@@ -491,7 +485,7 @@ class KVBackend(BaseBackend):
                 txn.put(b"S", _U64.pack(seq))
                 self._trim_log(txn, seq)
         # Committed: bring memory to the state after our records (touches are in memory already).
-        self._pending.clear()
+        self._uses.items.clear()
         self._damaged.clear()
         self._seq = seq
         for update in after:
@@ -520,7 +514,7 @@ class KVBackend(BaseBackend):
     def _forget(self, eid: bytes, evicted: bool) -> None:
         if self._catalog.remove(eid, evicted=evicted) is not None and evicted:
             self._counters["evictions"] += 1
-        self._pending.pop(eid, None)
+        self._uses.items.pop(eid, None)
 
     def _write_values(
         self, txn: KVTxn, records: list[list[Any]], after: list[Callable[[], None]], eid: bytes,
@@ -567,7 +561,7 @@ class KVBackend(BaseBackend):
 
     def _rebuild(self, txn: KVTxn, seq: int) -> None:
         self._catalog.clear()
-        self._pending.clear()
+        self._uses.items.clear()
         found = []
         for key, raw in txn.scan(b"M"):
             eid = bytes(key[1:])
@@ -609,7 +603,7 @@ class KVBackend(BaseBackend):
                 self._catalog.put(record[1], *loaded)
         elif op == "d":
             self._catalog.remove(record[1])
-            self._pending.pop(record[1], None)
+            self._uses.items.pop(record[1], None)
         elif op == "t":
             for eid, used, *value in record[1]:
                 self._catalog.use(eid, used, value[0] if value else None)
@@ -620,29 +614,12 @@ class KVBackend(BaseBackend):
                 self._catalog.update(record[1], value=value, pinned=pinned, superseded=superseded)
         elif op == "c":
             self._catalog.clear()
-            self._pending.clear()
+            self._uses.items.clear()
 
     # -- recency -------------------------------------------------------------------
 
-    def _now(self) -> int:
-        self._last_time = max(time.time_ns(), self._last_time + 1)
-        return self._last_time
-
-    def _touch(self, eid: bytes) -> None:
-        state = self._catalog.get(eid)
-        if state is None:
-            return
-        used = self._now()
-        value = self._catalog.value(state.priority, state.tokens)
-        if not self._pending:
-            self._pending_since = time.monotonic()
-        self._pending[eid] = (used, value)
-        self._catalog.use(eid, used, value)
-
     def _flush_touches_if_due(self) -> None:
-        if self._pending and (
-            len(self._pending) >= TOUCH_BATCH or time.monotonic() - self._pending_since >= TOUCH_SECONDS
-        ):
+        if self._uses.due():
             try:
                 self._write(lambda txn, records, after: None)
             except Exception as exc:  # recency is advisory: never fail a lookup over it

@@ -77,7 +77,7 @@ def test_missing_dependency_names_the_extra(monkeypatch) -> None:
 
 
 def test_default_url(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv("SIPPCACHE_URL", f"ram://?max_bytes=1MiB")
+    monkeypatch.setenv("SIPPCACHE_URL", "ram://?max_bytes=1MiB")
     with sippcache.open() as cache:
         assert cache.stats().max_bytes == 2**20
     monkeypatch.delenv("SIPPCACHE_URL")

@@ -34,6 +34,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np

@@ -11,7 +11,6 @@ same length, same counters, same files.
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 import struct
 from collections.abc import Callable, Iterator

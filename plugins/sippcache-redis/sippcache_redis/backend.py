@@ -47,8 +47,8 @@ import xxhash
 
 from sippcache import BadOption, BaseBackend, EntryInfo, Match, MissingDependency, Peek, Stats, StoreOptions
 from sippcache import tokens as _tokens
-from sippcache.catalog import Catalog, EntryState, StorePlan, refuse
-from sippcache.engine import TOUCH_BATCH, TOUCH_SECONDS, entry_id
+from sippcache.catalog import Catalog, EntryState, PendingUses, StorePlan, refuse
+from sippcache.engine import entry_id
 from sippcache.errors import CacheFull
 from sippcache.options import Size, coerce_options
 
@@ -302,11 +302,9 @@ class RedisBackend(BaseBackend):
         self._refs: dict[bytes, _Blob] = {}
         self._epoch: Optional[bytes] = None
         self._seq = -1  # newest log record applied; -1: rebuild before use
-        self._pending: dict[bytes, tuple[int, float]] = {}  # id -> (used, value): recency not yet saved
-        self._pending_since = 0.0
+        self._uses = PendingUses()
         self._damaged: set[bytes] = set()
         self._unsure: list[tuple[bytes, _Blob]] = []  # uploads whose commit outcome is unknown
-        self._last_time = 0
         self._counters = dict(hits=0, misses=0, stores=0, evictions=0, refused=0, stale=0, errors=0)
         #: Network exchanges made (a script call, a pipeline, a scan page): a diagnostic.
         self.round_trips = 0
@@ -552,7 +550,7 @@ class RedisBackend(BaseBackend):
         elif kind == b"c":
             catalog.clear()
             self._refs.clear()
-            self._pending.clear()
+            self._uses.items.clear()
             self._damaged.clear()
         else:
             raise _Rebuild("unknown log record")
@@ -560,7 +558,7 @@ class RedisBackend(BaseBackend):
 
     def _forget(self, eid: bytes, *, evicted: bool = False) -> Optional[_Blob]:
         self._catalog.remove(eid, evicted=evicted)
-        self._pending.pop(eid, None)
+        self._uses.items.pop(eid, None)
         return self._refs.pop(eid, None)
 
     def _sync(self) -> None:
@@ -570,9 +568,7 @@ class RedisBackend(BaseBackend):
             self._rebuild()
             return
         touches: list[bytes] = []
-        if self._pending and (
-            len(self._pending) >= TOUCH_BATCH or time.monotonic() - self._pending_since >= TOUCH_SECONDS
-        ):
+        if self._uses.due():
             touches = self._touch_args()
         for _ in range(64):
             reply = self._script("sync", touches)
@@ -600,13 +596,13 @@ class RedisBackend(BaseBackend):
 
     def _touch_args(self) -> list[bytes]:
         args: list[bytes] = []
-        for eid, (used, value) in self._pending.items():
+        for eid, (used, value) in self._uses.items.items():
             args += [eid, _TOUCH.pack(eid, used, value)[16:]]
-        self._pending.clear()
+        self._uses.items.clear()
         return args
 
     def _flush_touches(self) -> None:
-        if self._pending and self._seq >= 0:
+        if self._uses.items and self._seq >= 0:
             reply = self._script("sync", self._touch_args())
             if self._absorb(reply) == "rebuild":
                 self._seq = -1
@@ -640,7 +636,7 @@ class RedisBackend(BaseBackend):
                 refs[eid] = ref
             catalog.clock = _clock(reply[2])
             self._catalog, self._refs, self._damaged = catalog, refs, damaged
-            self._pending.clear()
+            self._uses.items.clear()
             self._epoch, self._seq = epoch, seq
             if damaged:
                 log.warning("sippcache: %s has %d damaged entries; they are invisible and removed now",
@@ -807,7 +803,7 @@ class RedisBackend(BaseBackend):
 
     def _plan(self, eid: bytes, key: bytes, namespace: str, size: int, options: StoreOptions) -> StorePlan:
         return self._catalog.plan_store(
-            eid, key, namespace, size, options, self._now(), max_bytes=self.max_bytes, max_entries=self.max_entries
+            eid, key, namespace, size, options, self._uses.now(), max_bytes=self.max_bytes, max_entries=self.max_entries
         )
 
     def _commit_store(
@@ -902,7 +898,7 @@ class RedisBackend(BaseBackend):
             return None
         with self._lock:
             if touch:
-                self._touch(hit.entry_id)
+                self._uses.record(self._catalog, hit.entry_id)
             self._counters["hits"] += 1
         return Match(hit.length, stored_key, blob, namespace)
 
@@ -937,7 +933,7 @@ class RedisBackend(BaseBackend):
                     return False
             found = eid in self._catalog
             if found:
-                self._touch(eid)
+                self._uses.record(self._catalog, eid)
             return found
 
     def _delete(self, key: bytes, namespace: str) -> bool:
@@ -1010,7 +1006,7 @@ class RedisBackend(BaseBackend):
                         obsolete = list(self._refs.items())
                         self._catalog.clear()
                         self._refs.clear()
-                        self._pending.clear()
+                        self._uses.items.clear()
                         self._damaged.clear()
                         if force or reply[0] != self._epoch or reply[1] != self._seq + 1:
                             self._seq = -1
@@ -1078,22 +1074,6 @@ class RedisBackend(BaseBackend):
                 self._redis = None
             _open_backends.discard(self)
 
-    # -- recency -----------------------------------------------------------------------------
-
-    def _now(self) -> int:
-        self._last_time = max(time.time_ns(), self._last_time + 1)
-        return self._last_time
-
-    def _touch(self, eid: bytes) -> None:
-        state = self._catalog.get(eid)
-        if state is None:
-            return
-        used = self._now()
-        value = self._catalog.value(state.priority, state.tokens)
-        if not self._pending:
-            self._pending_since = time.monotonic()
-        self._pending[eid] = (used, value)
-        self._catalog.use(eid, used, value)
 
 
 class RedisTLSBackend(RedisBackend):
