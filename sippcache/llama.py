@@ -26,8 +26,8 @@ Correctness rules (see docs/llama.md):
   either from an evaluation or from the entry stored with that very state.
 - A restored state is truncated (to use a longer entry that shares a common
   prefix) only when llama.cpp can do it exactly:
-  ``llama_memory_seq_pos_min(mem, 0) <= max(0, n - n_swa)``. On sliding-window
-  models that rarely holds after a restore, so prefills store checkpoints:
+  ``llama_memory_seq_pos_min(mem, 0) <= max(0, n - n_swa + 1)``. On sliding-window
+  models that holds after a restore only for a cut of one token, so prefills store checkpoints:
   every `checkpoint_interval` tokens, and where the prompt leaves a stored one.
 """
 

@@ -113,6 +113,66 @@ def test_the_trap_is_real_without_the_rule(gemma_model, make_llama, tokens, tmp_
     assert float(np.max(np.abs(last_logits(llm) - same_split))) > 1.0
 
 
+def test_a_restored_state_cut_by_one_token_is_exact(gemma_model, make_llama, tokens) -> None:
+    """The rule's boundary, measured: after a restore the sliding-window layers hold the
+    last 512 positions, and the token at position n reads n - 511 onwards. Cut by one
+    token, the restored state gives the logits of a live context (which holds every
+    position) cut the same way, bit for bit, and `can_truncate` allows it; cut by two,
+    the logits are wrong and `can_truncate` refuses."""
+    llm = make_llama(gemma_model, n_ctx=N_CTX)
+    mem, prompt, probe = states.memory(llm.ctx), tokens[:1200], tokens[2000]
+
+    def next_logits(length: int) -> np.ndarray:
+        llm.n_tokens = length  # llama-cpp-python's eval removes positions from n_tokens on
+        llm.input_ids[:length] = prompt[:length]
+        llm.eval([probe])
+        return last_logits(llm)
+
+    llm.eval(prompt)
+    state = bytes(states.copy_state(llm.ctx, 0))
+    for cut, exact in ((1, True), (2, False)):
+        llm.reset()
+        llm.eval(prompt)
+        live = next_logits(len(prompt) - cut)
+        states.clear(mem, 0)
+        assert states.restore_state(llm.ctx, 0, memoryview(state), len(prompt), 512)
+        assert llama_cpp.llama_memory_seq_pos_min(mem, 0) == len(prompt) - 512
+        assert states.can_truncate(mem, 0, len(prompt) - cut, 512) is exact
+        assert states.may_truncate_restored(len(prompt), len(prompt) - cut, 512) is exact
+        restored = next_logits(len(prompt) - cut)
+        if exact:
+            np.testing.assert_array_equal(restored, live)
+        else:
+            assert float(np.max(np.abs(restored - live))) > 0.1
+
+
+def test_an_entry_one_token_longer_than_the_shared_prefix_is_used(gemma_model, make_llama, tokens, tmp_path) -> None:
+    """A chat's next prompt often shares all but the last token of the stored prompt +
+    answer (the chat template re-tokenizes the answer's end): that entry is restored
+    and cut by one token (exact, by the test above), then the rest is evaluated, as a
+    context given the entry's state by hand computes it."""
+    url = f"lmdb://{tmp_path}/cache"
+    a = tokens[:1100]
+    b = a[:1098] + tokens[3000:3100]
+    with PrefixCache(make_llama(gemma_model, n_ctx=N_CTX), url) as pc:
+        pc.prefill(a)  # a plain Llama stores a[:-1]: 1,099 tokens
+    llm = make_llama(gemma_model, n_ctx=N_CTX)
+    with PrefixCache(llm, url) as pc:
+        assert pc.prefill(b) == 1098
+        assert pc.stats()["partial_hits"] == 1
+    reference = make_llama(gemma_model, n_ctx=N_CTX)
+    reference.eval(a[:-1])
+    state = bytes(states.copy_state(reference.ctx, 0))
+    states.clear(states.memory(reference.ctx), 0)
+    assert states.restore_state(reference.ctx, 0, memoryview(state), 1099, 512)
+    assert states.truncate(states.memory(reference.ctx), 0, 1098, 512)
+    reference.n_tokens = 1098
+    reference.input_ids[:1098] = b[:1098]
+    reference.eval(b[1098:-1])
+    reference.eval(b[-1:])
+    np.testing.assert_array_equal(last_logits(llm), last_logits(reference))
+
+
 def test_restart_in_another_process(gemma_model, make_llama, tokens, tmp_path) -> None:
     prompt = tokens[:900]
     _, split = reference_logits(make_llama, gemma_model, prompt, n_ctx=N_CTX)
