@@ -357,34 +357,26 @@ class BaseBackend(ABC):
     def lookup(
         self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False, touch: bool = True
     ) -> Optional[Match]:
-        key = _tokens.encode(tokens)
-        _check_namespace(namespace)
-        self._check_open()
+        key = self._query_key(tokens, namespace)
         if not key:
             return None
         with self._damage_as_corrupt_store():
             return self._lookup(key, namespace, bool(partial), bool(touch))
 
     def peek(self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False) -> Optional[Peek]:
-        key = _tokens.encode(tokens)
-        _check_namespace(namespace)
-        self._check_open()
+        key = self._query_key(tokens, namespace)
         if not key:
             return None
         with self._damage_as_corrupt_store():
             return self._peek(key, namespace, bool(partial))
 
     def delete(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
-        key = _tokens.encode(tokens)
-        _check_namespace(namespace)
-        self._check_open()
+        key = self._query_key(tokens, namespace)
         with self._damage_as_corrupt_store():
             return bool(key) and self._delete(key, namespace)
 
     def touch(self, tokens: _tokens.Tokens, *, namespace: str = "") -> bool:
-        key = _tokens.encode(tokens)
-        _check_namespace(namespace)
-        self._check_open()
+        key = self._query_key(tokens, namespace)
         with self._damage_as_corrupt_store():
             return bool(key) and self._touch_entry(key, namespace)
 
@@ -395,9 +387,7 @@ class BaseBackend(ABC):
         return self._pin(tokens, namespace, False)
 
     def _pin(self, tokens: _tokens.Tokens, namespace: str, pinned: bool) -> bool:
-        key = _tokens.encode(tokens)
-        _check_namespace(namespace)
-        self._check_open()
+        key = self._query_key(tokens, namespace)
         with self._damage_as_corrupt_store():
             return bool(key) and self._set_pinned(key, namespace, pinned)
 
@@ -451,6 +441,14 @@ class BaseBackend(ABC):
     def _check_open(self) -> None:
         if self._closed:
             raise CacheClosed(f"{type(self).__name__} is closed")
+
+    def _query_key(self, tokens: _tokens.Tokens, namespace: str) -> bytes:
+        """The encoded key of a query (empty for no tokens), after the argument checks
+        every keyed call makes, in the same order."""
+        key = _tokens.encode(tokens)
+        _check_namespace(namespace)
+        self._check_open()
+        return key
 
     # -- storage hooks -------------------------------------------------------
 
