@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 from llama_cpp.llama_cache import LlamaRAMCache
@@ -68,7 +68,7 @@ class Workload:
                 yield shared + tuple(map(_INTS.__getitem__, self.suffixes[i - len(PREFIX_KEY_LENGTHS)].tolist()))
 
 
-def median_us(lookup: Callable[[], Optional[tuple[int, ...]]], expected: tuple[int, ...], reps: int, what: str
+def median_us(lookup: Callable[[], tuple[int, ...] | None], expected: tuple[int, ...], reps: int, what: str
               ) -> float:
     """Median time of `lookup()` in µs; exit loudly if any call returns another key."""
     lookup()  # warm up
@@ -88,7 +88,7 @@ def bench_backend(url: str, work: Workload, reps: int, what: str) -> list[dict[s
     rows = []
     with tempfile.TemporaryDirectory() as tmp, sippcache.open(url.format(dir=tmp)) as cache:
 
-        def lookup() -> Optional[tuple[int, ...]]:
+        def lookup() -> tuple[int, ...] | None:
             match = cache.lookup(work.query)
             if match is None:
                 return None

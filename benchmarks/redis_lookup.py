@@ -30,12 +30,14 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import sippcache
 from sippcache_redis.servers import ValkeyServer
 from sippcache_redis.testing import bulk_fill, commands_during
+
+import sippcache
 
 SIZES = (100, 10_000, 100_000)
 PROMPTS = (1_000, 16_000)

@@ -40,11 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
+from sippcache_redis.servers import ValkeyServer
 
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama import PrefixCache
 from sippcache.models import gemma_model_path
-from sippcache_redis.servers import ValkeyServer
 
 PROMPT_TOKENS = 2_000
 N_CTX = 4_096

@@ -35,8 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sippcache.models import gemma_model_path
 from sippcache_redis.servers import ValkeyServer
+
+from sippcache.models import gemma_model_path
 
 REPLY_TOKENS = 24
 GOAL = 0.60

@@ -40,7 +40,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 N_CTX = 4096
@@ -94,7 +94,7 @@ class Server:
     def __init__(self, command: list[str], log: Path) -> None:
         self.command, self.log = command, log
         self.port = free_port()
-        self.process: Optional[subprocess.Popen[bytes]] = None
+        self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Server:
         env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(self.port)}
@@ -121,7 +121,7 @@ class Server:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
 
-    def cache_stats(self) -> Optional[dict[str, Any]]:
+    def cache_stats(self) -> dict[str, Any] | None:
         try:
             data = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/cache/stats", timeout=30).read())
         except urllib.error.HTTPError:
@@ -136,8 +136,8 @@ class Turn:
     prompt_tokens: int
     ttft: float
     total: float
-    tokens_reused: Optional[int] = None
-    tokens_evaluated: Optional[int] = None
+    tokens_reused: int | None = None
+    tokens_evaluated: int | None = None
 
 
 @dataclass

@@ -36,7 +36,6 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
 
 import sippcache
 from sippcache.index import PrefixIndex
@@ -104,7 +103,7 @@ def replay_lru(prompts: list[bytes], budget_tokens: int) -> float:
     return reused / total
 
 
-def replay_sippcache(prompts: list[bytes], budget_tokens: Optional[int]) -> tuple[float, int]:
+def replay_sippcache(prompts: list[bytes], budget_tokens: int | None) -> tuple[float, int]:
     url = "ram://?max_bytes=" + (str(budget_tokens * BYTES_PER_TOKEN) if budget_tokens else str(2**62))
     reused = total = 0
     with sippcache.open(url) as cache:

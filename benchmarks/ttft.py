@@ -52,8 +52,8 @@ def child_prefill(model: str, url: str, n: int) -> dict:
     import llama_cpp
     import numpy as np
 
-    from sippcache.llama import PrefixCache
     from sippcache import frame
+    from sippcache.llama import PrefixCache
 
     llm = llama_cpp.Llama(model_path=model, n_ctx=N_CTX, n_batch=512, verbose=False)
     tokens = prompt_tokens(llm, n)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 # Import the `backends` subpackage before binding the `backends()` function: a
 # first import of the subpackage later would otherwise rebind the name.
-from . import backends as _backends_package  # noqa: F401
+from . import backends as _backends_package
 from .errors import (
     BadOption,
     BrokenPlugin,

@@ -32,7 +32,6 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Optional
 
 from .errors import CacheFull
 from .index import PrefixIndex
@@ -73,11 +72,11 @@ class StorePlan:
     `clock`, mark `superseded` (if any) superseded, and write the entry.
     """
 
-    state: Optional[EntryState]
+    state: EntryState | None
     reason: str = ""
     victims: list[bytes] = field(default_factory=list)
     clock: float = 0.0
-    superseded: Optional[bytes] = None
+    superseded: bytes | None = None
 
 
 class Catalog:
@@ -102,13 +101,13 @@ class Catalog:
     def __contains__(self, eid: bytes) -> bool:
         return eid in self._entries
 
-    def get(self, eid: bytes) -> Optional[EntryState]:
+    def get(self, eid: bytes) -> EntryState | None:
         return self._entries.get(eid)
 
     def ids(self) -> Iterator[bytes]:
         return iter(self._entries)
 
-    def by_use(self, namespace: Optional[str] = None) -> list[bytes]:
+    def by_use(self, namespace: str | None = None) -> list[bytes]:
         """Ids, least recently used first (of one namespace, if given)."""
         chosen = [(e.used, eid) for eid, e in self._entries.items() if namespace is None or e.namespace == namespace]
         return [eid for _, eid in sorted(chosen)]
@@ -130,7 +129,7 @@ class Catalog:
         self.index.insert(entry.namespace, key, eid, entry.used)
         self._push(eid, entry)
 
-    def remove(self, eid: bytes, *, evicted: bool = False) -> Optional[EntryState]:
+    def remove(self, eid: bytes, *, evicted: bool = False) -> EntryState | None:
         """Forget `eid`; an eviction (of an entry not superseded) moves the clock up to its value."""
         entry = self._entries.pop(eid, None)
         if entry is None:
@@ -147,7 +146,7 @@ class Catalog:
     def clear(self) -> None:
         self.__init__()  # type: ignore[misc]
 
-    def use(self, eid: bytes, used: int, value: Optional[float] = None) -> None:
+    def use(self, eid: bytes, used: int, value: float | None = None) -> None:
         """Record a use at `used` (ns): a new retention value, and no longer superseded."""
         entry = self._entries.get(eid)
         if entry is None:
@@ -173,7 +172,7 @@ class Catalog:
     # -- questions -------------------------------------------------------------------
 
     def stats(
-        self, *, backend: str, location: str, max_bytes: Optional[int], max_entries: Optional[int],
+        self, *, backend: str, location: str, max_bytes: int | None, max_entries: int | None,
         damaged: int = 0, **counters: int,
     ) -> Stats:  # fmt: skip
         """A backend's `Stats`: the store's sizes from here, its own counters added."""
@@ -183,14 +182,14 @@ class Catalog:
             pinned=self.pinned_count, pinned_bytes=self.pinned_bytes, **counters,
         )  # fmt: skip
 
-    def peek(self, namespace: str, key: bytes, partial: bool) -> Optional[Peek]:
+    def peek(self, namespace: str, key: bytes, partial: bool) -> Peek | None:
         """The index's answer to a lookup of `key` (token bytes), as `Peek`."""
         hit = self.index.longest_common(namespace, key) if partial else self.index.longest_prefix(namespace, key)
         return None if hit is None else Peek(hit.length, self._entries[hit.entry_id].tokens)
 
     def plan_store(
         self, eid: bytes, key: bytes, namespace: str, size: int, options: StoreOptions, now: int,
-        *, max_bytes: Optional[int], max_entries: Optional[int],
+        *, max_bytes: int | None, max_entries: int | None,
     ) -> StorePlan:  # fmt: skip
         """Decide how to store an entry of `size` bytes under `key` (token bytes),
         as of `now` (ns). A store over a pinned entry keeps the pin."""
@@ -217,7 +216,7 @@ class Catalog:
         return StorePlan(state, "", victims, clock, None if superseded in victims else superseded)
 
     def pins_fit(
-        self, size: int, max_bytes: Optional[int], max_entries: Optional[int], *, replaced: Optional[EntryState] = None
+        self, size: int, max_bytes: int | None, max_entries: int | None, *, replaced: EntryState | None = None
     ) -> bool:
         """Whether pinned entries plus one more of `size` bytes (replacing `replaced`) stay within the budgets."""
         pinned_bytes, pinned_count = self.pinned_bytes, self.pinned_count
@@ -227,7 +226,7 @@ class Catalog:
             max_entries is None or pinned_count + 1 <= max_entries
         )
 
-    def superseded_by(self, namespace: str, key: bytes) -> Optional[bytes]:
+    def superseded_by(self, namespace: str, key: bytes) -> bytes | None:
         """The entry that storing `key` supersedes, if any (see the module docstring)."""
         hit = self.index.longest_common(namespace, key)
         if hit is None:
@@ -239,8 +238,8 @@ class Catalog:
         return hit.entry_id
 
     def victims(
-        self, *, max_bytes: Optional[int], max_entries: Optional[int], size: int = 0, count: int = 0, keep: bytes = b""
-    ) -> Optional[list[bytes]]:
+        self, *, max_bytes: int | None, max_entries: int | None, size: int = 0, count: int = 0, keep: bytes = b""
+    ) -> list[bytes] | None:
         """The entries to evict, in order, so that the rest (without `keep`, which
         is about to be replaced) and `count` new entries of `size` bytes fit the
         budgets; None if they cannot fit even with every unpinned entry gone.

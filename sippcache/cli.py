@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
-from datetime import datetime, timezone
-from typing import Any, Optional, TypeVar
+from datetime import UTC, datetime
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
@@ -92,7 +92,7 @@ class _OneLineUsageErrors(click.Group):
     """A group whose usage errors (unknown option, bad value, ...) are one line too."""
 
     def make_context(
-        self, info_name: Optional[str], args: list[str], parent: Optional[click.Context] = None, **extra: Any
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
     ) -> click.Context:
         with _usage_errors_in_one_line():
             return super().make_context(info_name, args, parent, **extra)
@@ -130,13 +130,13 @@ def url_argument(fn: F) -> F:
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 
 
-def _resolve_url(url: Optional[str], cache_option: Optional[str]) -> str:
+def _resolve_url(url: str | None, cache_option: str | None) -> str:
     if url is not None and cache_option is not None and url != cache_option:
         raise click.UsageError("give the cache URL as an argument or with --cache, not both")
     return url or cache_option or default_url()
 
 
-def _store_path(url: str) -> Optional[tuple[str, str]]:
+def _store_path(url: str) -> tuple[str, str] | None:
     """(backend, absolute directory) for the built-in persistent backends; None otherwise."""
     name, location, _ = parse_url(url)
     if name not in _STORE_FILES or not location:
@@ -164,14 +164,14 @@ def _echo_json(data: Any) -> None:
 
 
 def _iso(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="seconds")
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="seconds")
 
 
 def _local_time(seconds: float) -> str:
     return datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _size(n: Optional[int]) -> str:
+def _size(n: int | None) -> str:
     return "unlimited" if n is None else f"{human_size(n)} ({n:,} B)" if n >= 1000 else f"{n} B"
 
 
@@ -183,7 +183,7 @@ def _namespace_label(namespace: str) -> str:
     return namespace if namespace else '""'
 
 
-def _split_namespace(namespace: str) -> tuple[Optional[str], Optional[str]]:
+def _split_namespace(namespace: str) -> tuple[str | None, str | None]:
     """(model fingerprint, scope) of a llama adapter namespace, else (None, None)."""
     match = _LLAMA_NAMESPACE.fullmatch(namespace)
     return (match.group(1), match.group(2)) if match else (None, None)
@@ -224,7 +224,7 @@ class SizeType(click.ParamType):
 
     name = "SIZE"
 
-    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> int:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
         try:
@@ -240,7 +240,7 @@ class AgeType(click.ParamType):
     _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
     _PATTERN = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", re.IGNORECASE)
 
-    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> float:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         if isinstance(value, (int, float)):
             return float(value)
         match = self._PATTERN.fullmatch(value)
@@ -280,7 +280,7 @@ def backends(as_json: bool) -> None:
 @url_argument
 @json_option
 @one_line_errors
-def stats(url: Optional[str], cache_option: Optional[str], as_json: bool) -> None:
+def stats(url: str | None, cache_option: str | None, as_json: bool) -> None:
     """Entries, bytes and limits of a store, and its namespaces.
 
     Namespaces made by the llama adapter (llama:<model fingerprint>/<scope>)
@@ -346,7 +346,7 @@ def stats(url: Optional[str], cache_option: Optional[str], as_json: bool) -> Non
 @click.option("--namespace", "-n", metavar="N", help="Only this namespace (\"\" is the default one).")
 @json_option
 @one_line_errors
-def ls(url: Optional[str], cache_option: Optional[str], namespace: Optional[str], as_json: bool) -> None:
+def ls(url: str | None, cache_option: str | None, namespace: str | None, as_json: bool) -> None:
     """List the entries of a store, least recently used first.
 
     Times are local in the table, ISO 8601 (UTC) in JSON; last-use times are
@@ -377,7 +377,7 @@ def ls(url: Optional[str], cache_option: Optional[str], namespace: Optional[str]
     Console().print(table)
 
 
-def _check_entry(cache: CacheBackend, entry: EntryInfo, secret: Optional[bytes]) -> Optional[str]:
+def _check_entry(cache: CacheBackend, entry: EntryInfo, secret: bytes | None) -> str | None:
     """Why `entry` is bad, or None if its blob is an intact frame for its key (with a
     valid MAC, if a secret is given)."""
     match = cache.lookup(list(entry.key), namespace=entry.namespace, touch=False)
@@ -402,7 +402,7 @@ def _check_entry(cache: CacheBackend, entry: EntryInfo, secret: Optional[bytes])
 @click.option("--delete", is_flag=True, help="Delete the bad entries.")
 @json_option
 @one_line_errors
-def verify(url: Optional[str], cache_option: Optional[str], delete: bool, as_json: bool) -> None:
+def verify(url: str | None, cache_option: str | None, delete: bool, as_json: bool) -> None:
     """Read every entry and check its frame (checksums, sizes, tokens = key).
 
     With SIPPCACHE_SECRET set, entries must also carry a valid MAC made with it.
@@ -456,8 +456,8 @@ def verify(url: Optional[str], cache_option: Optional[str], delete: bool, as_jso
 @json_option
 @one_line_errors
 def prune(
-    url: Optional[str], cache_option: Optional[str], max_bytes: Optional[int], older_than: Optional[float],
-    namespace: Optional[str], as_json: bool,
+    url: str | None, cache_option: str | None, max_bytes: int | None, older_than: float | None,
+    namespace: str | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Delete old or least recently used entries; pinned entries stay.
 
@@ -508,7 +508,7 @@ def prune(
 @click.option("--unpin", is_flag=True, help="Make the entries evictable again.")
 @json_option
 @one_line_errors
-def pin(ids: tuple[str, ...], cache_option: Optional[str], unpin: bool, as_json: bool) -> None:
+def pin(ids: tuple[str, ...], cache_option: str | None, unpin: bool, as_json: bool) -> None:
     """Pin entries (by the ids `sippcache ls` shows, or a unique start of one):
     budgets never evict them and prune leaves them. --unpin undoes it.
 
@@ -545,7 +545,7 @@ def _find_entry(entries: list[EntryInfo], wanted: str) -> EntryInfo:
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @json_option
 @one_line_errors
-def clear(url: Optional[str], cache_option: Optional[str], yes: bool, as_json: bool) -> None:
+def clear(url: str | None, cache_option: str | None, yes: bool, as_json: bool) -> None:
     """Remove every entry in every namespace (asks first unless --yes)."""
     url = _resolve_url(url, cache_option)
     with _open(url) as cache:
@@ -600,7 +600,7 @@ def _copy_entries(
 @click.option("--namespace", "-n", metavar="N", help="Only copy this namespace.")
 @json_option
 @one_line_errors
-def copy(src_url: str, dst_url: str, namespace: Optional[str], as_json: bool) -> None:
+def copy(src_url: str, dst_url: str, namespace: str | None, as_json: bool) -> None:
     """Copy entries (same namespaces, keys, pins, priorities and generations)
     from one store into another.
 
@@ -653,7 +653,7 @@ _json_report = click.option("--json", "as_json", is_flag=True, help="Print the r
 @click.option("--cache", "cache_url", metavar="URL", help="The cache URL to use.")
 @_json_report
 @one_line_errors
-def demo(cache_url: Optional[str], as_json: bool) -> None:
+def demo(cache_url: str | None, as_json: bool) -> None:
     """Show the cache at work on a small model: a cold and a warm request."""
     from .demo import run_demo
 
@@ -670,7 +670,7 @@ def demo(cache_url: Optional[str], as_json: bool) -> None:
 @one_line_errors
 def warm(
     model_path: str, prompt_files: tuple[str, ...], scope: str, pin: bool,
-    url: Optional[str], cache_option: Optional[str], as_json: bool,
+    url: str | None, cache_option: str | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Precompute and store the states of prompts for a model."""
     from .demo import warm as run_warm

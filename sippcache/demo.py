@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -98,7 +98,7 @@ def _prefill_with_bar(progress: Progress, description: str, cache: Any, tokens: 
         progress.remove_task(task)
 
 
-def run_demo(cache_url: Optional[str] = None, *, as_json: bool = False) -> int:
+def run_demo(cache_url: str | None = None, *, as_json: bool = False) -> int:
     """Run the demo; print a report (or one JSON line). Returns the exit code."""
     import llama_cpp
 
@@ -181,7 +181,7 @@ def _print_report(r: dict[str, Any]) -> None:
 def warm(
     model_path: str,
     prompt_files: Sequence[str],
-    cache_url: Optional[str] = None,
+    cache_url: str | None = None,
     *,
     scope: str = "default",
     pin: bool = False,

@@ -37,7 +37,7 @@ import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Protocol
 
 import msgpack
 import xxhash
@@ -61,13 +61,13 @@ LOG_KEEP = 10_000
 class KVTxn(Protocol):
     """A transaction on the backing byte map; reads see one consistent state."""
 
-    def get(self, key: bytes) -> Optional[Union[bytes, memoryview]]: ...
+    def get(self, key: bytes) -> bytes | memoryview | None: ...
 
-    def put(self, key: bytes, value: Union[bytes, memoryview]) -> None: ...
+    def put(self, key: bytes, value: bytes | memoryview) -> None: ...
 
     def delete(self, key: bytes) -> None: ...
 
-    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, Union[bytes, memoryview]]]:
+    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes | memoryview]]:
         """Every (key, value) whose key starts with `prefix`."""
 
 
@@ -102,18 +102,18 @@ def entry_id(namespace: str, key: bytes) -> bytes:
     return xxhash.xxh3_128_digest(_U64.pack(len(ns)) + ns + key)
 
 
-def _u64(raw: Optional[Union[bytes, memoryview]]) -> int:
+def _u64(raw: bytes | memoryview | None) -> int:
     """A stored u64; 0 when absent or damaged (the callers treat 0 as 'unknown')."""
     return _U64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
 
 
-def _f64(raw: Optional[Union[bytes, memoryview]]) -> float:
+def _f64(raw: bytes | memoryview | None) -> float:
     """A stored f64; 0.0 when absent or damaged."""
     value = _F64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0.0
     return value if math.isfinite(value) else 0.0
 
 
-def _meta(eid: bytes, raw: Union[bytes, memoryview]) -> Optional[tuple[str, bytes, int, int, float, int]]:
+def _meta(eid: bytes, raw: bytes | memoryview) -> tuple[str, bytes, int, int, float, int] | None:
     """An M record as (namespace, key, size, created, priority, generation), or None
     if it is damaged (does not parse, has wrong types, or does not belong to `eid`).
     A four-field record (written before priorities) gets the default priority and
@@ -140,7 +140,7 @@ def _pack_values(value: float, pinned: bool, superseded: bool) -> bytes:
     return msgpack.packb([value, pinned, superseded])
 
 
-def _values(raw: Optional[Union[bytes, memoryview]]) -> Optional[tuple[float, bool, bool]]:
+def _values(raw: bytes | memoryview | None) -> tuple[float, bool, bool] | None:
     """A V record as (value, pinned, superseded), or None if absent or damaged."""
     if raw is None:
         return None
@@ -154,7 +154,7 @@ def _values(raw: Optional[Union[bytes, memoryview]]) -> Optional[tuple[float, bo
     return value, pinned, superseded
 
 
-def _record(raw: Union[bytes, memoryview]) -> Optional[list[Any]]:
+def _record(raw: bytes | memoryview) -> list[Any] | None:
     """A log record, or None if it is damaged."""
     try:
         record = msgpack.unpackb(raw, raw=False)
@@ -224,7 +224,7 @@ class KVBackend(BaseBackend):
     instance may be shared by threads.
     """
 
-    def __init__(self, *, max_bytes: Optional[int], max_entries: Optional[int], location: str) -> None:
+    def __init__(self, *, max_bytes: int | None, max_entries: int | None, location: str) -> None:
         super().__init__()
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
@@ -301,7 +301,7 @@ class KVBackend(BaseBackend):
             budgets = f"max_bytes={self.max_bytes}, max_entries={self.max_entries}"
             return refuse(self.location, size, len(key) // 4, options.pinned, plan.reason, budgets)
 
-    def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Optional[Match]:
+    def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Match | None:
         with self._lock:
             txn, end = self._reader()
             try:
@@ -327,7 +327,7 @@ class KVBackend(BaseBackend):
             self._flush_touches_if_due()
         return Match(hit.length, stored_key, blob, namespace, end)
 
-    def _peek(self, key: bytes, namespace: str, partial: bool) -> Optional[Peek]:
+    def _peek(self, key: bytes, namespace: str, partial: bool) -> Peek | None:
         with self._lock:
             self._refresh()
             return self._catalog.peek(namespace, key, partial)
@@ -400,7 +400,7 @@ class KVBackend(BaseBackend):
                 max_entries=self.max_entries, damaged=len(self._damaged), **self._counters,
             )
 
-    def _entries(self, namespace: Optional[str]) -> list[EntryInfo]:
+    def _entries(self, namespace: str | None) -> list[EntryInfo]:
         with self._lock:
             self._refresh()
             catalog = self._catalog
@@ -518,7 +518,7 @@ class KVBackend(BaseBackend):
 
     def _write_values(
         self, txn: KVTxn, records: list[list[Any]], after: list[Callable[[], None]], eid: bytes,
-        *, pinned: Optional[bool] = None, superseded: Optional[bool] = None,
+        *, pinned: bool | None = None, superseded: bool | None = None,
     ) -> None:  # fmt: skip
         """Change an entry's pinned or superseded flag (its V record)."""
         state = self._catalog.get(eid)
@@ -577,8 +577,8 @@ class KVBackend(BaseBackend):
         self._seq = seq
 
     def _load(
-        self, txn: KVTxn, eid: bytes, raw: Optional[Union[bytes, memoryview]] = None
-    ) -> Optional[tuple[bytes, EntryState]]:
+        self, txn: KVTxn, eid: bytes, raw: bytes | memoryview | None = None
+    ) -> tuple[bytes, EntryState] | None:
         """An entry's key and state from its M, U and V records; None if it is gone
         or its M record is damaged (then it is marked for removal)."""
         raw = txn.get(b"M" + eid) if raw is None else raw

@@ -29,7 +29,7 @@ import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import msgpack
 import xxhash
@@ -70,7 +70,7 @@ class Frame:
     def payload_size(self) -> int:
         return sum(len(s) for s in self.sections)
 
-    def section(self, role: str) -> Optional[memoryview]:
+    def section(self, role: str) -> memoryview | None:
         """The section named `role`, or None."""
         return self.sections[self.roles.index(role)] if role in self.roles else None
 
@@ -78,7 +78,7 @@ class Frame:
 Secret = Union[str, bytes]
 
 
-def secret_from_environment() -> Optional[bytes]:
+def secret_from_environment() -> bytes | None:
     """The secret in `SIPPCACHE_SECRET`, if it is set and not empty."""
     value = os.environ.get(SECRET_ENVIRONMENT_VARIABLE, "")
     return value.encode("utf-8") if value else None
@@ -106,7 +106,7 @@ def encode(
     created: float | None = None,
     meta: Mapping[str, Any] | None = None,
     roles: Sequence[str] | None = None,
-    secret: Optional[Secret] = None,
+    secret: Secret | None = None,
 ) -> bytes:
     """Frame payload `sections` (e.g. one llama.cpp sequence state) for storage.
 
@@ -202,7 +202,7 @@ def _unpack_header(raw: memoryview) -> dict[str, Any]:
     return header
 
 
-def decode(buf: Buffer, *, secret: Optional[Secret] = None) -> Frame:
+def decode(buf: Buffer, *, secret: Secret | None = None) -> Frame:
     """Parse and verify a framed entry; raise `CorruptEntry` on any damage
     (`UnsupportedEntry` for a format version this sippcache does not read).
 

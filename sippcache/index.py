@@ -13,7 +13,6 @@ partial match go to that entry without visiting the subtree.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 _TOKEN = 4  # bytes per token
 
@@ -28,15 +27,15 @@ def common_prefix_bytes(a: bytes | memoryview, b: bytes | memoryview) -> int:
 
 
 class _Node:
-    __slots__ = ("edge", "parent", "children", "entry", "rank", "best", "best_rank")
+    __slots__ = ("best", "best_rank", "children", "edge", "entry", "parent", "rank")
 
-    def __init__(self, edge: bytes, parent: Optional[_Node]) -> None:
+    def __init__(self, edge: bytes, parent: _Node | None) -> None:
         self.edge = edge
         self.parent = parent
         self.children: dict[bytes, _Node] = {}
-        self.entry: Optional[bytes] = None  # id of the entry whose key ends here
+        self.entry: bytes | None = None  # id of the entry whose key ends here
         self.rank = -1  # that entry's recency
-        self.best: Optional[bytes] = None  # most recently used entry in this subtree
+        self.best: bytes | None = None  # most recently used entry in this subtree
         self.best_rank = -1
 
 
@@ -76,7 +75,7 @@ class PrefixIndex:
     def key_of(self, entry_id: bytes) -> bytes:
         """The full key (token bytes) of an indexed entry."""
         parts = []
-        node: Optional[_Node] = self._nodes[entry_id]
+        node: _Node | None = self._nodes[entry_id]
         while node is not None:
             parts.append(node.edge)
             node = node.parent
@@ -158,10 +157,10 @@ class PrefixIndex:
     def clear(self) -> None:
         self.__init__()  # type: ignore[misc]
 
-    def longest_prefix(self, namespace: str, query: bytes) -> Optional[IndexHit]:
+    def longest_prefix(self, namespace: str, query: bytes) -> IndexHit | None:
         """The entry whose key is the longest prefix of `query`, if any."""
         node = self._roots.get(namespace)
-        found: Optional[IndexHit] = None
+        found: IndexHit | None = None
         pos = 0
         while node is not None:
             if node.entry is not None:
@@ -175,7 +174,7 @@ class PrefixIndex:
             node = child
         return found
 
-    def longest_common(self, namespace: str, query: bytes) -> Optional[IndexHit]:
+    def longest_common(self, namespace: str, query: bytes) -> IndexHit | None:
         """The most recently used entry among those sharing the longest common prefix with `query`."""
         node = self._roots.get(namespace)
         if node is None:
@@ -197,12 +196,12 @@ class PrefixIndex:
             return None
         return IndexHit(node.best, pos // _TOKEN)
 
-    def _raise_best(self, node: Optional[_Node], entry_id: bytes, rank: int) -> None:
+    def _raise_best(self, node: _Node | None, entry_id: bytes, rank: int) -> None:
         while node is not None and (rank >= node.best_rank or node.best == entry_id):
             node.best, node.best_rank = entry_id, max(rank, node.best_rank)
             node = node.parent
 
-    def _lower_best(self, node: Optional[_Node], removed: bytes) -> None:
+    def _lower_best(self, node: _Node | None, removed: bytes) -> None:
         """Recompute `best` on the path to the root wherever it pointed at the removed entry."""
         while node is not None:
             if node.best == removed:

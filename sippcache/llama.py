@@ -39,7 +39,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -128,14 +128,14 @@ class PrefixCache:
     def __init__(
         self,
         llm: llama_cpp.Llama,
-        cache: Union[str, CacheBackend, None] = None,
+        cache: str | CacheBackend | None = None,
         *,
         scope: str = "default",
         min_tokens: int = DEFAULT_MIN_TOKENS,
         checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
         max_pending_writes: int = 4,
-        secret: Optional[Secret] = None,
-        on_prefill: Optional[Callable[[PrefillResult], None]] = None,
+        secret: Secret | None = None,
+        on_prefill: Callable[[PrefillResult], None] | None = None,
     ) -> None:
         if not isinstance(llm, llama_cpp.Llama):
             raise TypeError(f"llm must be a llama_cpp.Llama, not {type(llm).__name__}")
@@ -164,7 +164,7 @@ class PrefixCache:
         tokens: _tokens.Tokens,
         *,
         restore: bool = True,
-        progress: Optional[Callable[[int, int], None]] = None,
+        progress: Callable[[int, int], None] | None = None,
         pin: bool = False,
     ) -> PrefillResult:
         """Bring the context to exactly `tokens`, ready to sample the next token.
@@ -189,7 +189,7 @@ class PrefixCache:
         """Wait until every queued snapshot is written to the cache."""
         self._states.flush()
 
-    def stats(self) -> dict[str, Union[int, float]]:
+    def stats(self) -> dict[str, int | float]:
         """This cache's counters (see `PrefixStats`)."""
         return self._states.counters()
 
@@ -224,7 +224,7 @@ class PrefixCache:
         return ids
 
     def _prefill(
-        self, ids: list[int], *, restore: bool = True, progress: Optional[Callable[[int, int], None]] = None,
+        self, ids: list[int], *, restore: bool = True, progress: Callable[[int, int], None] | None = None,
         pin: bool = False,
     ) -> PrefillResult:  # fmt: skip
         llm, stats = self.llm, self._states.stats
@@ -271,7 +271,7 @@ class PrefixCache:
             return llm._current_logits() is not None
         return not llm._requires_eval
 
-    def _context_set(self, ids: list[int], start: int, logits: Optional[np.ndarray]) -> None:
+    def _context_set(self, ids: list[int], start: int, logits: np.ndarray | None) -> None:
         """Record that sequence 0 now holds `ids[:start]`, set without an evaluation: the
         context's logits are not current; the stored ones are, if given."""
         llm = self.llm
@@ -286,7 +286,7 @@ class PrefixCache:
 
     def _evaluate(
         self, ids: list[int], start: int, branch: int, *,
-        progress: Optional[Callable[[int, int], None]] = None, pin: bool = False, replace_final: bool = False,
+        progress: Callable[[int, int], None] | None = None, pin: bool = False, replace_final: bool = False,
     ) -> None:  # fmt: skip
         """Evaluate `ids[start:]`, snapshotting at checkpoint boundaries, where the
         prompt leaves the entry it shares most with (`branch`), and at the end: the
@@ -313,7 +313,7 @@ class PrefixCache:
 
     def _eval(
         self, ids: list[int], begin: int, stop: int, start: int, end: int,
-        progress: Optional[Callable[[int, int], None]],
+        progress: Callable[[int, int], None] | None,
     ) -> None:  # fmt: skip
         """`llm.eval(ids[begin:stop])` in pieces that end at multiples of n_batch: after a
         restore or a kept live prefix, the pieces a cold prefill would evaluate (measured
@@ -358,14 +358,14 @@ class LlamaCache(BaseLlamaCache):
 
     def __init__(
         self,
-        cache: Union[str, CacheBackend, None] = None,
+        cache: str | CacheBackend | None = None,
         *,
-        llm: Optional[llama_cpp.Llama] = None,
+        llm: llama_cpp.Llama | None = None,
         scope: str = "default",
         min_tokens: int = DEFAULT_MIN_TOKENS,
         checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
-        secret: Optional[Secret] = None,
-        on_prefill: Optional[Callable[[PrefillResult], None]] = None,
+        secret: Secret | None = None,
+        on_prefill: Callable[[PrefillResult], None] | None = None,
     ) -> None:
         check_options(scope, min_tokens, checkpoint_interval, secret=secret)
         _check_observer(on_prefill)
@@ -466,11 +466,11 @@ class Llama(llama_cpp.Llama):
     """
 
     #: (n_tokens, logits of position n_tokens - 1) restored from the cache, until the next evaluation.
-    _stored_logits: Optional[tuple[int, np.ndarray]] = None
+    _stored_logits: tuple[int, np.ndarray] | None = None
     #: n_tokens when the context's own logits were last computed (-1: not current).
     _logits_at: int = -1
 
-    def set_cache(self, cache: Optional[BaseLlamaCache]) -> None:
+    def set_cache(self, cache: BaseLlamaCache | None) -> None:
         if isinstance(cache, LlamaCache):
             cache.bind(self)
         super().set_cache(cache)
@@ -497,7 +497,7 @@ class Llama(llama_cpp.Llama):
             sampler = self._init_sampler(**{k: v for k, v in bound.arguments.items() if k in _SAMPLER_ARGUMENTS})
         return states.sample_from_logits(sampler.sampler, stored[1])
 
-    def _current_logits(self) -> Optional[np.ndarray]:
+    def _current_logits(self) -> np.ndarray | None:
         """The logits for the token after the context's, if current: stored, or the context's own."""
         if self._stored_logits is not None and self._stored_logits[0] == self.n_tokens:
             return self._stored_logits[1]

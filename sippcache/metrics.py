@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -84,7 +84,7 @@ class StoreReader:
         self.up = False
         self.failures = 0  # stats() calls that failed or timed out
         self._lock = threading.Lock()
-        self._pending: Optional[threading.Thread] = None
+        self._pending: threading.Thread | None = None
 
     def read(self) -> tuple[dict[str, Any], bool]:
         """(the latest stats as a dict, whether this read succeeded in time)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 GEMMA_FILE_NAME = "gemma-3-270m-q4_k_m.gguf"
 
@@ -24,7 +23,7 @@ def model_dir() -> Path:
     return Path(platformdirs.user_cache_dir("sippcache")) / "models"
 
 
-def gemma_model_path(directory: Optional[Path] = None) -> Path:
+def gemma_model_path(directory: Path | None = None) -> Path:
     """Assemble gemma-3-270m (Q4_K_M) once and return its path.
 
     Raises `sippcache.MissingDependency` when the model package is not installed.

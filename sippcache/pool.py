@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -79,7 +79,7 @@ class Completion:
     logits_from_store: bool
     finish_reason: str
     ttft_seconds: float
-    logits: Optional[list[np.ndarray]] = None
+    logits: list[np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
@@ -96,14 +96,14 @@ class Sampling:
     repeat_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    seed: Optional[int] = None
+    seed: int | None = None
 
     def chain(self, n_vocab: int) -> Any:
         """A llama.cpp sampler chain built as llama-cpp-python's `Llama._init_sampler`
         builds it (penalties, then greedy; or top-k, typical, top-p, min-p, temperature
         and a seeded draw), with the same arguments."""
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        add = lambda sampler: llama_cpp.llama_sampler_chain_add(chain, sampler)  # noqa: E731
+        add = lambda sampler: llama_cpp.llama_sampler_chain_add(chain, sampler)
         add(llama_cpp.llama_sampler_init_penalties(
             n_vocab, PENALTY_LAST_N, self.repeat_penalty, self.frequency_penalty, self.presence_penalty))  # fmt: skip
         seed = self.seed if self.seed is not None else random.randrange(2**32)
@@ -126,7 +126,7 @@ class _Slot:
     """One sequence of the context, and the session living in it."""
 
     seq: int
-    session: Optional[Hashable] = None
+    session: Hashable | None = None
     tokens: list[int] = field(default_factory=list)  # what the sequence holds
     used: int = 0  # when the session last ran (a counter), for least-recently-used parking
     generation: int = 0  # turns this session has taken in this pool
@@ -147,7 +147,7 @@ class _Run:
     finish_reason: str = ""
     ttft: float = 0.0
     boundaries: list[int] = field(default_factory=list)
-    logits: Optional[list[np.ndarray]] = None  # kept when asked for
+    logits: list[np.ndarray] | None = None  # kept when asked for
 
 
 class SessionPool:
@@ -166,17 +166,17 @@ class SessionPool:
 
     def __init__(
         self,
-        model: Union[str, os.PathLike[str], llama_cpp.Llama],
-        cache: Union[str, CacheBackend, None] = None,
+        model: str | os.PathLike[str] | llama_cpp.Llama,
+        cache: str | CacheBackend | None = None,
         *,
         slots: int = 4,
-        n_ctx: Optional[int] = None,
+        n_ctx: int | None = None,
         n_batch: int = 512,
         scope: str = "default",
         min_tokens: int = DEFAULT_MIN_TOKENS,
         checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
         max_pending_writes: int = 4,
-        secret: Optional[Secret] = None,
+        secret: Secret | None = None,
         park_on_close: bool = True,
         **llama_options: Any,
     ) -> None:
@@ -262,7 +262,7 @@ class SessionPool:
                 self._park(slot)
             return slot is not None
 
-    def stats(self) -> dict[str, Union[int, float]]:
+    def stats(self) -> dict[str, int | float]:
         """The cache counters (see `PrefixStats`) and the pool's own: admissions by kind,
         sessions parked, prompt tokens borrowed from other slots, `llama_decode` calls,
         tokens generated."""
@@ -383,7 +383,7 @@ class SessionPool:
         run.boundaries = self._states.boundaries(reuse.start, reuse.branch, len(ids))
         return run
 
-    def _slot_of(self, session: Hashable) -> Optional[_Slot]:
+    def _slot_of(self, session: Hashable) -> _Slot | None:
         return next((s for s in self._slots if s.session == session and s.session is not None), None)
 
     def _free_slot(self, ids: list[int], in_call: set[Hashable]) -> tuple[_Slot, list[int]]:
@@ -513,7 +513,7 @@ class SessionPool:
 
     def _accept(
         self, run: _Run, token: int, started: float, max_tokens: int, stop: frozenset[int],
-        logits: Optional[np.ndarray] = None,
+        logits: np.ndarray | None = None,
     ) -> Iterator[tuple[Hashable, int]]:  # fmt: skip
         if not run.generated:
             run.ttft = time.perf_counter() - started

@@ -15,11 +15,11 @@ import sys
 import threading
 import time
 from abc import ABC, abstractmethod
-from contextlib import contextmanager
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ClassVar, Optional, Protocol, Union, runtime_checkable
+from typing import Any, ClassVar, Protocol, Union, runtime_checkable
 
 from . import tokens as _tokens
 from .errors import BadOption, CacheClosed, CorruptStore
@@ -72,15 +72,15 @@ class Match:
     pins its snapshot.
     """
 
-    __slots__ = ("length", "_key", "blob", "namespace", "_release", "__weakref__")
+    __slots__ = ("__weakref__", "_key", "_release", "blob", "length", "namespace")
 
     def __init__(
         self,
         length: int,
-        key: Union[tuple[int, ...], bytes],
+        key: tuple[int, ...] | bytes,
         blob: Blob,
         namespace: str = "",
-        release: Optional[Callable[[], None]] = None,
+        release: Callable[[], None] | None = None,
     ) -> None:
         self.length = length
         self._key = key  # token ids, or their `sippcache.tokens.encode` bytes (decoded when read)
@@ -206,8 +206,8 @@ class Stats:
     location: str
     entries: int
     bytes: int
-    max_bytes: Optional[int]
-    max_entries: Optional[int]
+    max_bytes: int | None
+    max_entries: int | None
     namespaces: int
     hits: int = 0
     misses: int = 0
@@ -238,9 +238,9 @@ class CacheBackend(Protocol):
         blob: Blob,
         *,
         namespace: str = "",
-        priority: Optional[float] = None,
+        priority: float | None = None,
         pinned: bool = False,
-        generation: Optional[int] = None,
+        generation: int | None = None,
     ) -> bool:
         """Store `blob` under `tokens`, replacing an entry with the same key
         unless that entry has a newer `generation`. False if not stored (an older
@@ -250,13 +250,13 @@ class CacheBackend(Protocol):
 
     def lookup(
         self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False, touch: bool = True
-    ) -> Optional[Match]:
+    ) -> Match | None:
         """The entry with the longest stored prefix of `tokens` (or, with
         `partial`, the longest common prefix); ties go to the most recently used.
         A hit counts as a use for eviction unless `touch` is False (for tools
         that read entries without using them)."""
 
-    def peek(self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False) -> Optional[Peek]:
+    def peek(self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False) -> Peek | None:
         """What `lookup` would find, without reading the blob or counting a use: to
         decide whether an entry is worth fetching (a large state over a network)."""
 
@@ -280,7 +280,7 @@ class CacheBackend(Protocol):
     def stats(self) -> Stats:
         """Size and counters."""
 
-    def entries(self, namespace: Optional[str] = None) -> Iterator[EntryInfo]:
+    def entries(self, namespace: str | None = None) -> Iterator[EntryInfo]:
         """Every stored entry (of one namespace, if given), least recently used first."""
 
     def close(self) -> None:
@@ -336,9 +336,9 @@ class BaseBackend(ABC):
         blob: Blob,
         *,
         namespace: str = "",
-        priority: Optional[float] = None,
+        priority: float | None = None,
         pinned: bool = False,
-        generation: Optional[int] = None,
+        generation: int | None = None,
     ) -> bool:
         key = _tokens.encode(tokens)
         if not key:
@@ -356,14 +356,14 @@ class BaseBackend(ABC):
 
     def lookup(
         self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False, touch: bool = True
-    ) -> Optional[Match]:
+    ) -> Match | None:
         key = self._query_key(tokens, namespace)
         if not key:
             return None
         with self._damage_as_corrupt_store():
             return self._lookup(key, namespace, bool(partial), bool(touch))
 
-    def peek(self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False) -> Optional[Peek]:
+    def peek(self, tokens: _tokens.Tokens, *, namespace: str = "", partial: bool = False) -> Peek | None:
         key = self._query_key(tokens, namespace)
         if not key:
             return None
@@ -401,7 +401,7 @@ class BaseBackend(ABC):
         with self._damage_as_corrupt_store():
             return self._stats()
 
-    def entries(self, namespace: Optional[str] = None) -> Iterator[EntryInfo]:
+    def entries(self, namespace: str | None = None) -> Iterator[EntryInfo]:
         if namespace is not None:
             _check_namespace(namespace)
         self._check_open()
@@ -452,7 +452,7 @@ class BaseBackend(ABC):
 
     # -- storage hooks -------------------------------------------------------
 
-    def _peek(self, key: bytes, namespace: str, partial: bool) -> Optional[Peek]:
+    def _peek(self, key: bytes, namespace: str, partial: bool) -> Peek | None:
         """`peek`: by default a lookup that does not count as a use, its blob unread;
         override where the index can answer alone (every built-in backend does)."""
         match = self._lookup(key, namespace, partial, False)
@@ -474,7 +474,7 @@ class BaseBackend(ABC):
     def _store(self, key: bytes, blob: memoryview, namespace: str, options: StoreOptions) -> bool: ...
 
     @abstractmethod
-    def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Optional[Match]: ...
+    def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Match | None: ...
 
     @abstractmethod
     def _delete(self, key: bytes, namespace: str) -> bool: ...
@@ -492,7 +492,7 @@ class BaseBackend(ABC):
     def _len(self) -> int: ...
 
     @abstractmethod
-    def _entries(self, namespace: Optional[str]) -> list[EntryInfo]: ...
+    def _entries(self, namespace: str | None) -> list[EntryInfo]: ...
 
     @abstractmethod
     def _close(self) -> None: ...

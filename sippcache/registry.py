@@ -13,7 +13,7 @@ import logging
 import os
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Optional, cast
+from typing import cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from .errors import BadOption, BrokenPlugin, MissingDependency, UnknownBackend
@@ -26,7 +26,7 @@ ENTRY_POINT_GROUP = "sippcache.backends"
 URL_ENVIRONMENT_VARIABLE = "SIPPCACHE_URL"
 
 # name -> (target, the package it needs, the extra that installs it)
-BUILTINS: dict[str, tuple[str, Optional[str], Optional[str]]] = {
+BUILTINS: dict[str, tuple[str, str | None, str | None]] = {
     "ram": ("sippcache.backends.ram:RAMBackend", None, None),
     "lmdb": ("sippcache.backends.lmdb:LMDBBackend", "lmdb", "lmdb"),
     "diskcache": ("sippcache.backends.diskcache:DiskCacheBackend", "diskcache", "diskcache"),
@@ -42,7 +42,7 @@ class BackendInfo:
     target: str
     origin: str  # "built-in" or "<distribution> <version>"
     usable: bool
-    problem: Optional[str] = None
+    problem: str | None = None
 
 
 def default_url() -> str:
@@ -145,7 +145,7 @@ def parse_url(url: str) -> tuple[str, str, dict[str, str]]:
     return parts.scheme.lower(), location, options
 
 
-def open(url: Optional[str] = None) -> CacheBackend:  # noqa: A001 - the public name is sippcache.open
+def open(url: str | None = None) -> CacheBackend:
     """Open the cache a URL names; with no URL, `default_url()`.
 
     ``ram://?max_bytes=2GiB``, ``lmdb:///var/cache/sipp?max_bytes=20GiB``,

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Union
+from typing import Any
 
 import numpy as np
 
@@ -69,7 +69,7 @@ class PrefixStats:
     backend_errors: int = 0  # lookups and deletes that failed (the request went on uncached)
     write_failures: int = 0  # background stores that failed
 
-    def as_dict(self) -> dict[str, Union[int, float]]:
+    def as_dict(self) -> dict[str, int | float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
@@ -82,7 +82,7 @@ class Reuse:
 
     start: int
     restored: int = 0
-    logits: Optional[np.ndarray] = None
+    logits: np.ndarray | None = None
     branch: int = 0
 
 
@@ -102,7 +102,7 @@ def check_options(
         raise TypeError("secret must be a non-empty str or bytes")
 
 
-def open_cache_argument(cache: Union[str, CacheBackend, None]) -> tuple[CacheBackend, bool]:
+def open_cache_argument(cache: str | CacheBackend | None) -> tuple[CacheBackend, bool]:
     """The backend for `cache` (a URL, an open backend, or None) and whether we opened it."""
     if cache is None or isinstance(cache, str):
         return open_cache(cache), True
@@ -132,7 +132,7 @@ class SequenceCache:
 
     def __init__(
         self,
-        cache: Union[str, CacheBackend, None],
+        cache: str | CacheBackend | None,
         *,
         fingerprint: Fingerprint,
         scope: str,
@@ -141,7 +141,7 @@ class SequenceCache:
         min_tokens: int = DEFAULT_MIN_TOKENS,
         checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
         max_pending_writes: int = 4,
-        secret: Optional[Secret] = None,
+        secret: Secret | None = None,
     ) -> None:
         check_options(scope, min_tokens, checkpoint_interval, max_pending_writes, secret)
         self.cache, self._owns_cache = open_cache_argument(cache)
@@ -160,11 +160,11 @@ class SequenceCache:
 
     # -- the store, never failing a request -------------------------------------------
 
-    def peek(self, key: list[int], *, partial: bool) -> Optional[Peek]:
+    def peek(self, key: list[int], *, partial: bool) -> Peek | None:
         """What a lookup would find (no blob read, not a use)."""
         return self._safely("peek", lambda: self.cache.peek(key, namespace=self.namespace, partial=partial), None)
 
-    def lookup(self, key: list[int], *, partial: bool) -> Optional[Match]:
+    def lookup(self, key: list[int], *, partial: bool) -> Match | None:
         return self._safely("lookup", lambda: self.cache.lookup(key, namespace=self.namespace, partial=partial), None)
 
     def exists(self, key: list[int]) -> bool:
@@ -208,7 +208,7 @@ class SequenceCache:
         if self._queued_beyond(ids, common_length(live, ids)):
             self.flush()  # a snapshot still queued (a session just parked, a repeat) holds more than the context
         n, target = len(ids), ids[:-1]
-        prefix: Optional[Peek] = None
+        prefix: Peek | None = None
         if with_logits:
             whole = self.peek(ids, partial=False)
             if whole is not None and whole.length == n:
@@ -219,7 +219,7 @@ class SequenceCache:
                 live = ()  # a failed restore leaves the sequence empty
             elif whole is not None:
                 prefix = whole  # shorter than the prompt: the longest prefix of target too
-        shared: Optional[Peek] = None
+        shared: Peek | None = None
         if target:
             prefix = prefix or self.peek(target, partial=False)
             shared = self.peek(target, partial=True)
@@ -254,7 +254,7 @@ class SequenceCache:
 
     def _fetch_and_restore(
         self, ctx: Any, seq: int, query: list[int], *, partial: bool, with_logits: bool = False
-    ) -> Optional[Any]:
+    ) -> Any | None:
         """Look `query` up and restore the match into `seq`: with `with_logits`, only an
         entry for all of `query` with its logits (returned); else the tokens restored."""
         match = self.lookup(query, partial=partial)
@@ -267,7 +267,7 @@ class SequenceCache:
             restored = self.restore(ctx, seq, match, length, with_logits=with_logits)
         return restored if with_logits or restored is None else length
 
-    def restore(self, ctx: Any, seq: int, match: Match, length: int, *, with_logits: bool = False) -> Optional[Any]:
+    def restore(self, ctx: Any, seq: int, match: Match, length: int, *, with_logits: bool = False) -> Any | None:
         """Load `match` into `seq` and keep its first `length` tokens; None if unusable
         (the sequence is then empty). With `with_logits` the entry must carry the logits
         of its last position: they are returned (a copy); otherwise True."""
@@ -323,7 +323,7 @@ class SequenceCache:
             found.add(branch)
         return sorted(found)
 
-    def checkpoint_budget(self) -> Optional[int]:
+    def checkpoint_budget(self) -> int | None:
         """Bytes the intermediate snapshots of one prefill may take: half the store's
         budget, so they never evict everything else (the final one is always offered)."""
         try:
@@ -333,8 +333,8 @@ class SequenceCache:
         return None if max_bytes is None else max_bytes // 2
 
     def snapshot(
-        self, ctx: Any, seq: int, key: list[int], *, budget: Optional[int] = None,
-        logits: Optional[np.ndarray] = None, pinned: bool = False, replace: bool = False,
+        self, ctx: Any, seq: int, key: list[int], *, budget: int | None = None,
+        logits: np.ndarray | None = None, pinned: bool = False, replace: bool = False,
     ) -> int:  # fmt: skip
         """Copy sequence `seq`'s state (and `logits`, the last position's) now, on the
         thread that owns the context, and store it in the background, unless `key`
@@ -377,7 +377,7 @@ class SequenceCache:
 
     # -- lifetime ---------------------------------------------------------------------
 
-    def counters(self) -> dict[str, Union[int, float]]:
+    def counters(self) -> dict[str, int | float]:
         """The counters (see `PrefixStats`)."""
         out = self.stats.as_dict()
         out["write_failures"] = self._writer.failures

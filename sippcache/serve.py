@@ -35,7 +35,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NoReturn, Optional
+from typing import Any, ClassVar, NoReturn
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 import llama_cpp
@@ -57,8 +57,8 @@ log = logging.getLogger("sippcache")
 __all__ = [
     "CachePool",
     "CachingLlamaProxy",
-    "ServedLlama",
     "ServeError",
+    "ServedLlama",
     "build_parser",
     "create_server_app",
     "install",
@@ -91,7 +91,7 @@ class ServeError(Exception):
 # -- settings: parsed exactly as `python -m llama_cpp.server` does ------------------------
 
 
-def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """Upstream's parser (every `Settings` field and ``--config_file``), with ``--cache URL``."""
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -111,7 +111,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     return parser
 
 
-def load_settings(args: argparse.Namespace) -> tuple[ServerSettings, list[ModelSettings], dict[str, Optional[str]]]:
+def load_settings(args: argparse.Namespace) -> tuple[ServerSettings, list[ModelSettings], dict[str, str | None]]:
     """(server settings, model settings, {model alias: its config file `cache_url`}), as upstream reads them.
 
     As upstream: ``$CONFIG_FILE`` wins over ``--config_file``; with a config file,
@@ -134,7 +134,7 @@ def load_settings(args: argparse.Namespace) -> tuple[ServerSettings, list[ModelS
                 raw = yaml.safe_load(f)
             else:
                 raw = json.loads(f.read())
-        cache_urls: list[Optional[str]] = []
+        cache_urls: list[str | None] = []
         if isinstance(raw, dict) and isinstance(raw.get("models"), list):
             for model in raw["models"]:
                 url = model.pop(CACHE_URL_KEY, None) if isinstance(model, dict) else None
@@ -148,7 +148,7 @@ def load_settings(args: argparse.Namespace) -> tuple[ServerSettings, list[ModelS
         raise
     except Exception as exc:  # pydantic's ValidationError, JSON and YAML syntax errors, unreadable files
         raise ServeError(f"invalid settings: {_describe_settings_error(exc)}") from None
-    urls: dict[str, Optional[str]] = {}
+    urls: dict[str, str | None] = {}
     for settings, url in zip(model_settings, cache_urls):
         urls[settings.model_alias or settings.model] = url  # the key LlamaProxy files the model under
     return server_settings, model_settings, urls
@@ -217,11 +217,11 @@ class _Model:
     """A model alias: its store (None: no cache), scope, and counters."""
 
     alias: str
-    store: Optional[str]  # the store's label (a redacted URL)
+    store: str | None  # the store's label (a redacted URL)
     scope: str
     retired: dict[str, float] = field(default_factory=dict)  # counted by instances since closed
-    live: Optional[ServedLlama] = None
-    namespace: Optional[str] = None
+    live: ServedLlama | None = None
+    namespace: str | None = None
 
 
 class CachePool:
@@ -237,7 +237,7 @@ class CachePool:
 
     @classmethod
     def open(
-        cls, model_settings: Sequence[ModelSettings], cache_urls: dict[str, Optional[str]], cache: Optional[str]
+        cls, model_settings: Sequence[ModelSettings], cache_urls: dict[str, str | None], cache: str | None
     ) -> CachePool:
         """Open every store the models name. Raises `ServeError` (one line) for a bad URL."""
         pool = cls()
@@ -370,7 +370,7 @@ class CachePool:
         return list(self._readers.values())
 
 
-def _resolve(value: Optional[str], default: Any) -> Optional[str]:
+def _resolve(value: str | None, default: Any) -> str | None:
     """A `--cache`/`cache_url` value: a URL, None or a true word (the default store), a false word (no cache)."""
     if value is None or value.strip().lower() in TRUE_WORDS:
         return default()
@@ -406,8 +406,8 @@ class ServedLlama(sippllama.Llama):
       by upstream's code alone.
     """
 
-    _sippcache: Optional[sippllama.LlamaCache] = None
-    _sippcache_pool: Optional[CachePool] = None
+    _sippcache: sippllama.LlamaCache | None = None
+    _sippcache_pool: CachePool | None = None
     _sippcache_alias: str = ""
     #: True from the start of a completion until upstream's generate() runs: the cache's prefill.
     _sippcache_prefill: bool = False
@@ -466,7 +466,7 @@ class CachingLlamaProxy(LlamaProxy):
     made), then gives the model its sippcache cache.
     """
 
-    pool: ClassVar[Optional[CachePool]] = None  # set by `install`
+    pool: ClassVar[CachePool | None] = None  # set by `install`
 
     @classmethod
     def load_llama_from_model_settings(cls, settings: ModelSettings) -> llama_cpp.Llama:  # type: ignore[override]
@@ -519,7 +519,7 @@ def _fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
-def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Run the server until it is stopped (SIGINT/SIGTERM); pending cache writes are flushed on the way out."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)

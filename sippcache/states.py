@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -38,7 +38,7 @@ class Snapshot:
 
     key: list[int]
     state: memoryview
-    logits: Optional[np.ndarray]
+    logits: np.ndarray | None
     generation: int
     pinned: bool = False
 
@@ -48,7 +48,7 @@ class Entry:
     """A decoded, checked entry: views of the stored blob (keep the match open while used)."""
 
     state: memoryview
-    logits: Optional[memoryview]
+    logits: memoryview | None
 
 
 def memory(ctx: Any) -> Any:
@@ -60,7 +60,7 @@ def state_size(ctx: Any, seq: int) -> int:
     return int(llama_cpp.llama_state_seq_get_size(ctx, seq))
 
 
-def copy_state(ctx: Any, seq: int) -> Optional[memoryview]:
+def copy_state(ctx: Any, seq: int) -> memoryview | None:
     """Sequence `seq`'s state, copied; None if llama.cpp cannot copy it."""
     size = state_size(ctx, seq)
     buffer = bytearray(size)
@@ -164,7 +164,7 @@ def sample_from_logits(sampler: Any, logits: np.ndarray) -> int:
     return token
 
 
-def encode_entry(snapshot: Snapshot, *, fingerprint: str, n_swa: int, scope: str, secret: Optional[bytes]) -> bytes:
+def encode_entry(snapshot: Snapshot, *, fingerprint: str, n_swa: int, scope: str, secret: bytes | None) -> bytes:
     """Frame a snapshot: state, and logits when it has them."""
     sections: list[Any] = [snapshot.state]
     roles = [STATE]
@@ -183,7 +183,7 @@ def encode_entry(snapshot: Snapshot, *, fingerprint: str, n_swa: int, scope: str
     )
 
 
-def decode_entry(blob: Any, key: tuple[int, ...], *, fingerprint: str, n_vocab: int, secret: Optional[bytes]) -> Entry:
+def decode_entry(blob: Any, key: tuple[int, ...], *, fingerprint: str, n_vocab: int, secret: bytes | None) -> Entry:
     """Check that `blob` is an entry for exactly `key` of this model; raise `CorruptEntry`
     (or `UnsupportedEntry`) saying why not."""
     entry = frame.decode(blob, secret=secret)

@@ -29,8 +29,8 @@ import textwrap
 import threading
 import time
 from array import array
-from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 import pytest
@@ -49,7 +49,7 @@ def _with_options(url: str, options: dict[str, Any]) -> str:
     return f"{base}?{urlencode(merged)}" if merged else base
 
 
-def _blob(match: Optional[Match]) -> Optional[bytes]:
+def _blob(match: Match | None) -> bytes | None:
     """The match's bytes (released afterwards), or None for a miss."""
     if match is None:
         return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 #: Largest token id accepted (llama.cpp's ``llama_token`` is an int32).
 MAX_TOKEN_ID = 2**31 - 1
@@ -22,7 +22,7 @@ _BUFFER_FORMATS = {"b", "B", "h", "H", "i", "I", "l", "L", "q", "Q"}
 _VALID_HIGH_BYTES = bytes(range(0x80))  # the top byte of a little-endian id in 0..2**31-1
 
 
-def _error(tokens: Any, cause: Optional[BaseException] = None) -> Exception:
+def _error(tokens: Any, cause: BaseException | None = None) -> Exception:
     """The exception for invalid `tokens`, naming the first bad position (slow path)."""
     for i, t in enumerate(tokens):
         if not isinstance(t, int) and not hasattr(t, "__index__"):
@@ -69,7 +69,7 @@ def encode(tokens: Tokens) -> bytes:
     if sys.byteorder != "little":  # pragma: no cover
         raise RuntimeError("sippcache supports little-endian machines only")
     try:
-        view: Optional[memoryview] = memoryview(tokens)  # numpy arrays, array.array: no Python ints
+        view: memoryview | None = memoryview(tokens)  # numpy arrays, array.array: no Python ints
     except TypeError:
         view = None
     if view is not None:

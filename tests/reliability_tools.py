@@ -29,7 +29,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import IO, Any
 
 import sippcache
 from sippcache import frame
@@ -131,11 +131,11 @@ def spawn(role: str, *args: Any, stdout: Any = subprocess.PIPE, stderr: Any = No
     )
 
 
-def wait_all(procs: Sequence[subprocess.Popen[bytes]], seconds: float = DEADLOCK_SECONDS) -> list[Optional[int]]:
+def wait_all(procs: Sequence[subprocess.Popen[bytes]], seconds: float = DEADLOCK_SECONDS) -> list[int | None]:
     """Wait for every process for at most `seconds` in all; kill the ones still running.
     Returns their exit codes, None for each one that had to be killed (hung)."""
     deadline = time.monotonic() + seconds
-    codes: list[Optional[int]] = []
+    codes: list[int | None] = []
     for proc in procs:
         try:
             codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
@@ -176,7 +176,7 @@ class LineReader:
     seconds after its n-th line starting with "B " (the start of its n-th operation);
     `done` is set then, or at EOF."""
 
-    def __init__(self, stream: IO[bytes], pid: int = 0, kill_at: Optional[tuple[int, float]] = None) -> None:
+    def __init__(self, stream: IO[bytes], pid: int = 0, kill_at: tuple[int, float] | None = None) -> None:
         self.lines: list[str] = []
         self.ready = threading.Event()
         self.done = threading.Event()
@@ -214,7 +214,7 @@ class LineReader:
 FAILED_CLEARLY = 2
 
 
-def run_in_fork(child: Any, timeout: float = 60.0) -> tuple[Optional[int], str]:
+def run_in_fork(child: Any, timeout: float = 60.0) -> tuple[int | None, str]:
     """Fork; in the child run `child()` and leave with os._exit: 0 if it returned,
     FAILED_CLEARLY if it raised a SippcacheError that mentions fork, 1 if it raised
     anything else. Returns (exit code, or None if it hung; what it reported: the
@@ -249,7 +249,7 @@ def run_in_fork(child: Any, timeout: float = 60.0) -> tuple[Optional[int], str]:
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout
-    status: Optional[int] = None
+    status: int | None = None
     while time.monotonic() < deadline:
         done, raw = os.waitpid(pid, os.WNOHANG)
         if done:
@@ -416,7 +416,7 @@ def concurrency_worker(url: str, proc: int, seed: int, ops: int, threads: int, b
     max_bytes = cache.stats().max_bytes
     assert max_bytes is not None
     barrier = threading.Barrier(threads)
-    models: list[dict[str, Optional[int]]] = [{} for _ in range(threads)]
+    models: list[dict[str, int | None]] = [{} for _ in range(threads)]
     errors: list[str] = []
     counts = {"store": 0, "lookup": 0, "delete": 0, "cross": 0, "absent": 0, "checkpoints": 0}
     count_lock = threading.Lock()

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 import sippcache
-
 from sippcache.testing import BackendTests, PersistentBackendTests
 
 

@@ -16,8 +16,8 @@ import pytest
 
 import sippcache
 from sippcache import frame
-from sippcache.llama import LlamaCache, PrefixCache
 from sippcache.llama import Llama as SippLlama
+from sippcache.llama import LlamaCache, PrefixCache
 from tests.conftest import last_logits, prefill_in_new_process, reference_logits
 
 

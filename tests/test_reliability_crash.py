@@ -27,7 +27,6 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -40,8 +39,8 @@ from tests.reliability_tools import (
     blob_version,
     crash_key,
     make_blob,
-    run_verify,
     read_text,
+    run_verify,
     spawn,
     wait_all,
 )
@@ -65,16 +64,16 @@ def store_url(backend: str, path: Path) -> str:
 class Model:
     """What the store must hold: keyid -> version (None: deleted), from acknowledgements."""
 
-    state: dict[str, Optional[int]] = field(default_factory=dict)
+    state: dict[str, int | None] = field(default_factory=dict)
 
     def present(self) -> dict[str, int]:
         return {k: v for k, v in self.state.items() if v is not None}
 
-    def apply(self, lines: list[str]) -> tuple[Optional[tuple[str, Optional[int]]], list[str]]:
+    def apply(self, lines: list[str]) -> tuple[tuple[str, int | None] | None, list[str]]:
         """Apply a writer's acknowledged operations; return (the operation in flight at
         the kill as (keyid, resulting version or None), or None; protocol problems)."""
         problems: list[str] = []
-        pending: Optional[tuple[str, str, int]] = None
+        pending: tuple[str, str, int] | None = None
         for line in lines:
             kind, _, rest = line.partition(" ")
             if kind in ("R", "DONE") or not line:
@@ -98,9 +97,9 @@ class Model:
         return (keyid, version if op == "S" else None), problems
 
 
-def observe(cache: CacheBackend, keyids: list[str]) -> tuple[dict[str, Optional[int]], list[str]]:
+def observe(cache: CacheBackend, keyids: list[str]) -> tuple[dict[str, int | None], list[str]]:
     """keyid -> version found (None: absent) for every key; problems with wrong blobs."""
-    seen: dict[str, Optional[int]] = {}
+    seen: dict[str, int | None] = {}
     problems: list[str] = []
     for keyid in keyids:
         namespace, tokens = crash_key(keyid)
@@ -121,7 +120,7 @@ def observe(cache: CacheBackend, keyids: list[str]) -> tuple[dict[str, Optional[
     return seen, problems
 
 
-def check_store(cache: CacheBackend, model: Model, inflight: Optional[tuple[str, Optional[int]]], label: str) -> tuple[dict[str, Optional[int]], list[str]]:
+def check_store(cache: CacheBackend, model: Model, inflight: tuple[str, int | None] | None, label: str) -> tuple[dict[str, int | None], list[str]]:
     """Compare a handle's view of the store with the model; return (observed state, problems)."""
     keyids = sorted(set(model.state) | ({inflight[0]} if inflight else set()))
     seen, problems = observe(cache, keyids)
@@ -202,7 +201,7 @@ def test_sigkill_at_random_moments_loses_nothing_acknowledged(backend: str, tmp_
         # -- the store opens and holds exactly what was acknowledged ----------------------
         try:
             fresh = sippcache.open(url)
-        except Exception as exc:  # noqa: BLE001 - reported with context
+        except Exception as exc:
             pytest.fail(f"{context}: the store no longer opens: {type(exc).__name__}: {exc}")
         opened.append(fresh)
         seen, more = check_store(fresh, model, inflight, "fresh handle")
@@ -233,7 +232,7 @@ def test_sigkill_at_random_moments_loses_nothing_acknowledged(backend: str, tmp_
                 match.release()
             if not ok:
                 problems.append("a new store in the long-lived handle is not found by the fresh one")
-        except Exception as exc:  # noqa: BLE001 - reported with context
+        except Exception as exc:
             problems.append(f"a new store failed: {type(exc).__name__}: {exc}")
         fresh.close()
         opened.remove(fresh)

@@ -30,8 +30,8 @@ from sippcache import BadOption, CorruptEntry, SippcacheError, UnknownBackend, f
 from sippcache.options import Size
 from sippcache.registry import parse_url
 from tests.conftest import last_logits, reference_logits
+from tests.reliability_tools import SLOW
 
-from tests.reliability_tools import SLOW  # noqa: E402  (one reading of SIPPCACHE_SLOW_TESTS)
 FUZZ = settings(max_examples=20_000 if SLOW else 2_000, deadline=None, derandomize=True, database=None)
 ALLOWED = (BadOption, UnknownBackend, ValueError, TypeError)
 

@@ -41,7 +41,7 @@ from tests.conftest import last_logits, reference_logits
 
 SCRIPT = Path(sys.executable).with_name("sippcache")
 PACKAGE = Path(sippcache.__file__).parent
-from tests.reliability_tools import SLOW  # noqa: E402  (one reading of SIPPCACHE_SLOW_TESTS)
+from tests.reliability_tools import SLOW
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -57,7 +57,7 @@ class Server:
 
     def __init__(
         self, args: Sequence[str], log_path: Path, *, module: str = "sippcache.serve",
-        env: Optional[dict[str, str]] = None, preexec_fn: Optional[Callable[[], None]] = None,
+        env: dict[str, str] | None = None, preexec_fn: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -101,7 +101,7 @@ class Server:
         """This server's /v1/cache/stats."""
         return json.loads(self.get("/v1/cache/stats"))
 
-    def model_stats(self, alias: Optional[str] = None) -> dict[str, Any]:
+    def model_stats(self, alias: str | None = None) -> dict[str, Any]:
         models = self.stats()["models"]
         return models[alias] if alias is not None else next(iter(models.values()))
 

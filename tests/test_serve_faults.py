@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import sippcache
-from tests.test_serve import Conversation, QUESTIONS, gemma_args, servers  # noqa: F401 - servers is a fixture
+from tests.test_serve import QUESTIONS, Conversation, gemma_args
 
 pytestmark = pytest.mark.gemma
 

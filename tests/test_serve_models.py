@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import sippcache
-from tests.test_serve import SYSTEM, delta, servers  # noqa: F401 - a fixture
+from tests.test_serve import SYSTEM, delta
 
 pytestmark = pytest.mark.gemma
 

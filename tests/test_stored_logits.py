@@ -26,7 +26,7 @@ import pytest
 import sippcache
 from sippcache import frame
 from sippcache.llama import Llama as SippLlama
-from sippcache.llama import LlamaCache, PrefixCache, PrefillResult
+from sippcache.llama import LlamaCache, PrefillResult, PrefixCache
 from tests.conftest import last_logits
 
 #: Sampler settings a caller may use; `seed` is set on the model first.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+
 import pytest
 
 import sippcache

@@ -16,7 +16,7 @@ import sqlite3
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, ClassVar
 
 import diskcache
 
@@ -108,7 +108,7 @@ class BytesOnlyDisk(diskcache.Disk):
         return super().fetch(mode, filename, value, read)
 
     #: Value files to delete once the open transaction commits (None: no transaction).
-    deferred: Optional[list[str]] = None
+    deferred: list[str] | None = None
 
     def remove(self, file_path: str) -> None:
         try:
@@ -126,14 +126,14 @@ class _DiskCacheTxn:
     def __init__(self, cache: diskcache.Cache) -> None:
         self._cache = cache
 
-    def get(self, key: bytes) -> Optional[bytes]:
+    def get(self, key: bytes) -> bytes | None:
         try:
             return self._cache.get(key, retry=True)
         except CorruptStore as exc:  # a tampered row: its value is not read
             log.warning("sippcache: %s", exc)
             return None
 
-    def put(self, key: bytes, value: Union[bytes, memoryview]) -> None:
+    def put(self, key: bytes, value: bytes | memoryview) -> None:
         self._cache.set(key, value if type(value) is bytes else bytes(value), retry=True)
 
     def delete(self, key: bytes) -> None:
@@ -158,8 +158,8 @@ class DiskCacheBackend(KVBackend):
         self,
         location: str,
         *,
-        max_bytes: Optional[int] = DEFAULT_MAX_BYTES,
-        max_entries: Optional[int] = None,
+        max_bytes: int | None = DEFAULT_MAX_BYTES,
+        max_entries: int | None = None,
         timeout: float = 60.0,
     ) -> None:
         if not 0 <= timeout < float("inf"):

@@ -12,7 +12,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import ClassVar, Optional, Union
+from typing import ClassVar
 
 import lmdb
 
@@ -117,16 +117,16 @@ class _LMDBTxn:
     def __init__(self, txn: lmdb.Transaction) -> None:
         self._txn = txn
 
-    def get(self, key: bytes) -> Optional[Union[bytes, memoryview]]:
+    def get(self, key: bytes) -> bytes | memoryview | None:
         return self._txn.get(key)
 
-    def put(self, key: bytes, value: Union[bytes, memoryview]) -> None:
+    def put(self, key: bytes, value: bytes | memoryview) -> None:
         self._txn.put(key, value)
 
     def delete(self, key: bytes) -> None:
         self._txn.delete(key)
 
-    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, Union[bytes, memoryview]]]:
+    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes | memoryview]]:
         cursor = self._txn.cursor()
         if not cursor.set_range(prefix):
             return
@@ -151,9 +151,9 @@ class LMDBBackend(KVBackend):
         self,
         location: str,
         *,
-        max_bytes: Optional[int] = DEFAULT_MAX_BYTES,
-        max_entries: Optional[int] = None,
-        map_size: Optional[int] = None,
+        max_bytes: int | None = DEFAULT_MAX_BYTES,
+        max_entries: int | None = None,
+        map_size: int | None = None,
         sync: bool = True,
         max_readers: int = 126,
     ) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import ClassVar, Optional, Union
+from typing import ClassVar
 
 from ..engine import KVBackend, KVTxn
 from ..options import Size
@@ -19,14 +19,14 @@ class _DictTxn:
     """Transactions on a dict. The engine's lock already serialises every
     operation, so a write only has to be undoable: it logs what it overwrote."""
 
-    def __init__(self, data: dict[bytes, bytes], undo: Optional[list[tuple[bytes, Optional[bytes]]]]) -> None:
+    def __init__(self, data: dict[bytes, bytes], undo: list[tuple[bytes, bytes | None]] | None) -> None:
         self._data = data
         self._undo = undo
 
-    def get(self, key: bytes) -> Optional[bytes]:
+    def get(self, key: bytes) -> bytes | None:
         return self._data.get(key)
 
-    def put(self, key: bytes, value: Union[bytes, memoryview]) -> None:
+    def put(self, key: bytes, value: bytes | memoryview) -> None:
         assert self._undo is not None, "write in a read transaction"
         self._undo.append((key, self._data.get(key)))
         # Keep an immutable bytes object as it is (no copy); copy anything mutable.
@@ -48,7 +48,7 @@ class RAMBackend(KVBackend):
     persistent: ClassVar[bool] = False
     options: ClassVar[dict[str, type]] = {"max_bytes": Size, "max_entries": int}
 
-    def __init__(self, location: str = "", *, max_bytes: Optional[int] = DEFAULT_MAX_BYTES, max_entries: Optional[int] = None) -> None:
+    def __init__(self, location: str = "", *, max_bytes: int | None = DEFAULT_MAX_BYTES, max_entries: int | None = None) -> None:
         if location:
             raise ValueError(f"ram:// takes no path, got {location!r}")
         super().__init__(max_bytes=max_bytes, max_entries=max_entries, location="ram://")
@@ -56,7 +56,7 @@ class RAMBackend(KVBackend):
 
     @contextmanager
     def _transaction(self) -> Iterator[KVTxn]:
-        undo: list[tuple[bytes, Optional[bytes]]] = []
+        undo: list[tuple[bytes, bytes | None]] = []
         try:
             yield _DictTxn(self._data, undo)
         except BaseException:

@@ -40,7 +40,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode
 
 from ..errors import BadOption, CacheFull
@@ -85,7 +85,7 @@ class _Job:
     nbytes: int = 0
     ticket: int = 0
     result: Any = None
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
 
 
 class _Lane:
@@ -103,7 +103,7 @@ class _Lane:
         self.issued = 0  # tickets handed out
         self.done = 0  # every ticket up to this one has run
         self.users = 0
-        self.thread: Optional[threading.Thread] = None
+        self.thread: threading.Thread | None = None
 
     @classmethod
     def acquire(cls, url: str) -> _Lane:
@@ -221,7 +221,7 @@ class TieredBackend(BaseBackend):
         self._last_ticket = 0
         self._lock = threading.Lock()
         self._counters = dict(hits=0, misses=0, stores=0, errors=0)
-        self._l2_down: Optional[str] = None
+        self._l2_down: str | None = None
         self._l2_failures = 0
 
     @classmethod
@@ -261,7 +261,7 @@ class TieredBackend(BaseBackend):
             self._last_ticket = 0
         return self._lane
 
-    def _submit(self, run: Callable[[], Any], *, nbytes: int = 0, wait: float = 0.0) -> Optional[_Job]:
+    def _submit(self, run: Callable[[], Any], *, nbytes: int = 0, wait: float = 0.0) -> _Job | None:
         job = _Job(run, self, nbytes)
         if not self._lane_here().submit(job, limit=self.queue, limit_bytes=self.queue_bytes, wait=wait):
             self._l2_outcome(RuntimeError(f"the L2 queue is full ({self.queue} operations, {self.queue_bytes} bytes)"))
@@ -284,7 +284,7 @@ class TieredBackend(BaseBackend):
             raise job.error
         return default if job.error is not None else job.result
 
-    def _l2_outcome(self, error: Optional[BaseException]) -> None:
+    def _l2_outcome(self, error: BaseException | None) -> None:
         """Count and report L2 failures: one warning per outage, a note when it works again."""
         with self._lock:
             if error is None or isinstance(error, CacheFull):
@@ -333,7 +333,7 @@ class TieredBackend(BaseBackend):
                 self._counters["stores"] += 1
         return stored
 
-    def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Optional[Match]:
+    def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Match | None:
         tokens = _tokens(key)
         first = self.l1.lookup(tokens, namespace=namespace, partial=partial, touch=touch)
         best = first.length if first is not None else 0
@@ -355,7 +355,7 @@ class TieredBackend(BaseBackend):
             self._forward_touch(first.key, namespace)
         return first
 
-    def _peek(self, key: bytes, namespace: str, partial: bool) -> Optional[Peek]:
+    def _peek(self, key: bytes, namespace: str, partial: bool) -> Peek | None:
         tokens = _tokens(key)
         first = self.l1.peek(tokens, namespace=namespace, partial=partial)
         if first is not None and first.length == len(tokens):
@@ -364,7 +364,7 @@ class TieredBackend(BaseBackend):
         second = self._l2(lambda: self.l2.peek(tokens, namespace=namespace, partial=partial), None)
         return second if second is not None and (first is None or second.length > first.length) else first
 
-    def _l2_longer(self, tokens: array, namespace: str, partial: bool, best: int) -> Optional[Match]:
+    def _l2_longer(self, tokens: array, namespace: str, partial: bool, best: int) -> Match | None:
         """L2's match if it covers more than `best` tokens (its blob is read only then)."""
         peeked = self._l2(lambda: self.l2.peek(tokens, namespace=namespace, partial=partial), None)
         if peeked is None or peeked.length <= best:
@@ -437,7 +437,7 @@ class TieredBackend(BaseBackend):
         count = self._l2(lambda: len(self.l2), None)
         return len(self.l1) if count is None else count
 
-    def _entries(self, namespace: Optional[str]) -> list[EntryInfo]:
+    def _entries(self, namespace: str | None) -> list[EntryInfo]:
         self._drain()
         listed = self._l2(lambda: list(self.l2.entries(namespace)), None)
         return list(self.l1.entries(namespace)) if listed is None else listed

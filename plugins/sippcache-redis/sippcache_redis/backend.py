@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import msgpack
 import xxhash
@@ -107,7 +107,7 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
 def _tls_failure(exc: BaseException) -> bool:
     """Whether a connection failed in the TLS handshake (an untrusted certificate, a wrong host
     name, TLS spoken to a plain server): a configuration problem, not an outage."""
-    seen: Optional[BaseException] = exc
+    seen: BaseException | None = exc
     for _ in range(5):
         if seen is None:
             break
@@ -158,7 +158,7 @@ def _pack_meta(namespace: str, key: bytes, size: int, state: EntryState, ref: _B
     return ref.blob_id + msgpack.packb(body, use_bin_type=True)
 
 
-def _meta(eid: bytes, raw: Any) -> Optional[tuple[str, bytes, int, int, float, int, _Blob]]:
+def _meta(eid: bytes, raw: Any) -> tuple[str, bytes, int, int, float, int, _Blob] | None:
     """A `cat` value as (namespace, key, size, created, priority, generation, blob), or
     None unless it is well formed and belongs to `eid`."""
     if not isinstance(raw, bytes) or len(raw) < 9:
@@ -192,7 +192,7 @@ def _pack_values(used: int, value: float, pinned: bool, superseded: bool) -> byt
     return _VALUES.pack(used, value, pinned, superseded)
 
 
-def _values(raw: Any) -> Optional[tuple[int, float, bool, bool]]:
+def _values(raw: Any) -> tuple[int, float, bool, bool] | None:
     """A `val` value as (used, value, pinned, superseded), or None if absent or damaged."""
     if not isinstance(raw, bytes) or len(raw) != _VALUES.size or raw[16] > 1 or raw[17] > 1:
         return None
@@ -208,7 +208,7 @@ def _clock(raw: Any) -> float:
     return value if math.isfinite(value) else 0.0
 
 
-def _entry(meta: tuple[str, bytes, int, int, float, int, _Blob], values: Optional[tuple[int, float, bool, bool]]) -> EntryState:
+def _entry(meta: tuple[str, bytes, int, int, float, int, _Blob], values: tuple[int, float, bool, bool] | None) -> EntryState:
     namespace, key, size, created, priority, generation, _ = meta
     tokens = len(key) // 4
     used, value, pinned, superseded = values if values is not None else (created, priority / tokens, False, False)
@@ -250,11 +250,11 @@ class RedisBackend(BaseBackend):
         self,
         location: str = "",
         *,
-        max_bytes: Optional[int] = DEFAULT_MAX_BYTES,
-        max_entries: Optional[int] = None,
+        max_bytes: int | None = DEFAULT_MAX_BYTES,
+        max_entries: int | None = None,
         prefix: str = DEFAULT_PREFIX,
         timeout: float = DEFAULT_TIMEOUT,
-        cluster: Optional[bool] = None,
+        cluster: bool | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         tls: bool = False,
         **tls_options: Any,
@@ -297,10 +297,10 @@ class RedisBackend(BaseBackend):
         self._connect_lock = threading.Lock()
         self._opening = True  # credentials and ACL problems raise AccessDenied only while opening
         self._redis: Any = None  # redis.Redis or redis.RedisCluster, made on first use
-        self.cluster: Optional[bool] = None  # known once connected
+        self.cluster: bool | None = None  # known once connected
         self._catalog = Catalog()
         self._refs: dict[bytes, _Blob] = {}
-        self._epoch: Optional[bytes] = None
+        self._epoch: bytes | None = None
         self._seq = -1  # newest log record applied; -1: rebuild before use
         self._uses = PendingUses()
         self._damaged: set[bytes] = set()
@@ -309,7 +309,7 @@ class RedisBackend(BaseBackend):
         #: Network exchanges made (a script call, a pipeline, a scan page): a diagnostic.
         self.round_trips = 0
         # Outage state: warn once per outage, skip the server while backing off.
-        self._outage: Optional[str] = None
+        self._outage: str | None = None
         self._failed_operations = 0
         self._retry_at = 0.0
         self._backoff = BACKOFF_FIRST
@@ -482,7 +482,7 @@ class RedisBackend(BaseBackend):
 
     # -- keeping the mirror in step --------------------------------------------------
 
-    def _script(self, name: str, args: Sequence[Any], *, expected: Optional[int] = None) -> list[Any]:
+    def _script(self, name: str, args: Sequence[Any], *, expected: int | None = None) -> list[Any]:
         """Call a store script with the common leading arguments; return its reply."""
         seq = self._seq if expected is None else expected
         head = [self._epoch or b"", seq, secrets.token_hex(8), MAX_RECORDS]
@@ -556,7 +556,7 @@ class RedisBackend(BaseBackend):
             raise _Rebuild("unknown log record")
         self._seq += 1
 
-    def _forget(self, eid: bytes, *, evicted: bool = False) -> Optional[_Blob]:
+    def _forget(self, eid: bytes, *, evicted: bool = False) -> _Blob | None:
         self._catalog.remove(eid, evicted=evicted)
         self._uses.items.pop(eid, None)
         return self._refs.pop(eid, None)
@@ -732,7 +732,7 @@ class RedisBackend(BaseBackend):
                 pipe.execute()
             self.round_trips += 1
 
-    def _fetch(self, eid: bytes, ref: _Blob) -> Optional[bytes]:
+    def _fetch(self, eid: bytes, ref: _Blob) -> bytes | None:
         """The blob, or None if a chunk is missing, the wrong length, or the checksum fails (torn)."""
         keys = self._chunk_keys(eid, ref)
         sizes = ref.sizes()
@@ -808,7 +808,7 @@ class RedisBackend(BaseBackend):
 
     def _commit_store(
         self, eid: bytes, key: bytes, namespace: str, size: int, options: StoreOptions, plan: StorePlan, ref: _Blob
-    ) -> tuple[StorePlan, Optional[list[tuple[bytes, _Blob]]]]:
+    ) -> tuple[StorePlan, list[tuple[bytes, _Blob]] | None]:
         """Commit `plan` (planning again while other clients get there first). Returns the
         final plan and, if committed, the chunks the store made obsolete."""
         for attempt in range(COMMIT_ATTEMPTS):
@@ -871,7 +871,7 @@ class RedisBackend(BaseBackend):
         except _ServerError:
             pass  # they expire
 
-    def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Optional[Match]:
+    def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Match | None:
         try:
             with self._lock:
                 self._sync()
@@ -911,7 +911,7 @@ class RedisBackend(BaseBackend):
                 self._seq = -1
         self._discard(eid, ref)
 
-    def _peek(self, key: bytes, namespace: str, partial: bool) -> Optional[Peek]:
+    def _peek(self, key: bytes, namespace: str, partial: bool) -> Peek | None:
         """From the mirror after one sync round trip; no blob is read."""
         with self._lock:
             try:
@@ -1044,7 +1044,7 @@ class RedisBackend(BaseBackend):
             self._refresh()
             return len(self._catalog)
 
-    def _entries(self, namespace: Optional[str]) -> list[EntryInfo]:
+    def _entries(self, namespace: str | None) -> list[EntryInfo]:
         with self._lock:
             self._refresh()
             catalog = self._catalog

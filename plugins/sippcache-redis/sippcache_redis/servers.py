@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Optional, Union
+from typing import Any
 
 import redis
 
@@ -72,11 +72,11 @@ class ValkeyServer:
 
     def __init__(
         self,
-        directory: Union[str, Path],
+        directory: str | Path,
         *,
-        port: Optional[int] = None,
+        port: int | None = None,
         args: Sequence[str] = (),
-        password: Optional[str] = None,
+        password: str | None = None,
         cluster: bool = False,
     ) -> None:
         self.directory = Path(directory)
@@ -85,7 +85,7 @@ class ValkeyServer:
         self.password = password
         self.cluster = cluster
         self.args = list(args)
-        self.process: Optional[subprocess.Popen[bytes]] = None
+        self.process: subprocess.Popen[bytes] | None = None
         self.start()
 
     @property
@@ -178,15 +178,15 @@ class ValkeyServer:
     def __enter__(self) -> ValkeyServer:
         return self
 
-    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
-                 tb: Optional[TracebackType]) -> None:  # fmt: skip
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:  # fmt: skip
         self.kill()
 
 
 class ValkeyCluster:
     """A Redis Cluster of `masters` servers (no replicas) covering all 16384 slots."""
 
-    def __init__(self, directory: Union[str, Path], masters: int = 3, *, args: Sequence[str] = ()) -> None:
+    def __init__(self, directory: str | Path, masters: int = 3, *, args: Sequence[str] = ()) -> None:
         directory = Path(directory)
         self.nodes = [ValkeyServer(directory / f"node{i}", cluster=True, args=args) for i in range(masters)]
         try:

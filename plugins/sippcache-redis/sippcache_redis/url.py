@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
 
 DEFAULT_PORT = 6379
 _HOST = re.compile(r"[A-Za-z0-9._-]{1,253}")
@@ -24,8 +23,8 @@ class RedisAddress:
     host: str = "localhost"
     port: int = DEFAULT_PORT
     db: int = 0
-    username: Optional[str] = None
-    password: Optional[str] = field(default=None, repr=False)  # never printed
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)  # never printed
     tls: bool = False
 
     def display(self) -> str:
@@ -45,8 +44,8 @@ def parse_location(location: str, *, tls: bool) -> RedisAddress:
     host, port or database number.
     """
     userinfo, at, hostpart = location.rpartition("@")
-    username: Optional[str] = None
-    password: Optional[str] = None
+    username: str | None = None
+    password: str | None = None
     if at:
         user, colon, secret = userinfo.partition(":")
         username = user or None

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from sippcache_redis.servers import ValkeyCluster, ValkeyServer
 
 _count = itertools.count()

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sippcache_redis.servers import ValkeyCluster
 
 import sippcache
-from sippcache_redis.servers import ValkeyCluster
 
 
 def test_any_node_reaches_the_same_store(valkey_cluster: ValkeyCluster, prefix: str) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from sippcache_redis.servers import ValkeyCluster, ValkeyServer
 
 from sippcache.testing import BackendTests, PersistentBackendTests
-from sippcache_redis.servers import ValkeyCluster, ValkeyServer
 
 
 class TestRedisServer(PersistentBackendTests, BackendTests):

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from sippcache_redis.servers import ValkeyServer
 
 import sippcache
-from sippcache_redis.servers import ValkeyServer
 
 
 def _blob(i: int) -> bytes:

@@ -11,11 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-
-import sippcache
 from redis_testtools import Proxy
 from sippcache_redis import AccessDenied
 from sippcache_redis.servers import ValkeyServer, free_port
+
+import sippcache
 
 MiB = 1024**2
 BIG = bytes(range(256)) * (64 * MiB // 256)  # 64 chunks of 1 MiB: four 16 MiB windows

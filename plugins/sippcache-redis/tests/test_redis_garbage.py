@@ -8,11 +8,11 @@ from typing import Any
 
 import msgpack
 import pytest
+from sippcache_redis.servers import ValkeyServer
 
 import sippcache
-from sippcache.engine import entry_id
 from sippcache import tokens as _tokens
-from sippcache_redis.servers import ValkeyServer
+from sippcache.engine import entry_id
 
 KEYS = {tuple([i, i + 1, i + 2]): bytes([i]) * (3000 + i) for i in range(6)}
 

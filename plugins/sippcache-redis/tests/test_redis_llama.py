@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from sippcache_redis.servers import ValkeyServer
 
 _PREFILL = textwrap.dedent(
@@ -109,9 +108,9 @@ def test_a_warm_prefill_transfers_one_entry(tiny_model: Path, valkey_server: Val
     only the entry it restores: a long prompt with several stored checkpoints moves
     one entry's chunks, not two or three."""
     import llama_cpp
+    from sippcache_redis.testing import commands_during
 
     from sippcache.llama import Llama, PrefixCache
-    from sippcache_redis.testing import commands_during
 
     url = f"{valkey_server.url}?prefix={prefix}&chunk_size=65536"
     tokens = _prompt(1500)

@@ -9,8 +9,9 @@ import subprocess
 import sys
 import textwrap
 
-import sippcache
 from sippcache_redis.servers import ValkeyCluster, ValkeyServer
+
+import sippcache
 
 _WORKER = textwrap.dedent(
     """

@@ -8,10 +8,10 @@ import random
 from typing import Any
 
 import pytest
-
-import sippcache
 from sippcache_redis.servers import ValkeyCluster, ValkeyServer
 from sippcache_redis.testing import bulk_fill, commands_during
+
+import sippcache
 
 MiB = 1024**2
 

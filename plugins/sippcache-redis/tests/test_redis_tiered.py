@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sippcache_redis.servers import ValkeyServer
 
 import sippcache
 from sippcache.backends.tiered import PersistentTieredBackend, tiered_url
 from sippcache.testing import BackendTests, PersistentBackendTests
-from sippcache_redis.servers import ValkeyServer
 
 
 class TestTieredLMDBOverRedis(PersistentBackendTests, BackendTests):

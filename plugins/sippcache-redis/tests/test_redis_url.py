@@ -6,12 +6,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-
-import sippcache
 from redis_testtools import TLSProxy, make_certificates
 from sippcache_redis import AccessDenied, RedisBackend, RedisTLSBackend
 from sippcache_redis.servers import ValkeyServer
 from sippcache_redis.url import RedisAddress, parse_location
+
+import sippcache
 
 
 @pytest.mark.parametrize(
