@@ -5,14 +5,17 @@
         cache.store(tokens, blob, namespace="model-a")
         match = cache.lookup(longer_tokens, namespace="model-a")
 
-See README.md and docs/ for the backends, the entry format and the llama-cpp-python adapter.
+See README.md and docs/ for the backends, the entry format and the llama-cpp-python adapter;
+docs/plugins.md for writing a backend (`KVBackend` and `KVTxn`, or `BaseBackend`) and
+registering it (an entry point, or `register_backend`).
 """
 
 from __future__ import annotations
 
 # Import the `backends` subpackage before binding the `backends()` function: a
 # first import of the subpackage later would otherwise rebind the name.
-from . import backends as _backends_package
+from . import backends as _backends_package  # noqa: F401
+from .engine import KVBackend, KVTxn
 from .errors import (
     BadOption,
     BrokenPlugin,
@@ -26,7 +29,7 @@ from .errors import (
     UnsupportedEntry,
 )
 from .protocol import BaseBackend, CacheBackend, EntryInfo, Match, Peek, Stats, StoreOptions
-from .registry import BackendInfo, backends, default_url, open
+from .registry import BackendInfo, backends, default_url, open, register_backend
 
 __version__ = "0.1.0"
 
@@ -41,6 +44,8 @@ __all__ = [
     "CorruptEntry",
     "CorruptStore",
     "EntryInfo",
+    "KVBackend",
+    "KVTxn",
     "Match",
     "MissingDependency",
     "Peek",
@@ -52,4 +57,5 @@ __all__ = [
     "backends",
     "default_url",
     "open",
+    "register_backend",
 ]

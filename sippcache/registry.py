@@ -1,16 +1,23 @@
-"""Backends by name: the built-ins and the `sippcache.backends` entry points.
+"""Backends by name: the built-ins, the `sippcache.backends` entry points, and
+the classes registered at run time with `register_backend`.
 
 Each backend is known as a dotted string (``"package.module:Class"``) and
 imported only when a URL asks for it, so one broken or half-installed plugin
 never breaks the others. `open` turns a URL into a backend:
 ``scheme://location?option=value&...``.
+
+The entry points are read once per process (reading them walks every installed
+distribution); `reset_backends` starts over, for tests that install plugins.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
+import re
+import threading
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import cast
@@ -32,6 +39,15 @@ BUILTINS: dict[str, tuple[str, str | None, str | None]] = {
     "diskcache": ("sippcache.backends.diskcache:DiskCacheBackend", "diskcache", "diskcache"),
     "tiered": ("sippcache.backends.tiered:TieredBackend", None, None),
 }
+
+#: `BackendInfo.origin` of a backend registered with `register_backend`.
+RUNTIME_ORIGIN = "registered at run time"
+#: What `open` can reach: `urlsplit` accepts these scheme characters, and `open` lowercases the scheme.
+_SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")
+
+# name -> target, from register_backend; the lock makes its check-then-add one step.
+_registered: dict[str, str] = {}
+_registered_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -55,8 +71,9 @@ def default_url() -> str:
     return "lmdb://" + os.path.join(platformdirs.user_cache_dir("sippcache"), "lmdb")
 
 
+@functools.cache
 def _plugins() -> dict[str, tuple[str, str]]:
-    """name -> (target, origin) for every entry point in our group."""
+    """name -> (target, origin) for every entry point in our group (read once: see `reset_backends`)."""
     found: dict[str, tuple[str, str]] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         dist = getattr(ep, "dist", None)
@@ -80,22 +97,26 @@ def _load(name: str) -> type:
                     f"the {name!r} backend needs the {package!r} package: pip install \"sippcache[{extra}]\""
                 ) from exc
             raise
-    plugins = _plugins()
-    if name not in plugins:
-        known = ", ".join(sorted([*BUILTINS, *plugins]))
-        raise UnknownBackend(f"no cache backend named {name!r} (known: {known})")
-    target, origin = plugins[name]
+    if name in _registered:
+        target = _registered[name]
+        source = f"register_backend({name!r}, {target!r})"
+    else:
+        plugins = _plugins()
+        if name not in plugins:
+            known = ", ".join(sorted([*BUILTINS, *plugins, *_registered]))
+            raise UnknownBackend(f"no cache backend named {name!r} (known: {known})")
+        target, origin = plugins[name]
+        source = f"entry point {name} = {target} in {origin}"
     try:
         cls = _import(target)
     except MissingDependency:
         raise
     except Exception as exc:
         raise BrokenPlugin(
-            f"cache backend {name!r} (entry point {name} = {target} in {origin}) failed to load: "
-            f"{type(exc).__name__}: {exc}"
+            f"cache backend {name!r} ({source}) failed to load: {type(exc).__name__}: {exc}"
         ) from exc
     if not isinstance(cls, type):
-        raise BrokenPlugin(f"cache backend {name!r} (entry point {target} in {origin}) is not a class")
+        raise BrokenPlugin(f"cache backend {name!r} ({source}) is not a class")
     return cls
 
 
@@ -112,6 +133,7 @@ def backends() -> dict[str, BackendInfo]:
     """Every known backend: where it comes from and whether it imports here (and why not)."""
     table = {name: (target, "built-in") for name, (target, _, _) in BUILTINS.items()}
     table.update(_plugins())
+    table.update((name, (target, RUNTIME_ORIGIN)) for name, target in _registered.items())
     out = {}
     for name, (target, origin) in sorted(table.items()):
         try:
@@ -121,6 +143,47 @@ def backends() -> dict[str, BackendInfo]:
         else:
             out[name] = BackendInfo(name, target, origin, True)
     return out
+
+
+def register_backend(name: str, target: str) -> None:
+    """Make ``name://`` URLs open the class `target` (``"package.module:Class"``) in this process.
+
+    For a backend that is no installed distribution: an application's own, or a
+    test's. Like an entry point, the class is imported only when a URL asks for
+    it. Registering the same target again does nothing. Raises `ValueError` for
+    a name that is not a lowercase URL scheme, a target not of the form
+    ``module:Class``, or a name already taken by a built-in, an installed entry
+    point or another registered target: a scheme never changes meaning behind
+    the back of code that already uses it.
+    """
+    if not isinstance(name, str) or not _SCHEME.fullmatch(name):
+        raise ValueError(f"backend name {name!r} is not a lowercase URL scheme (letters, digits, '+', '-', '.')")
+    if not isinstance(target, str) or not _is_target(target):
+        raise ValueError(f"backend target {target!r} is not of the form 'package.module:Class'")
+    if name in BUILTINS:
+        raise ValueError(f"backend name {name!r} is taken by a built-in backend")
+    if name in _plugins():
+        raise ValueError(f"backend name {name!r} is taken by the entry point in {_plugins()[name][1]}")
+    with _registered_lock:
+        if _registered.setdefault(name, target) != target:
+            raise ValueError(f"backend name {name!r} is already registered for {_registered[name]!r}")
+
+
+def _is_target(text: str) -> bool:
+    """Whether `text` reads ``package.module:Class`` (dotted names on both sides of one colon)."""
+    module, colon, attr = text.partition(":")
+    return bool(colon) and all(part.isidentifier() for part in [*module.split("."), *attr.split(".")])
+
+
+def reset_backends() -> None:
+    """Forget the run-time registrations and read the entry points again at next use.
+
+    For tests: one that puts a plugin on `sys.path`, or registers a backend,
+    leaves the process as it found it.
+    """
+    with _registered_lock:
+        _registered.clear()
+    _plugins.cache_clear()
 
 
 def parse_url(url: str) -> tuple[str, str, dict[str, str]]:

@@ -8,12 +8,14 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import sippcache
-from sippcache import BrokenPlugin, UnknownBackend
+from sippcache import BrokenPlugin, UnknownBackend, register_backend
+from sippcache.registry import reset_backends
 
 PLUGINS = Path(__file__).parent / "plugins"
 
@@ -35,9 +37,11 @@ def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def with_plugins(plugin_site: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def with_plugins(plugin_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.syspath_prepend(str(plugin_site))
-    return plugin_site
+    reset_backends()  # the entry points are read once per process: read them again with the site on sys.path
+    yield plugin_site
+    reset_backends()
 
 
 def test_plugin_opens_by_url(with_plugins: Path, tmp_path: Path) -> None:
@@ -72,6 +76,31 @@ def test_unknown_scheme_lists_plugins(with_plugins: Path) -> None:
     known = str(info.value).split("(known: ")[1].rstrip(")").split(", ")
     assert known == sorted(known)  # other installed plugins (sippcache-redis in a checkout) may be listed too
     assert {"brokentoy", "diskcache", "ghosttoy", "lmdb", "ram", "sqlitetoy", "tiered"} <= set(known)
+
+
+def test_entry_points_are_read_once_per_process(
+    plugin_site: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    reset_backends()
+    try:
+        with pytest.raises(UnknownBackend):
+            sippcache.open("sqlitetoy:///x")  # read now, without the plugins
+        monkeypatch.syspath_prepend(str(plugin_site))
+        with pytest.raises(UnknownBackend):
+            sippcache.open("sqlitetoy:///x")  # installed since: not read again
+        reset_backends()
+        with sippcache.open(f"sqlitetoy://{tmp_path}/db") as cache:
+            cache.store([1], b"found after the reset")
+    finally:
+        reset_backends()
+
+
+def test_run_time_registration_cannot_take_an_installed_plugins_name(with_plugins: Path) -> None:
+    with pytest.raises(ValueError, match=r"'sqlitetoy' is taken by the entry point in sippcache-sqlite-toy 1\.0"):
+        register_backend("sqlitetoy", "sippcache.backends.ram:RAMBackend")
+    with pytest.raises(ValueError, match=r"sippcache-broken-toy 0\.1"):
+        register_backend("brokentoy", "sippcache.backends.ram:RAMBackend")  # a broken one keeps its name too
+    assert sippcache.backends()["sqlitetoy"].origin == "sippcache-sqlite-toy 1.0"
 
 
 def test_conformance_suite_passes_on_the_plugin(plugin_site: Path, tmp_path: Path) -> None:

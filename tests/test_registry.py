@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 import sippcache
-from sippcache import BadOption, MissingDependency, UnknownBackend
+from sippcache import BadOption, BrokenPlugin, MissingDependency, UnknownBackend, register_backend
+from sippcache.backends.ram import RAMBackend
 from sippcache.options import Size, coerce_options
-from sippcache.registry import parse_url
+from sippcache.registry import RUNTIME_ORIGIN, parse_url, reset_backends
+from sippcache.testing import BackendTests, ReopenTests, SharedStoreTests
+
+SQLITE_TOY = Path(__file__).parent / "plugins" / "sqlite_toy"
 
 
 @pytest.mark.parametrize(
@@ -23,12 +30,12 @@ from sippcache.registry import parse_url
         ("LMDB:///with%20space", ("lmdb", "/with space", {})),
     ],
 )  # fmt: skip
-def test_parse_url(url, expected) -> None:
+def test_parse_url(url: str, expected: tuple[str, str, dict[str, str]]) -> None:
     assert parse_url(url) == expected
 
 
 @pytest.mark.parametrize("url", ["", "/just/a/path", "lmdb:/one-slash", "nocolon"])
-def test_not_a_url(url) -> None:
+def test_not_a_url(url: str) -> None:
     with pytest.raises(UnknownBackend, match="not a cache URL"):
         sippcache.open(url)
 
@@ -41,7 +48,7 @@ def test_not_a_url(url) -> None:
      ("ram://?max_bytes=0", "max_bytes must be positive"), ("ram://?max_entries=0", "max_entries"),
      ("ram:///some/path", "takes no path"), ("lmdb://", "needs a directory"), ("diskcache://", "needs a directory")],
 )  # fmt: skip
-def test_bad_options(url, message) -> None:
+def test_bad_options(url: str, message: str) -> None:
     with pytest.raises(BadOption, match=message):
         sippcache.open(url)
 
@@ -56,7 +63,7 @@ def test_unknown_scheme_lists_known_backends() -> None:
     [("1048576", 1048576), ("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("1.5GB", 1_500_000_000),
      ("10k", 10_000), (" 3 KiB ", 3072)],
 )  # fmt: skip
-def test_sizes(text, value) -> None:
+def test_sizes(text: str, value: int) -> None:
     assert Size.parse(text) == value
 
 
@@ -66,7 +73,7 @@ def test_coercion_of_every_type() -> None:
     assert coerce_options("demo", raw, spec) == {"s": 1024, "i": 7, "f": 0.5, "b": True, "t": "x"}
 
 
-def test_missing_dependency_names_the_extra(monkeypatch) -> None:
+def test_missing_dependency_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "lmdb", None)  # makes `import lmdb` fail
     monkeypatch.delitem(sys.modules, "sippcache.backends.lmdb", raising=False)
     with pytest.raises(MissingDependency, match=r'pip install "sippcache\[lmdb\]"'):
@@ -76,7 +83,7 @@ def test_missing_dependency_names_the_extra(monkeypatch) -> None:
     assert info["ram"].usable  # the others keep working
 
 
-def test_default_url(monkeypatch, tmp_path) -> None:
+def test_default_url(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SIPPCACHE_URL", "ram://?max_bytes=1MiB")
     with sippcache.open() as cache:
         assert cache.stats().max_bytes == 2**20
@@ -92,3 +99,82 @@ def test_builtins_are_listed_as_usable() -> None:
     info = sippcache.backends()
     for name in ("ram", "lmdb", "diskcache"):
         assert info[name].usable and info[name].origin == "built-in"
+
+
+
+# -- backends registered at run time -----------------------------------------------------
+
+
+@pytest.fixture
+def registry_restored() -> Iterator[None]:
+    """Registrations are process-wide: each test leaves none behind."""
+    yield
+    reset_backends()
+
+
+def test_a_registered_class_opens_by_url_and_is_listed(registry_restored: None) -> None:
+    register_backend("memo", "sippcache.backends.ram:RAMBackend")
+    register_backend("memo", "sippcache.backends.ram:RAMBackend")  # the same target again: nothing changes
+    with sippcache.open("memo://?max_bytes=1MiB") as cache:
+        assert isinstance(cache, RAMBackend) and cache.stats().max_bytes == 2**20
+        cache.store([1, 2], b"registered")
+        match = cache.lookup([1, 2, 3])
+        assert match is not None and bytes(match.blob) == b"registered"
+    info = sippcache.backends()["memo"]
+    assert (info.usable, info.origin, info.target) == (True, RUNTIME_ORIGIN, "sippcache.backends.ram:RAMBackend")
+    with pytest.raises(UnknownBackend, match=r"known: .*\bmemo\b"):
+        sippcache.open("nosuch://")
+    with pytest.raises(ValueError, match=r"already registered for 'sippcache\.backends\.ram:RAMBackend'"):
+        register_backend("memo", "sippcache.backends.lmdb:LMDBBackend")
+
+
+@pytest.mark.parametrize(
+    "name, target, message",
+    [("Memo", "sippcache.backends.ram:RAMBackend", "lowercase URL scheme"),
+     ("my_store", "sippcache.backends.ram:RAMBackend", "lowercase URL scheme"),
+     ("", "sippcache.backends.ram:RAMBackend", "lowercase URL scheme"),
+     ("9lives", "sippcache.backends.ram:RAMBackend", "lowercase URL scheme"),
+     (None, "sippcache.backends.ram:RAMBackend", "lowercase URL scheme"),
+     ("memo", "sippcache.backends.ram.RAMBackend", "package.module:Class"),
+     ("memo", "sippcache.backends.ram:", "package.module:Class"),
+     ("memo", ":RAMBackend", "package.module:Class"),
+     ("memo", "sippcache.backends.ram:RAM:Backend", "package.module:Class"),
+     ("memo", "sippcache-backends.ram:RAMBackend", "package.module:Class"),
+     ("memo", RAMBackend, "package.module:Class"),
+     ("lmdb", "sippcache.backends.ram:RAMBackend", "taken by a built-in"),
+     ("tiered", "sippcache.backends.ram:RAMBackend", "taken by a built-in")],
+)  # fmt: skip
+def test_register_backend_refuses_bad_names_targets_and_built_in_names(
+    registry_restored: None, name: Any, target: Any, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        register_backend(name, target)
+    assert "memo" not in sippcache.backends()
+
+
+def test_a_registered_target_that_does_not_load_is_a_broken_plugin(registry_restored: None) -> None:
+    register_backend("ghostly", "sippcache_no_such_module:Backend")
+    register_backend("notaclass", "sippcache.registry:BUILTINS")
+    with pytest.raises(BrokenPlugin, match=r"register_backend\('ghostly', .*ModuleNotFoundError"):
+        sippcache.open("ghostly:///x")
+    with pytest.raises(BrokenPlugin, match="is not a class"):
+        sippcache.open("notaclass:///x")
+    info = sippcache.backends()
+    assert not info["ghostly"].usable and "sippcache_no_such_module" in (info["ghostly"].problem or "")
+    assert info["ram"].usable  # nothing else is affected
+
+
+class TestRegisteredAtRunTime(ReopenTests, SharedStoreTests, BackendTests):
+    """The sqlite toy's module, importable but installed nowhere, registered at run time.
+
+    The whole suite but `ProcessTests`: its children open the URL in a fresh
+    interpreter, which knows nothing of this process's registration.
+    """
+
+    @pytest.fixture
+    def cache_url(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+        monkeypatch.syspath_prepend(str(SQLITE_TOY))
+        register_backend("sqliteruntime", "sippcache_sqlite_toy:SQLiteBackend")
+        yield f"sqliteruntime://{tmp_path}/store"
+        reset_backends()
+        sys.modules.pop("sippcache_sqlite_toy", None)  # tests/test_plugins.py imports the installed copy

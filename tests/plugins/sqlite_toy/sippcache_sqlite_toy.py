@@ -3,7 +3,7 @@
 It exists to prove that a backend living in another distribution, found
 through the `sippcache.backends` entry point, passes the conformance suite
 unchanged. It implements only the transactional byte map that
-`sippcache.engine.KVBackend` needs.
+`sippcache.KVBackend` needs.
 """
 
 from __future__ import annotations
@@ -11,36 +11,42 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import ClassVar
 
-from sippcache.engine import KVBackend
+from sippcache import KVBackend
 from sippcache.options import Size
 
 
 class _Txn:
+    """The engine's `KVTxn` on one connection, inside the transaction it began."""
+
     def __init__(self, con: sqlite3.Connection) -> None:
         self._con = con
 
-    def get(self, key):
+    def get(self, key: bytes) -> bytes | None:
         row = self._con.execute("SELECT v FROM kv WHERE k = ?", (key,)).fetchone()
-        return None if row is None else row[0]
+        return None if row is None else bytes(row[0])
 
-    def put(self, key, value):
+    def put(self, key: bytes, value: bytes | memoryview) -> None:
         self._con.execute("INSERT OR REPLACE INTO kv (k, v) VALUES (?, ?)", (key, bytes(value)))
 
-    def delete(self, key):
+    def delete(self, key: bytes) -> None:
         self._con.execute("DELETE FROM kv WHERE k = ?", (key,))
 
-    def scan(self, prefix):
+    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes | memoryview]]:
         rows = self._con.execute("SELECT k, v FROM kv WHERE substr(k, 1, ?) = ?", (len(prefix), prefix))
         return iter(rows.fetchall())
 
 
 class SQLiteBackend(KVBackend):
-    persistent = True
-    options = {"max_bytes": Size, "max_entries": int}
+    """One SQLite file per store directory, one connection per thread and process."""
 
-    def __init__(self, location: str, *, max_bytes=None, max_entries=None) -> None:
+    persistent = True
+    options: ClassVar[Mapping[str, type]] = {"max_bytes": Size, "max_entries": int}
+
+    def __init__(self, location: str, *, max_bytes: int | None = None, max_entries: int | None = None) -> None:
         path = os.path.abspath(location)
         super().__init__(max_bytes=max_bytes, max_entries=max_entries, location=f"sqlitetoy://{path}")
         os.makedirs(path, exist_ok=True)
@@ -61,7 +67,7 @@ class SQLiteBackend(KVBackend):
         return con
 
     @contextmanager
-    def _transaction(self):
+    def _transaction(self) -> Iterator[_Txn]:
         con = self._con()
         con.execute("BEGIN IMMEDIATE")
         try:
@@ -71,10 +77,14 @@ class SQLiteBackend(KVBackend):
             raise
         con.execute("COMMIT")
 
-    def _reader(self):
+    def _reader(self) -> tuple[_Txn, Callable[[], None]]:
         con = self._con()
         con.execute("BEGIN")
-        return _Txn(con), lambda: con.execute("COMMIT")
+
+        def end() -> None:
+            con.execute("COMMIT")
+
+        return _Txn(con), end
 
     def _close_store(self) -> None:
         with self._all_lock:

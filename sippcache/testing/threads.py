@@ -1,0 +1,43 @@
+"""One handle shared by many threads.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+from sippcache import CacheBackend
+
+from .fixtures import BackendFixtures
+
+
+class ThreadTests(BackendFixtures):
+    """Concurrent stores, lookups and deletes from threads on one handle."""
+
+    def test_threads_share_one_instance(self, cache: CacheBackend) -> None:
+        errors: list[BaseException] = []
+
+        def worker(n: int) -> None:
+            try:
+                rng = random.Random(n)
+                for i in range(150):
+                    key = [n, i % 20, rng.randrange(4)]
+                    cache.store(key, f"{n}-{key}".encode())
+                    match = cache.lookup(key + [9])
+                    assert match is not None
+                    with match:
+                        assert bytes(match.blob) == f"{n}-{key}".encode()
+                    cache.lookup([rng.randrange(8)], partial=True)
+                    if i % 10 == 0:
+                        cache.delete([n, rng.randrange(20), rng.randrange(4)])
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in threads), "deadlock"
+        assert not errors, errors
+        assert 0 < len(cache) <= 8 * 80
