@@ -21,14 +21,14 @@ collect_ignore = ["plugins"]
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sippcache.tinymodel import write_tiny_model
+    from tests.tinymodel import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny.gguf")
 
 
 @pytest.fixture(scope="session")
 def tiny_model_other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sippcache.tinymodel import write_tiny_model
+    from tests.tinymodel import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-other.gguf", seed=1)
 
