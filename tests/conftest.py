@@ -35,7 +35,7 @@ def tiny_model_other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def gemma_model() -> Path:
-    from sippcache.models import gemma_model_path
+    from sippcache.demo.model import gemma_model_path
 
     return gemma_model_path()
 

@@ -1,4 +1,4 @@
-"""`sippcache demo`, `warm` and `bench`, run as a user would: subprocesses on real stores
+"""`sippcache demo` and `warm`, run as a user would: subprocesses on real stores
 with the real gemma-3-270m model."""
 
 from __future__ import annotations
@@ -86,7 +86,3 @@ def test_warm_bad_input(tmp_path: Path) -> None:
     result = run("warm", "--model", str(model), "--prompt-file", str(prompt), f"lmdb://{tmp_path}/cache")
     assert result.returncode != 0 and "Traceback" not in result.stderr
 
-
-def test_bench_runs_the_benchmarks(tmp_path: Path) -> None:
-    result = run("bench", "--help")
-    assert result.returncode == 0 and "--quick" in result.stdout
