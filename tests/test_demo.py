@@ -76,6 +76,14 @@ def test_warm_pin_pins_the_prompt(tmp_path: Path, gemma_model: Path) -> None:
         assert [(len(e.key), e.pinned) for e in cache.entries()] == [(tokens, True)]
 
 
+def test_warm_shows_a_prompt_file_name_literally(tmp_path: Path, gemma_model: Path) -> None:
+    prompt = tmp_path / "[/]team[red].txt"  # rich markup: the progress bar and the report must not read it
+    prompt.write_text("You are a careful assistant for a harbour office. " * 10)
+    result = run("warm", "--model", str(gemma_model), "--prompt-file", str(prompt), f"lmdb://{tmp_path}/cache")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"{prompt}: " in result.stdout
+
+
 def test_warm_bad_input(tmp_path: Path) -> None:
     result = run("warm", "--model", str(tmp_path / "missing.gguf"), f"lmdb://{tmp_path}/cache")
     assert result.returncode != 0 and "Traceback" not in result.stderr

@@ -1,4 +1,8 @@
-"""Progress on stderr while a model loads and prompts are evaluated (stdout stays for the report)."""
+"""Progress on stderr while a model loads and prompts are evaluated (stdout stays for the report).
+
+Descriptions can hold data (a prompt file's name), so they are escaped: rich
+would read ``[...]`` in them as markup.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 if TYPE_CHECKING:
@@ -24,7 +29,7 @@ def progress_bars() -> Progress:
 @contextmanager
 def step(progress: Progress, description: str) -> Iterator[None]:
     """A spinner for a step with no measurable progress (e.g. assembling the model)."""
-    task = progress.add_task(description, total=None)
+    task = progress.add_task(escape(description), total=None)
     try:
         yield
     finally:
@@ -36,7 +41,7 @@ def prefill_with_bar(
     pin: bool = False,
 ) -> int:  # fmt: skip
     """`cache.prefill(tokens)` with a bar of the tokens evaluated; the tokens reused."""
-    task = progress.add_task(description, total=len(tokens))
+    task = progress.add_task(escape(description), total=len(tokens))
 
     def advance(done: int, total: int) -> None:
         progress.update(task, completed=done, total=total)
