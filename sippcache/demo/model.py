@@ -62,16 +62,12 @@ def partial_path(target: Path, pid: int) -> Path:
     return target.with_suffix(f".partial-{pid}")
 
 
-def remove_stale_partials(target: Path) -> list[Path]:
-    """Remove the partial files of `target` left by processes that no longer exist; return them."""
-    removed = []
+def remove_stale_partials(target: Path) -> None:
+    """Remove the partial files of `target` left by processes that no longer exist."""
     for path in target.parent.glob(target.with_suffix(".partial-*").name):
         match = _PARTIAL_PID.fullmatch(path.suffix)
-        if match is None or _process_exists(int(match.group(1))):
-            continue
-        path.unlink(missing_ok=True)
-        removed.append(path)
-    return removed
+        if match is not None and not _process_exists(int(match.group(1))):
+            path.unlink(missing_ok=True)
 
 
 def _process_exists(pid: int) -> bool:
@@ -79,7 +75,7 @@ def _process_exists(pid: int) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: a number no pid can be
         return False
     except PermissionError:  # another user's process
         return True
