@@ -150,7 +150,8 @@ def shown(name: str) -> str:
 
 
 def test_every_table_shows_hostile_names_literally(tmp_path: Path) -> None:
-    url = f"lmdb://{tmp_path / 'hostile'}"
+    location = tmp_path / "[" / "]store"  # the store path reads [/]store
+    url = f"lmdb://{location}"
     hostile_scope = f"llama:{MODEL}/[/]scope"
     with sippcache.open(url) as cache:
         for i, namespace in enumerate([*HOSTILE, hostile_scope]):
@@ -165,6 +166,7 @@ def test_every_table_shows_hostile_names_literally(tmp_path: Path) -> None:
         for name in names:
             assert name in result.stdout, (command, name)
     assert "[/]scope" in run("stats", url).stdout  # the scope of a llama namespace
+    assert f"{url} (" in run("stats", url).stdout  # the store row
     assert f"llama:{MODEL}/[/]scope" in run("ls", url).stdout
     assert f"checked {2 * (len(HOSTILE) + 1)} entries: {len(HOSTILE) + 1} bad" in run("verify", url).stdout
 
