@@ -45,7 +45,7 @@ def test_demo_twice_second_run_is_served_by_the_first(tmp_path: Path, gemma_mode
 
 def test_demo_table(tmp_path: Path, gemma_model: Path) -> None:
     url = f"diskcache://{tmp_path}/[/]cache"  # the report shows it literally
-    result = run("demo", "--cache", url)
+    result = run("demo", "--cache", url, env={"COLUMNS": "200"})  # wide: the URL on one line
     assert result.returncode == 0, result.stderr[-2000:]
     assert url in result.stdout
     for label in ("cold time to first token", "warm time to first token", "speedup", "tokens reused",
