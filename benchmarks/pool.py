@@ -123,7 +123,7 @@ def memory_child(kind: str) -> dict[str, Any]:
     import llama_cpp
 
     from sippcache.llama import SessionPool
-    from sippcache.models import gemma_model_path
+    from sippcache.demo.model import gemma_model_path
 
     model = str(gemma_model_path())
     vocab = llama_cpp.Llama(model_path=model, n_ctx=64, vocab_only=True, verbose=False)
@@ -158,7 +158,7 @@ def main() -> int:
     import llama_cpp
 
     from sippcache.llama import Llama, PrefixCache, SessionPool
-    from sippcache.models import gemma_model_path
+    from sippcache.demo.model import gemma_model_path
 
     model = str(gemma_model_path())
     vocab = llama_cpp.Llama(model_path=model, n_ctx=64, vocab_only=True, verbose=False)

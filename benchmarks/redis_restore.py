@@ -44,7 +44,7 @@ from sippcache_redis.servers import ValkeyServer
 
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama import PrefixCache
-from sippcache.models import gemma_model_path
+from sippcache.demo.model import gemma_model_path
 
 PROMPT_TOKENS = 2_000
 N_CTX = 4_096

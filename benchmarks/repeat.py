@@ -85,7 +85,7 @@ def main() -> int:
         print(json.dumps(child(model, mode, url, int(n))))
         return 0
 
-    from sippcache.models import gemma_model_path
+    from sippcache.demo.model import gemma_model_path
 
     model, n = str(gemma_model_path()), args.tokens
     with tempfile.TemporaryDirectory() as tmp:

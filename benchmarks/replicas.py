@@ -37,7 +37,7 @@ from typing import Any
 
 from sippcache_redis.servers import ValkeyServer
 
-from sippcache.models import gemma_model_path
+from sippcache.demo.model import gemma_model_path
 
 REPLY_TOKENS = 24
 GOAL = 0.60

@@ -208,7 +208,7 @@ def main() -> int:
                         help="passed to all three servers as --logits_all (upstream's server defaults to true)")
     args = parser.parse_args()
 
-    from sippcache.models import gemma_model_path
+    from sippcache.demo.model import gemma_model_path
 
     model = str(gemma_model_path())
     system = system_prompt(model, args.system_tokens)

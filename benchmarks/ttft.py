@@ -186,7 +186,7 @@ def main() -> int:
         print(json.dumps(child_prefill(model, url, int(n))))
         return 0
 
-    from sippcache.models import gemma_model_path
+    from sippcache.demo.model import gemma_model_path
 
     model = str(gemma_model_path())
     prefill_rows = part1(model, (2000,) if args.quick else SIZES)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import subprocess
 import sys
@@ -21,21 +22,21 @@ collect_ignore = ["plugins"]
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sippcache.tinymodel import write_tiny_model
+    from tests.tinymodel import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny.gguf")
 
 
 @pytest.fixture(scope="session")
 def tiny_model_other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sippcache.tinymodel import write_tiny_model
+    from tests.tinymodel import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-other.gguf", seed=1)
 
 
 @pytest.fixture(scope="session")
 def gemma_model() -> Path:
-    from sippcache.models import gemma_model_path
+    from sippcache.demo.model import gemma_model_path
 
     return gemma_model_path()
 
@@ -57,7 +58,7 @@ def make_llama() -> Iterator[Callable[..., object]]:
     made = []
 
     def make(model_path: Path, cls: type = llama_cpp.Llama, **kwargs: object) -> object:
-        options = dict(n_ctx=2048, n_batch=512, verbose=False)
+        options: dict[str, object] = {"n_ctx": 2048, "n_batch": 512, "verbose": False}
         options.update(kwargs)
         llm = cls(model_path=str(model_path), **options)
         made.append(llm)
@@ -87,7 +88,7 @@ def reference_logits(
     whole = last_logits(llm)
     llm.reset()  # type: ignore[attr-defined]
     bounds = [0, *splits, len(tokens) - 1, len(tokens)]
-    for begin, end in zip(bounds, bounds[1:]):
+    for begin, end in itertools.pairwise(bounds):
         llm.eval(tokens[begin:end])  # type: ignore[attr-defined]
     return whole, last_logits(llm)
 

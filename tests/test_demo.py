@@ -1,4 +1,4 @@
-"""`sippcache demo`, `warm` and `bench`, run as a user would: subprocesses on real stores
+"""`sippcache demo` and `warm`, run as a user would: subprocesses on real stores
 with the real gemma-3-270m model."""
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ def test_demo_twice_second_run_is_served_by_the_first(tmp_path: Path, gemma_mode
 
 
 def test_demo_table(tmp_path: Path, gemma_model: Path) -> None:
-    result = run("demo", "--cache", f"diskcache://{tmp_path}/cache")
+    url = f"diskcache://{tmp_path}/[/]cache"  # the report shows it literally
+    result = run("demo", "--cache", url, env={"COLUMNS": "200"})  # wide: the URL on one line
     assert result.returncode == 0, result.stderr[-2000:]
+    assert url in result.stdout
     for label in ("cold time to first token", "warm time to first token", "speedup", "tokens reused",
                   "cache entry", "served by an earlier process"):  # fmt: skip
         assert label in result.stdout
@@ -76,6 +78,14 @@ def test_warm_pin_pins_the_prompt(tmp_path: Path, gemma_model: Path) -> None:
         assert [(len(e.key), e.pinned) for e in cache.entries()] == [(tokens, True)]
 
 
+def test_warm_shows_a_prompt_file_name_literally(tmp_path: Path, gemma_model: Path) -> None:
+    prompt = tmp_path / "team[red]x[bold].txt"  # rich markup: the progress bar and the report must not read it
+    prompt.write_text("You are a careful assistant for a harbour office. " * 10)
+    result = run("warm", "--model", str(gemma_model), "--prompt-file", str(prompt), f"lmdb://{tmp_path}/cache")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"{prompt}: " in result.stdout
+
+
 def test_warm_bad_input(tmp_path: Path) -> None:
     result = run("warm", "--model", str(tmp_path / "missing.gguf"), f"lmdb://{tmp_path}/cache")
     assert result.returncode != 0 and "Traceback" not in result.stderr
@@ -86,7 +96,3 @@ def test_warm_bad_input(tmp_path: Path) -> None:
     result = run("warm", "--model", str(model), "--prompt-file", str(prompt), f"lmdb://{tmp_path}/cache")
     assert result.returncode != 0 and "Traceback" not in result.stderr
 
-
-def test_bench_runs_the_benchmarks(tmp_path: Path) -> None:
-    result = run("bench", "--help")
-    assert result.returncode == 0 and "--quick" in result.stdout

