@@ -234,7 +234,9 @@ class PrefixCache:
         n_vocab = self._states.n_vocab
         if max(ids) >= n_vocab:
             position = next(i for i, t in enumerate(ids) if t >= n_vocab)
-            raise ValueError(f"token id {ids[position]} at position {position} is outside the vocabulary (n_vocab={n_vocab})")
+            raise ValueError(
+                f"token id {ids[position]} at position {position} is outside the vocabulary (n_vocab={n_vocab})"
+            )
         if len(ids) > self.llm.n_ctx():
             raise ValueError(f"prompt of {len(ids)} tokens exceeds the context size n_ctx={self.llm.n_ctx()}")
         if self._closed:
