@@ -61,7 +61,9 @@ def test_a_full_disk_costs_speed_only(gemma_model: Path, servers, tmp_path: Path
 
 def test_redis_going_down_costs_speed_only(gemma_model: Path, servers, tmp_path: Path) -> None:
     info = sippcache.backends().get("redis")
-    assert info is not None and info.usable, "the sippcache-redis plugin is not installed (the test command installs it)"
+    assert info is not None and info.usable, (
+        "the sippcache-redis plugin is not installed (the test command installs it)"
+    )
     from sippcache_redis.servers import ValkeyServer
 
     with ValkeyServer(tmp_path / "valkey") as valkey:
