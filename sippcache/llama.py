@@ -200,7 +200,7 @@ class PrefixCache:
             evaluated = [int(t) for t in llm.input_ids[: llm.n_tokens]]
             if len(evaluated) < self.min_tokens:
                 return
-            logits = llm._current_logits() if isinstance(llm, Llama) and self.stored_logits else None
+            logits = llm.current_logits() if isinstance(llm, Llama) and self.stored_logits else None
             self._states.snapshot(llm.ctx, 0, evaluated, logits=logits)
 
     def flush(self) -> None:
@@ -288,7 +288,7 @@ class PrefixCache:
         if llm.n_tokens != len(ids) or common_length(llm.input_ids[: llm.n_tokens], ids) != len(ids):
             return False
         if isinstance(llm, Llama):
-            return llm._current_logits() is not None
+            return llm.current_logits() is not None
         return not llm._requires_eval
 
     def _context_set(self, ids: list[int], start: int, logits: np.ndarray | None) -> None:
@@ -299,8 +299,7 @@ class PrefixCache:
         llm.n_tokens = start
         llm._requires_eval = logits is None  # llama-cpp-python's generate() may sample at once
         if isinstance(llm, Llama):
-            llm._stored_logits = None if logits is None else (start, logits)
-            llm._logits_at = -1
+            llm.context_restored(logits)
 
     # -- evaluating and storing -------------------------------------------------
 
@@ -568,7 +567,13 @@ class Llama(llama_cpp.Llama):
             sampler = self._init_sampler(**{k: v for k, v in bound.arguments.items() if k in _SAMPLER_ARGUMENTS})
         return states.sample_from_logits(sampler.sampler, stored[1])
 
-    def _current_logits(self) -> np.ndarray | None:
+    def context_restored(self, logits: np.ndarray | None) -> None:
+        """The context's `n_tokens` were just set without an evaluation (by a `PrefixCache`):
+        its own logits are not current; `logits`, stored with the restored state, are."""
+        self._stored_logits = None if logits is None else (self.n_tokens, logits)
+        self._logits_at = -1
+
+    def current_logits(self) -> np.ndarray | None:
         """The logits for the token after the context's, if current: stored, or the context's own."""
         if self._stored_logits is not None and self._stored_logits[0] == self.n_tokens:
             return self._stored_logits[1]
