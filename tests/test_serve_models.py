@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 import sippcache
+from tests import test_serve
 from tests.test_serve import SYSTEM, delta
 
 pytestmark = pytest.mark.gemma
+servers = test_serve.servers  # the fixture, shared with test_serve.py
 
 KEYS = ("lookups", "hits", "tokens_reused", "tokens_evaluated", "entries_written")
 
