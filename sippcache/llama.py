@@ -7,7 +7,8 @@ Two ways in:
   prompt had been evaluated (`llm.sample()` / `llm.generate()`).
 - `llm.set_cache(LlamaCache(url))`: a drop-in for llama-cpp-python's own cache
   hook (`create_completion`, `create_chat_completion`, its server). Use it
-  with `sippcache.llama.Llama`.
+  with `sippcache.llama.Llama`, whose `set_cache` binds the cache to the model
+  (with a plain `llama_cpp.Llama`: ``llm.set_cache(LlamaCache(url).bind(llm))``).
 
 With `sippcache.llama.Llama` (rather than a plain `llama_cpp.Llama`), an entry
 for a whole prompt also keeps the last position's logits, and an exact repeat
@@ -35,11 +36,9 @@ from __future__ import annotations
 
 import inspect
 import logging
-import sys
 import threading
-import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import llama_cpp
 import numpy as np
@@ -185,6 +184,25 @@ class PrefixCache:
         """Undo `pin`; True if the entry is in the cache."""
         return self._states.set_pinned(self._final_key(self._checked(tokens)), False)
 
+    def cached_length(self, tokens: _tokens.Tokens) -> int:
+        """How many leading tokens of `tokens` the longest stored entry that is a prefix
+        of them holds, 0 if none is worth restoring (shorter than `min_tokens`): what
+        a prefill would find, asked without reading an entry (`LlamaCache.__contains__`)."""
+        ids = list(_tokens.decode(_tokens.encode(tokens)))
+        found = self._states.peek(ids, partial=False) if ids else None
+        return found.length if found is not None and found.length >= self.min_tokens else 0
+
+    def snapshot_context(self) -> None:
+        """Store what the context holds now, with its logits when they are current: after a
+        completion, the prompt and the tokens generated (what `LlamaCache` keeps of one)."""
+        with self._lock:
+            llm = self.llm
+            evaluated = [int(t) for t in llm.input_ids[: llm.n_tokens]]
+            if len(evaluated) < self.min_tokens:
+                return
+            logits = llm.current_logits() if isinstance(llm, Llama) and self.stored_logits else None
+            self._states.snapshot(llm.ctx, 0, evaluated, logits=logits)
+
     def flush(self) -> None:
         """Wait until every queued snapshot is written to the cache."""
         self._states.flush()
@@ -216,7 +234,9 @@ class PrefixCache:
         n_vocab = self._states.n_vocab
         if max(ids) >= n_vocab:
             position = next(i for i, t in enumerate(ids) if t >= n_vocab)
-            raise ValueError(f"token id {ids[position]} at position {position} is outside the vocabulary (n_vocab={n_vocab})")
+            raise ValueError(
+                f"token id {ids[position]} at position {position} is outside the vocabulary (n_vocab={n_vocab})"
+            )
         if len(ids) > self.llm.n_ctx():
             raise ValueError(f"prompt of {len(ids)} tokens exceeds the context size n_ctx={self.llm.n_ctx()}")
         if self._closed:
@@ -268,7 +288,7 @@ class PrefixCache:
         if llm.n_tokens != len(ids) or common_length(llm.input_ids[: llm.n_tokens], ids) != len(ids):
             return False
         if isinstance(llm, Llama):
-            return llm._current_logits() is not None
+            return llm.current_logits() is not None
         return not llm._requires_eval
 
     def _context_set(self, ids: list[int], start: int, logits: np.ndarray | None) -> None:
@@ -279,8 +299,7 @@ class PrefixCache:
         llm.n_tokens = start
         llm._requires_eval = logits is None  # llama-cpp-python's generate() may sample at once
         if isinstance(llm, Llama):
-            llm._stored_logits = None if logits is None else (start, logits)
-            llm._logits_at = -1
+            llm.context_restored(logits)
 
     # -- evaluating and storing -------------------------------------------------
 
@@ -328,32 +347,23 @@ class PrefixCache:
             if progress is not None:
                 progress(edge - start, end - start)
 
-    def _snapshot_context(self) -> None:
-        """Store what the context holds now, with its logits when they are current
-        (after a completion: the prompt and the tokens generated)."""
-        llm = self.llm
-        evaluated = [int(t) for t in llm.input_ids[: llm.n_tokens]]
-        if len(evaluated) < self.min_tokens:
-            return
-        logits = llm._current_logits() if isinstance(llm, Llama) and self.stored_logits else None
-        self._states.snapshot(llm.ctx, 0, evaluated, logits=logits)
-
 
 class LlamaCache(BaseLlamaCache):
     """A drop-in for llama-cpp-python's cache hook: ``llm.set_cache(LlamaCache(url))``.
 
-    llama-cpp-python asks its cache for a state before each completion and
-    hands it one after. This class answers the first call by doing the work
-    itself: it prefills the prompt into the calling model's context (restoring
-    the best cached prefix, or the whole prompt with its logits) and reports a
-    miss, so llama-cpp-python finds the prompt already evaluated and samples at
-    once. After the completion it stores the context's sequence state; the
-    `LlamaState` it is handed is not kept (`sippcache.llama.Llama` does not
-    even make one).
+    llama-cpp-python looks the prompt up in its cache before each completion
+    and hands it ``save_state()`` after. This class answers the lookup by doing
+    the work itself: it prefills the prompt into its model's context (restoring
+    the best cached prefix, or the whole prompt with its logits), so
+    llama-cpp-python finds the prompt already evaluated and samples at once.
+    After the completion it stores the context's sequence state. With
+    `sippcache.llama.Llama` no whole-context state is made for that (see
+    `begin_completion`); a plain `llama_cpp.Llama` still makes one (and copies
+    its scores), which is not kept.
 
-    The model is the `Llama` instance whose completion calls the cache (the
-    hook passes only tokens), or the one given as `llm`. The other arguments
-    are `PrefixCache`'s.
+    The hook passes only tokens, so a `LlamaCache` serves one model, bound to
+    it: `sippcache.llama.Llama.set_cache` binds it, otherwise pass `llm` or call
+    `bind`. The other arguments are `PrefixCache`'s.
     """
 
     def __init__(
@@ -369,26 +379,55 @@ class LlamaCache(BaseLlamaCache):
     ) -> None:
         check_options(scope, min_tokens, checkpoint_interval, secret=secret)
         _check_observer(on_prefill)
-        if llm is not None and not isinstance(llm, llama_cpp.Llama):
-            raise TypeError(f"llm must be a llama_cpp.Llama, not {type(llm).__name__}")
+        _check_llm(llm, optional=True)
         self.cache, self._owns_cache = open_cache_argument(cache)
         super().__init__(capacity_bytes=self.cache.stats().max_bytes or 0)
         self._options: dict[str, Any] = dict(
             scope=scope, min_tokens=min_tokens, checkpoint_interval=checkpoint_interval, secret=secret,
             on_prefill=on_prefill,
         )  # fmt: skip
-        self._prefix_caches: weakref.WeakKeyDictionary[llama_cpp.Llama, PrefixCache] = weakref.WeakKeyDictionary()
-        self._bound = llm
+        self._llm: llama_cpp.Llama | None = llm
+        self._prefix_cache: PrefixCache | None = None
+        #: Where a `sippcache.llama.Llama` completion is: before its lookup, or past it (its next
+        #: truth test is llama-cpp-python's store step). None: no such completion under way.
+        self._completion: Literal["lookup", "store"] | None = None
 
-    def bind(self, llm: llama_cpp.Llama) -> None:
-        """Serve `llm` when the caller cannot be found from the calling frame."""
-        self._bound = llm
+    def bind(self, llm: llama_cpp.Llama) -> LlamaCache:
+        """Serve `llm`, and return this cache: ``llm.set_cache(LlamaCache(url).bind(llm))``.
 
-    def prefix_cache(self, llm: llama_cpp.Llama) -> PrefixCache:
-        """The `PrefixCache` this cache uses for `llm`."""
-        if llm not in self._prefix_caches:
-            self._prefix_caches[llm] = PrefixCache(llm, self.cache, **self._options)
-        return self._prefix_caches[llm]
+        Needed with a plain `llama_cpp.Llama` (`sippcache.llama.Llama.set_cache`
+        does it): llama-cpp-python's hook passes only tokens. A cache serves one
+        model; binding it to another raises ValueError.
+        """
+        _check_llm(llm)
+        if self._llm is not None and self._llm is not llm:
+            raise ValueError("this LlamaCache already serves another model: make one LlamaCache per model")
+        self._llm = llm
+        return self
+
+    def prefix_cache(self, llm: llama_cpp.Llama | None = None) -> PrefixCache:
+        """The `PrefixCache` doing the work for the bound model (`llm`, if given, must be it)."""
+        if self._llm is None:
+            raise RuntimeError(
+                "this LlamaCache is not bound to a model (llama-cpp-python's cache hook passes only tokens): "
+                "use sippcache.llama.Llama, whose set_cache binds it, or llm.set_cache(LlamaCache(url).bind(llm))"
+            )
+        if llm is not None and llm is not self._llm:
+            raise ValueError("this LlamaCache serves another model")
+        if self._prefix_cache is None:
+            self._prefix_cache = PrefixCache(self._llm, self.cache, **self._options)
+        return self._prefix_cache
+
+    def begin_completion(self) -> None:
+        """A `sippcache.llama.Llama` completion starts (its `create_completion` says so).
+
+        llama-cpp-python tests ``if self.cache:`` before its lookup and again
+        before ``self.cache[tokens] = self.save_state()``, after generating.
+        Past this completion's lookup, that second test stores the context's
+        sequence here and answers False, so no whole-context state (25 MB and
+        10-60 ms for 1,400 gemma-3-270m tokens) is copied only to be dropped.
+        """
+        self._completion = "lookup"
 
     @property
     def cache_size(self) -> int:
@@ -398,57 +437,83 @@ class LlamaCache(BaseLlamaCache):
             log.warning("sippcache: could not read the cache size: %s", exc)
             return 0
 
+    def __bool__(self) -> bool:
+        """True, except at the store step of a `sippcache.llama.Llama` completion (see `begin_completion`)."""
+        if self._completion != "store":
+            return True
+        self._completion = None
+        self.prefix_cache().snapshot_context()
+        return False
+
     def __getitem__(self, key: Sequence[int]) -> llama_cpp.llama.LlamaState:
-        llm = self._caller()
-        if len(key) > 1:
-            prefix_cache = self.prefix_cache(llm)
-            prefix_cache._prefill(prefix_cache._checked(key))
-        raise KeyError("sippcache put the prompt in the context; nothing to load")
+        """Prefill `key` into the model's context; never answer a state to copy in.
+
+        llama-cpp-python loads the answer only if it holds more of the prompt
+        than the context does, and then prints "cache hit"; on a KeyError it
+        prints "cache miss". So its verbose line tells the truth: a
+        `sippcache.llama.Llama` gets a pending prefill, which its `load_state`
+        runs (raising KeyError if nothing was restored from the cache). A plain
+        `llama_cpp.Llama` (whose `load_state` would copy a state in), or a
+        context holding the whole prompt already, is prefilled now; the answer is
+        then the prompt (nothing to load, no line printed) if the cache was
+        used, else KeyError.
+        """
+        prefix_cache = self.prefix_cache()
+        if self._completion == "lookup":
+            self._completion = "store"
+        ids = [int(t) for t in key]
+        if len(ids) <= 1:
+            raise KeyError("a prompt of one token: nothing to restore")
+        llm = prefix_cache.llm
+        if isinstance(llm, Llama) and common_length(llm.input_ids[: llm.n_tokens], ids) < len(ids):
+            return _PromptState(ids, prefix_cache)
+        if prefix_cache.prefill(ids).restored:
+            return _PromptState(ids)
+        raise KeyError("nothing restored from the cache")
 
     def __contains__(self, key: Sequence[int]) -> bool:
-        prefix_cache = self.prefix_cache(self._caller())
-        found = prefix_cache._states.peek([int(t) for t in key][:-1], partial=False)
-        return found is not None and found.length >= prefix_cache.min_tokens
+        return self.prefix_cache().cached_length(list(key)[:-1]) > 0
 
     def __setitem__(self, key: Sequence[int], value: Any) -> None:
-        prefix_cache = self.prefix_cache(self._caller())
-        with prefix_cache._lock:
-            prefix_cache._snapshot_context()
+        """Store the context's sequence state (prompt and completion); `value` is not kept."""
+        self.prefix_cache().snapshot_context()
 
     def flush(self) -> None:
-        """Wait for pending writes of every model served."""
-        for prefix_cache in list(self._prefix_caches.values()):
-            prefix_cache.flush()
+        """Wait for the pending writes."""
+        if self._prefix_cache is not None:
+            self._prefix_cache.flush()
 
     def close(self) -> None:
-        """Flush, stop the writers, and close a cache opened from a URL."""
-        for prefix_cache in list(self._prefix_caches.values()):
-            prefix_cache.close()
+        """Flush, stop the writer, and close a cache opened from a URL."""
+        if self._prefix_cache is not None:
+            self._prefix_cache.close()
         if self._owns_cache:
             self.cache.close()
 
-    def _caller(self) -> llama_cpp.Llama:
-        frame_ = sys._getframe(2)
-        caller = frame_.f_locals.get("self")
-        del frame_
-        if isinstance(caller, llama_cpp.Llama):
-            return caller
-        if self._bound is not None:
-            return self._bound
-        raise TypeError(
-            "LlamaCache serves llama_cpp.Llama completions (llm.set_cache(cache)); "
-            "to call it directly, bind a model first: LlamaCache(url, llm=llm) or cache.bind(llm)"
-        )
+
+def _check_llm(llm: Any, *, optional: bool = False) -> None:
+    if not (isinstance(llm, llama_cpp.Llama) or (optional and llm is None)):
+        raise TypeError(f"llm must be a llama_cpp.Llama, not {type(llm).__name__}")
+
+
+class _PromptState(llama_cpp.llama.LlamaState):
+    """What `LlamaCache` answers a lookup with: a `LlamaState` holding only the prompt.
+
+    With `prefix_cache`, a pending prefill: `sippcache.llama.Llama.load_state`
+    runs it when llama-cpp-python loads the answer. Without, the context holds
+    the prompt already, so llama-cpp-python never loads it.
+    """
+
+    def __init__(self, ids: list[int], prefix_cache: PrefixCache | None = None) -> None:
+        super().__init__(
+            input_ids=np.asarray(ids, dtype=np.intc), scores=np.empty((0, 0), dtype=np.single), n_tokens=len(ids),
+            llama_state=b"", llama_state_size=0, seed=0,
+        )  # fmt: skip
+        self.ids, self.prefix_cache = ids, prefix_cache
 
 
 _SAMPLE_SIGNATURE = inspect.signature(llama_cpp.Llama.sample)
 _SAMPLER_ARGUMENTS = set(inspect.signature(llama_cpp.Llama._init_sampler).parameters) - {"self"}
-#: Where llama-cpp-python calls save_state() only to hand the result to its cache.
-_COMPLETION_CODE = getattr(getattr(llama_cpp.Llama, "_create_completion", None), "__code__", None)
-_DISCARDED_STATE = llama_cpp.llama.LlamaState(
-    input_ids=np.empty(0, dtype=np.intc), scores=np.empty((0, 0), dtype=np.single), n_tokens=0,
-    llama_state=b"", llama_state_size=0, seed=0,
-)  # fmt: skip
 
 
 class Llama(llama_cpp.Llama):
@@ -460,9 +525,9 @@ class Llama(llama_cpp.Llama):
       penalties, logit bias, grammar, seed) as after an evaluation: nothing
       is evaluated and the tokens are the same.
     - `save_state()` leaves out the n_batch x n_vocab scores array (512 MB for
-      a 262k vocabulary) when `logits_all=False`, and inside a completion that
-      hands it to a sippcache `LlamaCache` (which does not keep it) it copies
-      nothing at all.
+      a 262k vocabulary) when `logits_all=False`, and a completion with a
+      sippcache `LlamaCache` does not call it (see `LlamaCache.begin_completion`).
+    - `set_cache` binds a `LlamaCache` to this model.
     """
 
     #: (n_tokens, logits of position n_tokens - 1) restored from the cache, until the next evaluation.
@@ -475,6 +540,11 @@ class Llama(llama_cpp.Llama):
             cache.bind(self)
         super().set_cache(cache)
 
+    def create_completion(self, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self.cache, LlamaCache):
+            self.cache.begin_completion()
+        return super().create_completion(*args, **kwargs)
+
     def eval(self, tokens: Sequence[int]) -> None:
         super().eval(tokens)
         if len(tokens):
@@ -482,7 +552,7 @@ class Llama(llama_cpp.Llama):
             self._logits_at = self.n_tokens
 
     def reset(self) -> None:
-        super().reset()
+        super().reset()  # type: ignore[no-untyped-call]
         self._stored_logits, self._logits_at = None, -1
 
     def sample(self, *args: Any, **kwargs: Any) -> int:
@@ -491,13 +561,19 @@ class Llama(llama_cpp.Llama):
         idx = bound.arguments["idx"]
         stored = self._stored_logits
         if stored is None or stored[0] != self.n_tokens or (idx is not None and idx != self.n_tokens - 1):
-            return super().sample(*args, **kwargs)
+            return int(super().sample(*args, **kwargs))
         sampler = self._sampler
         if sampler is None:  # as upstream: a sampler for this call only
             sampler = self._init_sampler(**{k: v for k, v in bound.arguments.items() if k in _SAMPLER_ARGUMENTS})
         return states.sample_from_logits(sampler.sampler, stored[1])
 
-    def _current_logits(self) -> np.ndarray | None:
+    def context_restored(self, logits: np.ndarray | None) -> None:
+        """The context's `n_tokens` were just set without an evaluation (by a `PrefixCache`):
+        its own logits are not current; `logits`, stored with the restored state, are."""
+        self._stored_logits = None if logits is None else (self.n_tokens, logits)
+        self._logits_at = -1
+
+    def current_logits(self) -> np.ndarray | None:
         """The logits for the token after the context's, if current: stored, or the context's own."""
         if self._stored_logits is not None and self._stored_logits[0] == self.n_tokens:
             return self._stored_logits[1]
@@ -506,8 +582,6 @@ class Llama(llama_cpp.Llama):
         return None
 
     def save_state(self) -> llama_cpp.llama.LlamaState:
-        if isinstance(self.cache, LlamaCache) and sys._getframe(1).f_code is _COMPLETION_CODE:
-            return _DISCARDED_STATE  # LlamaCache.__setitem__ stores the sequence itself
         if self._logits_all:
             return super().save_state()
         state = states.copy_whole_state(self.ctx)
@@ -521,6 +595,12 @@ class Llama(llama_cpp.Llama):
         )
 
     def load_state(self, state: llama_cpp.llama.LlamaState) -> None:
+        if isinstance(state, _PromptState):  # a LlamaCache's answer: prefill the prompt
+            if state.prefix_cache is not None and state.prefix_cache.llm is not self:
+                raise ValueError("this state is another model's LlamaCache answer")
+            if state.prefix_cache is not None and not state.prefix_cache.prefill(state.ids).restored:
+                raise KeyError("nothing restored from the cache")  # llama-cpp-python reports a miss
+            return
         self._stored_logits, self._logits_at = None, -1
         if len(state.scores) or self._logits_all:
             return super().load_state(state)

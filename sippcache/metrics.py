@@ -43,7 +43,8 @@ MODEL_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("bytes_written", "sippcache_bytes_written", "Bytes of entries this server wrote to the store."),
     ("bytes_read", "sippcache_bytes_read", "Bytes of entries restored from the store."),
     ("corrupt_entries", "sippcache_corrupt_entries", "Entries dropped because they failed their checks."),
-    ("rejected_entries", "sippcache_rejected_entries", "Entries llama.cpp refused or that could not be cut back exactly."),
+    ("rejected_entries", "sippcache_rejected_entries",
+     "Entries llama.cpp refused or that could not be cut back exactly."),
 )
 #: Store failures seen by the adapter, by kind: (PrefixCache.stats() key, label value).
 BACKEND_ERRORS: tuple[tuple[str, str], ...] = (("backend_errors", "lookup"), ("write_failures", "write"))
@@ -57,7 +58,8 @@ STORE_GAUGES: tuple[tuple[str, str, str], ...] = (
 STORE_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("evictions", "sippcache_store_evictions", "Entries this server's store handle evicted to stay within budget."),
     ("refused", "sippcache_store_refused", "Entries this server's store handle refused (too large, or no room)."),
-    ("errors", "sippcache_store_errors", "Operations the store could not do (e.g. server down), answered as misses or dropped."),
+    ("errors", "sippcache_store_errors",
+     "Operations the store could not do (e.g. server down), answered as misses or dropped."),
 )
 #: Restore times: a memory copy (about 2 ms for 12 MB) up to a slow network store.
 RESTORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -180,7 +182,9 @@ class _Collector(Collector):
             for key, kind in BACKEND_ERRORS:
                 errors.add_metric([row["model"], kind], row.get(key, 0))
         yield errors
-        loaded = GaugeMetricFamily("sippcache_model_loaded", "1 for the model alias the server has loaded.", labels=["model"])
+        loaded = GaugeMetricFamily(
+            "sippcache_model_loaded", "1 for the model alias the server has loaded.", labels=["model"]
+        )
         info = GaugeMetricFamily(
             "sippcache_model_cache_info", "The store and scope each model alias uses (value 1).",
             labels=["model", "store", "scope"],
@@ -195,7 +199,9 @@ class _Collector(Collector):
 
 def _store_metrics(readers: list[StoreReader]) -> Iterator[Metric]:
     read = [(reader, *reader.read()) for reader in readers]
-    up = GaugeMetricFamily("sippcache_store_up", "1 if the store's stats() answered in time at this scrape.", labels=["store"])
+    up = GaugeMetricFamily(
+        "sippcache_store_up", "1 if the store's stats() answered in time at this scrape.", labels=["store"]
+    )
     for reader, _, ok in read:
         up.add_metric([reader.label], 1 if ok else 0)
     yield up

@@ -103,7 +103,10 @@ class Sampling:
         builds it (penalties, then greedy; or top-k, typical, top-p, min-p, temperature
         and a seeded draw), with the same arguments."""
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        add = lambda sampler: llama_cpp.llama_sampler_chain_add(chain, sampler)
+
+        def add(sampler: Any) -> None:
+            llama_cpp.llama_sampler_chain_add(chain, sampler)
+
         add(llama_cpp.llama_sampler_init_penalties(
             n_vocab, PENALTY_LAST_N, self.repeat_penalty, self.frequency_penalty, self.presence_penalty))  # fmt: skip
         seed = self.seed if self.seed is not None else random.randrange(2**32)
@@ -207,9 +210,10 @@ class SessionPool:
             self._vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
             self.fingerprint = llama_fingerprint(self.llm)  # the pool's context has the same K/V types and kernels
             self._states = SequenceCache(
-                cache, fingerprint=self.fingerprint, scope=scope, n_swa=int(llama_cpp.llama_model_n_swa(self.llm.model)),
-                n_vocab=self.llm.n_vocab(), min_tokens=min_tokens, checkpoint_interval=checkpoint_interval,
-                max_pending_writes=max_pending_writes, secret=secret,
+                cache, fingerprint=self.fingerprint, scope=scope,
+                n_swa=int(llama_cpp.llama_model_n_swa(self.llm.model)), n_vocab=self.llm.n_vocab(),
+                min_tokens=min_tokens, checkpoint_interval=checkpoint_interval, max_pending_writes=max_pending_writes,
+                secret=secret,
             )  # fmt: skip
         except BaseException:
             self._free()
@@ -314,7 +318,8 @@ class SessionPool:
                     if run.reuse.logits is not None:  # an exact repeat: the first token from the stored logits
                         token = states.sample_from_logits(run.chain, run.reuse.logits)
                         yield from self._accept(run, token, started, max_tokens, stop_tokens, run.reuse.logits)
-                yield from self._prefill([r for r in runs if r.position < len(r.prompt)], started, max_tokens, stop_tokens)
+                prompting = [r for r in runs if r.position < len(r.prompt)]
+                yield from self._prefill(prompting, started, max_tokens, stop_tokens)
                 yield from self._decode([r for r in runs if not r.finish_reason], started, max_tokens, stop_tokens)
             except BaseException:
                 for run in runs:  # an interrupted call leaves nothing half-known: those sessions start over
@@ -348,17 +353,23 @@ class SessionPool:
             if not ids:
                 raise ValueError(f"session {session!r}: cannot run an empty prompt")
             if max(ids) >= n_vocab:
-                raise ValueError(f"session {session!r}: token id {max(ids)} is outside the vocabulary (n_vocab={n_vocab})")
+                raise ValueError(
+                    f"session {session!r}: token id {max(ids)} is outside the vocabulary (n_vocab={n_vocab})"
+                )
             checked[session] = ids
         need = sum(len(ids) + max_tokens for ids in checked.values())
         if need > self.n_ctx:
-            raise ValueError(f"the prompts and max_tokens of this call need {need} tokens; the pool's n_ctx is {self.n_ctx}")
+            raise ValueError(
+                f"the prompts and max_tokens of this call need {need} tokens; the pool's n_ctx is {self.n_ctx}"
+            )
         return checked
 
     def _make_room(self, prompts: Mapping[Hashable, list[int]], max_tokens: int) -> None:
         """Park idle sessions (least recently used first) until this call fits in the KV buffer."""
         need = sum(len(ids) + max_tokens for ids in prompts.values())
-        idle = sorted((s for s in self._slots if s.session is not None and s.session not in prompts), key=lambda s: s.used)
+        idle = sorted(
+            (s for s in self._slots if s.session is not None and s.session not in prompts), key=lambda s: s.used
+        )
         held = sum(len(s.tokens) for s in idle)
         while idle and held + need > self.n_ctx:
             slot = idle.pop(0)
@@ -427,7 +438,8 @@ class SessionPool:
         budget = self._states.checkpoint_budget()
         pending = list(runs)
         while pending:
-            items, ends = [], []  # ends: (run, where its segment stops in this batch, batch index of its last token)
+            items: list[tuple[int, int, int, bool]] = []
+            ends: list[tuple[_Run, int, int]] = []  # (run, where its segment stops here, batch index of its last token)
             for order, run in enumerate(pending):
                 self._borrow(run)
                 if self._waits_for(run, pending[:order]):
@@ -493,11 +505,15 @@ class SessionPool:
             logits = states.copy_logits(self._ctx, self._states.n_vocab, index)
             self._states.snapshot(self._ctx, run.slot.seq, run.prompt, logits=logits, replace=True)
 
-    def _decode(self, runs: list[_Run], started: float, max_tokens: int, stop: frozenset[int]) -> Iterator[tuple[Hashable, int]]:
+    def _decode(
+        self, runs: list[_Run], started: float, max_tokens: int, stop: frozenset[int]
+    ) -> Iterator[tuple[Hashable, int]]:
         """Decode every running session's next token in one batch per step until each stops."""
         active = [run for run in runs if not run.finish_reason]
         while active:
-            items = [(run.slot.seq, len(run.prompt) + len(run.generated) - 1, run.generated[-1], True) for run in active]
+            items = [
+                (run.slot.seq, len(run.prompt) + len(run.generated) - 1, run.generated[-1], True) for run in active
+            ]
             self._decode_batch(items)
             for index, run in enumerate(active):
                 yield from self._sample(run, index, started, max_tokens, stop)

@@ -21,11 +21,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from . import states
 from .errors import CorruptEntry, UnsupportedEntry
@@ -46,6 +47,12 @@ DEFAULT_CHECKPOINT_INTERVAL = 2048
 #: at 999 or 1,001 moves logits by up to 1.1. Aligned, a checkpoint costs nothing
 #: in exactness (and at most 31 tokens of reuse).
 CHECKPOINT_ALIGNMENT = 32
+
+#: Token ids as a list or as llama-cpp-python's `input_ids` array.
+TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
+
+_T = TypeVar("_T")
+_D = TypeVar("_D")
 
 
 @dataclass
@@ -111,7 +118,7 @@ def open_cache_argument(cache: str | CacheBackend | None) -> tuple[CacheBackend,
     return cache, False
 
 
-def common_length(a: Sequence[int], b: Sequence[int]) -> int:
+def common_length(a: TokenIds, b: TokenIds) -> int:
     """How many leading tokens `a` and `b` share."""
     n = min(len(a), len(b))
     if n == 0:
@@ -152,7 +159,9 @@ class SequenceCache:
         self.n_vocab = n_vocab
         self.min_tokens = min_tokens
         self.checkpoint_interval = checkpoint_interval
-        self.secret = secret_from_environment() if secret is None else secret.encode() if isinstance(secret, str) else secret
+        if secret is None:
+            secret = secret_from_environment()
+        self.secret = secret.encode() if isinstance(secret, str) else secret
         self.stats = PrefixStats()
         self._writer = BackgroundWriter(self._write_entry, max_pending=max_pending_writes)
         self._queued: dict[int, list[int]] = {}  # keys of snapshots not yet written, by snapshot id
@@ -180,7 +189,7 @@ class SequenceCache:
     def drop(self, key: Sequence[int]) -> None:
         self._safely("delete of a bad entry", lambda: self.cache.delete(key, namespace=self.namespace), None)
 
-    def _safely(self, what: str, call: Any, default: Any) -> Any:
+    def _safely(self, what: str, call: Callable[[], _T], default: _D) -> _T | _D:
         """`call()`, or `default` if the backend fails: logged and counted, never raised."""
         try:
             return call()
@@ -194,7 +203,7 @@ class SequenceCache:
 
     # -- restoring ----------------------------------------------------------------
 
-    def reuse(self, ctx: Any, seq: int, ids: list[int], live: Sequence[int], *, with_logits: bool) -> Reuse:
+    def reuse(self, ctx: Any, seq: int, ids: list[int], live: TokenIds, *, with_logits: bool) -> Reuse:
         """Put the longest usable prefix of `ids` into sequence `seq`, which holds `live` now.
 
         Candidates, best first: with `with_logits`, a stored entry for the whole
@@ -224,9 +233,12 @@ class SequenceCache:
             prefix = prefix or self.peek(target, partial=False)
             shared = self.peek(target, partial=True)
         candidates = [(prefix.length, False)] if prefix is not None else []
-        if shared is not None and shared.length > (prefix.length if prefix else 0):
-            if states.may_truncate_restored(shared.key_length, shared.length, self.n_swa):
-                candidates.append((shared.length, True))
+        if (
+            shared is not None
+            and shared.length > (prefix.length if prefix else 0)
+            and states.may_truncate_restored(shared.key_length, shared.length, self.n_swa)
+        ):
+            candidates.append((shared.length, True))
         branch = shared.length if shared is not None else 0
         for length, partial in sorted(candidates, reverse=True):
             common = common_length(live, target)
@@ -246,7 +258,7 @@ class SequenceCache:
         states.clear(states.memory(ctx), seq)
         return Reuse(0, branch=branch)
 
-    def _truncate_live(self, ctx: Any, seq: int, live: Sequence[int], length: int) -> bool:
+    def _truncate_live(self, ctx: Any, seq: int, live: TokenIds, length: int) -> bool:
         """Cut the live sequence to `length` tokens if llama.cpp can do so exactly."""
         if length == 0:
             return False

@@ -33,9 +33,9 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar, NoReturn, TypeVar, cast
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 import llama_cpp
@@ -122,8 +122,8 @@ def load_settings(args: argparse.Namespace) -> tuple[ServerSettings, list[ModelS
     config_file = os.environ.get("CONFIG_FILE", args.config_file)
     try:
         if not config_file:
-            server_settings = parse_model_from_args(ServerSettings, args)
-            model_settings = [parse_model_from_args(ModelSettings, args)]
+            server_settings = _settings_from_args(ServerSettings, args)
+            model_settings = [_settings_from_args(ModelSettings, args)]
             return server_settings, model_settings, {}
         if not os.path.exists(config_file):
             raise ServeError(f"config file {config_file} not found")
@@ -149,9 +149,18 @@ def load_settings(args: argparse.Namespace) -> tuple[ServerSettings, list[ModelS
     except Exception as exc:  # pydantic's ValidationError, JSON and YAML syntax errors, unreadable files
         raise ServeError(f"invalid settings: {_describe_settings_error(exc)}") from None
     urls: dict[str, str | None] = {}
-    for settings, url in zip(model_settings, cache_urls):
+    for settings, url in zip(model_settings, cache_urls, strict=False):
         urls[settings.model_alias or settings.model] = url  # the key LlamaProxy files the model under
     return server_settings, model_settings, urls
+
+
+_Settings = TypeVar("_Settings", ServerSettings, ModelSettings)
+
+
+def _settings_from_args(model: type[_Settings], args: argparse.Namespace) -> _Settings:
+    """Upstream's `parse_model_from_args`, typed as what it returns (an instance; upstream's
+    annotation says the class)."""
+    return cast(_Settings, parse_model_from_args(model, args))
 
 
 def _describe_settings_error(exc: Exception) -> str:
@@ -262,7 +271,8 @@ class CachePool:
                 backend = open_cache(url)
             except Exception as exc:
                 message = " ".join(str(exc).split()) or type(exc).__name__
-                if not isinstance(exc, (ValueError, OSError, ImportError)) and type(exc).__module__ != "sippcache.errors":
+                ours = isinstance(exc, (ValueError, OSError, ImportError)) or type(exc).__module__ == "sippcache.errors"
+                if not ours:
                     message = f"{type(exc).__name__}: {message}"
                 raise ServeError(f"cannot open the cache {label}: {message}") from None
             self._stores[label] = backend
@@ -358,7 +368,7 @@ class CachePool:
             totals = {**zeros, **retired}
             cache = live._sippcache if live is not None else None
             if cache is not None:
-                for key, value in cache.prefix_cache(live).stats().items():
+                for key, value in cache.prefix_cache().stats().items():
                     totals[key] = totals.get(key, 0) + value
             rows.append({
                 "model": entry.alias, "store": entry.store, "scope": entry.scope, "namespace": entry.namespace,
@@ -370,7 +380,7 @@ class CachePool:
         return list(self._readers.values())
 
 
-def _resolve(value: str | None, default: Any) -> str | None:
+def _resolve(value: str | None, default: Callable[[], str]) -> str | None:
     """A `--cache`/`cache_url` value: a URL, None or a true word (the default store), a false word (no cache)."""
     if value is None or value.strip().lower() in TRUE_WORDS:
         return default()
@@ -469,7 +479,7 @@ class CachingLlamaProxy(LlamaProxy):
     pool: ClassVar[CachePool | None] = None  # set by `install`
 
     @classmethod
-    def load_llama_from_model_settings(cls, settings: ModelSettings) -> llama_cpp.Llama:  # type: ignore[override]
+    def load_llama_from_model_settings(cls, settings: ModelSettings) -> llama_cpp.Llama:
         model = LlamaProxy.load_llama_from_model_settings(settings.model_copy(update={"cache": False}))
         if cls.pool is None:
             return model
@@ -479,7 +489,7 @@ class CachingLlamaProxy(LlamaProxy):
 def install(pool: CachePool) -> None:
     """Make `llama_cpp.server.app.create_app` build a `CachingLlamaProxy` using `pool`."""
     CachingLlamaProxy.pool = pool
-    upstream_app.LlamaProxy = CachingLlamaProxy
+    upstream_app.LlamaProxy = CachingLlamaProxy  # type: ignore[attr-defined]  # app.py imports it, not re-exported
 
 
 def create_server_app(

@@ -169,7 +169,7 @@ def encode_entry(snapshot: Snapshot, *, fingerprint: str, n_swa: int, scope: str
     sections: list[Any] = [snapshot.state]
     roles = [STATE]
     if snapshot.logits is not None:
-        sections.append(memoryview(snapshot.logits).cast("B"))
+        sections.append(snapshot.logits.data.cast("B"))
         roles.append(LOGITS)
     return frame.encode(
         snapshot.key,

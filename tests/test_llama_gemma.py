@@ -64,7 +64,7 @@ def diverging_case(gemma_model, make_llama, tokens, url: str) -> tuple[list[int]
     by interval (1,024)), and that shared-prefix checkpoint's length."""
     a = tokens[:2100]
     b = a[:1000] + tokens[2400:2600]
-    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
     branch = shared - shared % CHECKPOINT_ALIGNMENT
     with PrefixCache(make_llama(gemma_model, n_ctx=N_CTX), url, checkpoint_interval=512) as pc:
         pc.prefill(a)

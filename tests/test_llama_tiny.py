@@ -309,7 +309,7 @@ def test_llama_cache_drop_in(make_llama, tiny_model, url, llama_class) -> None:
     plain = make_llama(tiny_model)
     expected = {p: plain.create_completion(p, max_tokens=4, temperature=0.0)["choices"][0]["text"] for p in (a, b)}
     llm = make_llama(tiny_model, cls=llama_class)
-    cache = LlamaCache(url)
+    cache = LlamaCache(url).bind(llm)  # a plain llama_cpp.Llama's set_cache cannot bind it
     llm.set_cache(cache)
     for p in (a, b, a):
         assert llm.create_completion(p, max_tokens=4, temperature=0.0)["choices"][0]["text"] == expected[p]
@@ -321,10 +321,64 @@ def test_llama_cache_drop_in(make_llama, tiny_model, url, llama_class) -> None:
     cache.close()
     # a new process-like start: another model instance, same store
     again = make_llama(tiny_model, cls=llama_class)
-    cache = LlamaCache(url)
+    cache = LlamaCache(url, llm=again)
     again.set_cache(cache)
     assert again.create_completion(b, max_tokens=4, temperature=0.0)["choices"][0]["text"] == expected[b]
     assert cache.prefix_cache(again).stats()["hits"] == 1
+    cache.close()
+
+
+def test_llama_cache_serves_the_model_it_is_bound_to(make_llama, tiny_model, url) -> None:
+    """llama-cpp-python's hook passes only tokens: a LlamaCache serves one model, bound explicitly."""
+    text = "The quick brown fox jumps over the lazy dog. " * 10
+    plain, other = make_llama(tiny_model), make_llama(tiny_model)
+    unbound = LlamaCache(url)
+    plain.set_cache(unbound)  # llama_cpp.Llama.set_cache cannot bind it
+    with pytest.raises(RuntimeError, match=r"bind\(llm\)"):
+        plain.create_completion(text, max_tokens=2)
+    assert unbound.bind(plain) is unbound and unbound.bind(plain) is unbound  # binding again to it: fine
+    assert plain.create_completion(text, max_tokens=2)["choices"][0]["text"] is not None
+    with pytest.raises(ValueError, match="one LlamaCache per model"):
+        unbound.bind(other)
+    with pytest.raises(ValueError, match="another model"):
+        unbound.prefix_cache(other)
+    assert unbound.prefix_cache(plain) is unbound.prefix_cache()
+    unbound.close()
+    sipp = make_llama(tiny_model, cls=SippLlama)
+    bound = LlamaCache(url)
+    sipp.set_cache(bound)  # sippcache's Llama binds it
+    assert bound.prefix_cache().llm is sipp
+    with pytest.raises(ValueError, match="one LlamaCache per model"):
+        make_llama(tiny_model, cls=SippLlama).set_cache(bound)
+    with pytest.raises(TypeError, match="llm must be"):
+        LlamaCache(url, llm="model.gguf")  # type: ignore[arg-type]
+    bound.close()
+
+
+@pytest.mark.parametrize("llama_class", [llama_cpp.Llama, SippLlama])
+def test_verbose_cache_lines_tell_the_truth(make_llama, tiny_model, url, llama_class, capsys) -> None:
+    """llama-cpp-python prints "cache miss" on a KeyError and "cache hit" after loading
+    what the cache answered. sippcache's Llama loads the answer by prefilling it, so
+    "cache hit" means restored from the cache; a plain llama_cpp.Llama (which would load
+    a copied state) finds the prompt already in its context and prints neither line."""
+    text = "Pack my box with five dozen liquor jugs. " * 12
+
+    def lines(llm: llama_cpp.Llama) -> list[str]:
+        llm.create_completion(text, max_tokens=2, temperature=0.0)
+        err = capsys.readouterr().err
+        return [line for line in err.splitlines() if line.startswith("Llama._create_completion: cache")]
+
+    first = make_llama(tiny_model, cls=llama_class, verbose=True)
+    first.set_cache(LlamaCache(url, llm=first))
+    assert lines(first)[:1] == ["Llama._create_completion: cache miss"]
+    first.cache.close()
+    again = make_llama(tiny_model, cls=llama_class, verbose=True)
+    cache = LlamaCache(url, llm=again)
+    again.set_cache(cache)
+    said = lines(again)
+    assert "Llama._create_completion: cache miss" not in said
+    assert ("Llama._create_completion: cache hit" in said) == (llama_class is SippLlama)
+    assert cache.prefix_cache().stats()["hits"] == 1
     cache.close()
 
 

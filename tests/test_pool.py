@@ -77,14 +77,16 @@ def test_batched_sessions_equal_each_alone_on_the_tiny_model(tiny_model: Path, s
         got = result[session]
         assert got.tokens == expected and got.finish_reason == "length"
         assert got.logits is not None and len(got.logits) == 32
-        assert max(float(np.max(np.abs(a - b))) for a, b in zip(got.logits, rows)) < TINY_TOLERANCE
+        assert max(float(np.max(np.abs(a - b))) for a, b in zip(got.logits, rows, strict=False)) < TINY_TOLERANCE
 
 
 @pytest.mark.gemma
 def test_batched_sessions_match_each_alone_on_gemma_within_tolerance(gemma_model: Path) -> None:
     vocab = llama_cpp.Llama(model_path=str(gemma_model), n_ctx=64, vocab_only=True, verbose=False)
     system = vocab.tokenize(("You are the harbour master's assistant. Answer briefly. " * 20).encode())
-    questions = ["Which ship came in first?", "What did the Eider carry?", "Who piloted the ferry?", "When is high tide?"]
+    questions = [
+        "Which ship came in first?", "What did the Eider carry?", "Who piloted the ferry?", "When is high tide?"
+    ]
     prompts = {f"q{i}": system + vocab.tokenize(f" {q}".encode(), add_bos=False) for i, q in enumerate(questions)}
     with SessionPool(gemma_model, "ram://", slots=4, n_ctx=4096) as pool:
         result = pool.generate(prompts, max_tokens=12, logits=True)
@@ -93,7 +95,7 @@ def test_batched_sessions_match_each_alone_on_gemma_within_tolerance(gemma_model
         expected, rows = alone(gemma_model, tokens, 12)
         got = result[session]
         assert got.logits is not None
-        for step, (mine, theirs, row) in enumerate(zip(got.logits, rows, rows)):
+        for step, (mine, theirs, row) in enumerate(zip(got.logits, rows, rows, strict=False)):
             assert float(np.max(np.abs(mine - theirs))) <= GEMMA_TOLERANCE, (session, step)
             top2 = np.sort(row)[-2:]
             compared += 1

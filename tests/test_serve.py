@@ -67,7 +67,7 @@ class Server:
             command += ["--verbose", "false"]
         # HOST and PORT win over settings, with or without a config file (as upstream).
         env = {"HOST": "127.0.0.1", "PORT": str(self.port), **(env or {})}
-        self._log = open(log_path, "ab")
+        self._log = open(log_path, "ab")  # noqa: SIM115  # the server's log for its whole life: closed in stop()
         self.process = subprocess.Popen(
             command, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, **env}, preexec_fn=preexec_fn,
@@ -187,7 +187,8 @@ class Conversation:
         self.messages.append({"role": "assistant", "content": answer})
         self.prompt_tokens.append(reply.usage.prompt_tokens)
         self.answers.append(answer)
-        return answer, delta(before, server.model_stats(), "tokens_reused", "context_tokens_reused", "tokens_evaluated", "hits")
+        counted = ("tokens_reused", "context_tokens_reused", "tokens_evaluated", "hits")
+        return answer, delta(before, server.model_stats(), *counted)
 
 
 QUESTIONS = [
@@ -234,7 +235,8 @@ def requests_of_every_kind(server: Server) -> dict[str, Any]:
                             for t in reply.choices[0].logprobs.content]  # fmt: skip
     # Short: upstream computes prompt logprobs in pure Python (a sort of the vocabulary per token).
     prompt = "The keeper's log, day 12, at dawn: the schooner Eider passed the cape under a grey sky, and"
-    out["completion"] = client.completions.create(model="gemma", prompt=prompt, temperature=0, max_tokens=16).choices[0].text
+    completion = client.completions.create(model="gemma", prompt=prompt, temperature=0, max_tokens=16)
+    out["completion"] = completion.choices[0].text
     streamed_text = client.completions.create(model="gemma", prompt=prompt, temperature=0, max_tokens=16, stream=True)
     out["completion_stream"] = "".join(c.choices[0].text for c in streamed_text)
     # The prompt's own logprobs (echo): same prompt as above, so a warm server has it cached.
@@ -292,7 +294,9 @@ def test_interleaved_conversations_reuse_earlier_turns_and_survive_a_restart(
     # A's fourth turn again on the new server: the answer given before the restart,
     # with everything but the prompt's last token restored.
     before = server.model_stats()
-    reply = server.client().chat.completions.create(model="gemma", messages=a.messages[:-1], temperature=0, max_tokens=12)
+    reply = server.client().chat.completions.create(
+        model="gemma", messages=a.messages[:-1], temperature=0, max_tokens=12
+    )
     did = delta(before, server.model_stats(), "tokens_reused", "tokens_evaluated")
     assert reply.choices[0].message.content == a.answers[-1]
     assert did["tokens_reused"] >= a.prompt_tokens[-1] - 2 and did["tokens_evaluated"] <= 2, did
@@ -308,7 +312,9 @@ def test_two_servers_share_one_redis(gemma_model: Path, servers, tmp_path: Path)
     import sippcache
 
     info = sippcache.backends().get("redis")
-    assert info is not None and info.usable, "the sippcache-redis plugin is not installed (the test command installs it)"
+    assert info is not None and info.usable, (
+        "the sippcache-redis plugin is not installed (the test command installs it)"
+    )
     from sippcache_redis.servers import ValkeyServer
 
     with ValkeyServer(tmp_path / "valkey") as valkey:
@@ -335,9 +341,7 @@ def test_client_hanging_up_mid_stream_leaves_the_server_serving(gemma_model: Pat
     client = server.client()
     prompt = SYSTEM + "\nWrite the whole log of day 40, hour by hour:"
     stream = client.completions.create(model="gemma", prompt=prompt, temperature=0, max_tokens=400, stream=True)
-    received = 0
-    for _ in stream:
-        received += 1
+    for received, _ in enumerate(stream, start=1):
         if received == 3:
             break
     stream.close()  # hang up

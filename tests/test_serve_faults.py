@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 
 import sippcache
+from tests import test_serve
 from tests.test_serve import QUESTIONS, Conversation, gemma_args
 
 pytestmark = pytest.mark.gemma
+servers = test_serve.servers  # the fixture, shared with test_serve.py
 
 
 def file_size_limit(limit: int) -> Callable[[], None]:
@@ -61,7 +63,9 @@ def test_a_full_disk_costs_speed_only(gemma_model: Path, servers, tmp_path: Path
 
 def test_redis_going_down_costs_speed_only(gemma_model: Path, servers, tmp_path: Path) -> None:
     info = sippcache.backends().get("redis")
-    assert info is not None and info.usable, "the sippcache-redis plugin is not installed (the test command installs it)"
+    assert info is not None and info.usable, (
+        "the sippcache-redis plugin is not installed (the test command installs it)"
+    )
     from sippcache_redis.servers import ValkeyServer
 
     with ValkeyServer(tmp_path / "valkey") as valkey:

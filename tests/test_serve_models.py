@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 import sippcache
+from tests import test_serve
 from tests.test_serve import SYSTEM, delta
 
 pytestmark = pytest.mark.gemma
+servers = test_serve.servers  # the fixture, shared with test_serve.py
 
 KEYS = ("lookups", "hits", "tokens_reused", "tokens_evaluated", "entries_written")
 
@@ -34,7 +36,8 @@ def test_two_models_and_alias_swapping(gemma_model: Path, tiny_model: Path, serv
     def ask(alias: str) -> tuple[str, dict[str, int]]:
         before = server.model_stats(alias)
         if alias == "tiny":  # no chat template: a completion
-            text = client.completions.create(model=alias, prompt=tiny_prompt, temperature=0, max_tokens=8).choices[0].text
+            completion = client.completions.create(model=alias, prompt=tiny_prompt, temperature=0, max_tokens=8)
+            text = completion.choices[0].text
         else:
             reply = client.chat.completions.create(model=alias, messages=messages, temperature=0, max_tokens=12)
             text = reply.choices[0].message.content or ""
@@ -60,7 +63,8 @@ def test_two_models_and_alias_swapping(gemma_model: Path, tiny_model: Path, serv
     stats = server.stats()["models"]
     assert all(stats[alias]["lookups"] == 2 for alias in stats)  # counts survive unloading
     metrics = server.metrics()
-    assert metrics['sippcache_model_loaded{model="tiny"}'] == 1 and metrics['sippcache_model_loaded{model="gemma"}'] == 0
+    assert metrics['sippcache_model_loaded{model="tiny"}'] == 1
+    assert metrics['sippcache_model_loaded{model="gemma"}'] == 0
     assert metrics['sippcache_hits_total{model="gemma-q8k"}'] == 1
     server.stop()
 

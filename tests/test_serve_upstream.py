@@ -30,18 +30,23 @@ def test_upstream_symbols_are_where_serve_expects_them() -> None:
     import llama_cpp.server.settings as settings
 
     def need(condition: bool, symbol: str, why: str) -> None:
-        assert condition, f"llama-cpp-python {llama_cpp.__version__} moved {symbol}: sippcache.serve relies on it ({why})"
+        assert condition, (
+            f"llama-cpp-python {llama_cpp.__version__} moved {symbol}: sippcache.serve relies on it ({why})"
+        )
 
     need(callable(getattr(app, "create_app", None)), "llama_cpp.server.app.create_app", "it builds the app")
     parameters = inspect.signature(app.create_app).parameters if hasattr(app, "create_app") else {}
     need({"server_settings", "model_settings"} <= set(parameters),
          "create_app(server_settings=, model_settings=)", "serve passes the parsed settings")  # fmt: skip
     need(getattr(app, "LlamaProxy", None) is model.LlamaProxy or getattr(app, "LlamaProxy", None) is not None,
-         "llama_cpp.server.app.LlamaProxy", "install() replaces this module global, which create_app instantiates")  # fmt: skip
+         "llama_cpp.server.app.LlamaProxy",
+         "install() replaces this module global, which create_app instantiates")  # fmt: skip
     need("LlamaProxy(models=" in inspect.getsource(app.set_llama_proxy),
-         "llama_cpp.server.app.set_llama_proxy", "it must build the proxy by the module-global name LlamaProxy")  # fmt: skip
+         "llama_cpp.server.app.set_llama_proxy",
+         "it must build the proxy by the module-global name LlamaProxy")  # fmt: skip
     need(hasattr(app, "_llama_proxy"), "llama_cpp.server.app._llama_proxy", "the proxy the endpoints use")
-    need(callable(getattr(app, "authenticate", None)), "llama_cpp.server.app.authenticate", "the API key check on /metrics")
+    need(callable(getattr(app, "authenticate", None)), "llama_cpp.server.app.authenticate",
+         "the API key check on /metrics")  # fmt: skip
     loader = inspect.getattr_static(model.LlamaProxy, "load_llama_from_model_settings", None)
     need(isinstance(loader, staticmethod), "LlamaProxy.load_llama_from_model_settings (a staticmethod)",
          "CachingLlamaProxy overrides it")  # fmt: skip
@@ -51,7 +56,8 @@ def test_upstream_symbols_are_where_serve_expects_them() -> None:
     need("settings.cache" in inspect.getsource(model.LlamaProxy.load_llama_from_model_settings),
          "ModelSettings.cache in the loader", "serve turns upstream's cache off with cache=False")  # fmt: skip
     need(callable(getattr(cli, "add_args_from_model", None)) and callable(getattr(cli, "parse_model_from_args", None)),
-         "llama_cpp.server.cli.add_args_from_model/parse_model_from_args", "serve parses arguments with them")  # fmt: skip
+         "llama_cpp.server.cli.add_args_from_model/parse_model_from_args",
+         "serve parses arguments with them")  # fmt: skip
     for name in ("Settings", "ServerSettings", "ModelSettings", "ConfigFileSettings"):
         need(hasattr(settings, name), f"llama_cpp.server.settings.{name}", "serve parses settings with it")
     from sippcache.serve import STATE_SETTINGS, UPSTREAM_CACHE_SETTINGS
@@ -157,8 +163,10 @@ def test_logprobs_are_upstream_s(tiny_model: Path, tmp_path: Path) -> None:
                 assert got["choices"][0]["text"] == expected["choices"][0]["text"]
                 want, have = expected["choices"][0]["logprobs"], got["choices"][0]["logprobs"]
                 assert have["tokens"] == want["tokens"]
-                for a, b in zip(have["token_logprobs"], want["token_logprobs"]):
-                    assert (a is None and b is None) or abs(a - b) < 1e-3, (echo, have["token_logprobs"], want["token_logprobs"])
+                for a, b in zip(have["token_logprobs"], want["token_logprobs"], strict=False):
+                    assert (a is None and b is None) or abs(a - b) < 1e-3, (
+                        echo, have["token_logprobs"], want["token_logprobs"]
+                    )
         row = pool.model_rows()[0]
         assert row["hits"] >= 2  # the warm one, and the other prompt's
         assert row["logits_hits"] >= 1  # the warm one was an exact repeat: answered from stored logits
@@ -259,9 +267,11 @@ def test_bad_settings_and_a_bad_default_url_are_one_line_too(tiny_model: Path, t
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"models": [{"model": str(tiny_model), "cache_url": 3}]}))
     result = run_serve("--config_file", str(config))
-    assert result.returncode == 2 and "cache_url must be a cache URL" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "cache_url must be a cache URL" in result.stderr
+    assert "Traceback" not in result.stderr
     result = run_serve("--model", str(tmp_path / "missing.gguf"), "--cache", "ram://")
-    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: cannot start the server")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: cannot start the server")
     assert "Traceback" not in result.stderr
 
 

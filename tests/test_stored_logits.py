@@ -278,6 +278,44 @@ def test_the_completion_state_copy_is_skipped_but_save_state_still_works(make_ll
     cache.close()
 
 
+class CountingLlama(SippLlama):
+    """sippcache's Llama, counting the whole-context states it is asked for."""
+
+    saved = 0
+
+    def save_state(self) -> llama_cpp.llama.LlamaState:
+        self.saved += 1
+        return super().save_state()
+
+
+@pytest.mark.parametrize("path", sorted(COMPLETIONS))
+def test_completions_with_llama_cache_make_no_whole_context_state(make_llama, tiny_model, url, monkeypatch, path):
+    """llama-cpp-python hands its cache `save_state()` after each completion; with a
+    LlamaCache (which stores the sequence itself) sippcache's Llama is never asked for
+    it, and llama.cpp's whole-context copy (llama_state_get_size/get_data, through
+    either binding) is never made. What is stored is what the hook stores: the context."""
+    made = []
+    for module in (llama_cpp, llama_cpp.llama_cpp):
+        for name in ("llama_state_get_size", "llama_state_get_data"):
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, real=real, name=name: made.append(name) or real(*a))
+    text = "Sphinx of black quartz, judge my vow. " * 8
+    llm = make_llama(tiny_model, cls=CountingLlama, chat_format="chatml")
+    cache = LlamaCache(url)
+    llm.set_cache(cache)
+    for stream in (False, True, False):
+        completion_text(COMPLETIONS[path](llm, text, stream), stream)
+        pc = cache.prefix_cache(llm)
+        pc.flush()
+        context = [int(t) for t in llm.input_ids[: llm.n_tokens]]
+        assert pc.cache.peek(context, namespace=pc.namespace, partial=False).length == len(context)
+    assert (llm.saved, made) == (0, [])
+    assert cache.prefix_cache(llm).stats()["logits_hits"] >= 1  # the repeats restored the prompt
+    assert llm.save_state().n_tokens == llm.n_tokens and llm.saved == 1  # still there for callers
+    assert "llama_state_get_data" in made
+    cache.close()
+
+
 def test_old_format_entries_still_load(make_llama, tiny_model) -> None:
     """An entry written by sippcache 0.1 (frame version 1: the state of the prompt
     minus its last token, no logits) is restored; the last token is evaluated."""
