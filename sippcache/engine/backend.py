@@ -18,7 +18,7 @@ from typing import Any
 from .. import tokens as _tokens
 from ..base import BaseBackend
 from ..catalog import StorePlan, refuse
-from ..errors import CacheFull
+from ..errors import CacheFull, ReadOnlyStore
 from ..protocol import EntryInfo, Match, Peek, Stats, StoreOptions
 from . import forking
 from .layout import (
@@ -64,11 +64,14 @@ class KVBackend(BaseBackend):
 
     Subclasses implement `_transaction` and `_reader` (and `_close_store`);
     everything else is here. All in-memory state is guarded by one lock, so an
-    instance may be shared by threads.
+    instance may be shared by threads. A `read_only` instance never starts a
+    write transaction: uses are not recorded and damaged entries stay.
     """
 
-    def __init__(self, *, max_bytes: int | None, max_entries: int | None, location: str) -> None:
-        super().__init__()
+    def __init__(
+        self, *, max_bytes: int | None, max_entries: int | None, location: str, read_only: bool = False
+    ) -> None:
+        super().__init__(read_only=read_only)
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         if max_entries is not None and max_entries <= 0:
@@ -173,7 +176,7 @@ class KVBackend(BaseBackend):
                 return None
             if not isinstance(blob, memoryview):
                 end()
-            if touch:
+            if touch and not self.read_only:
                 self._replica.uses.record(self._replica.catalog, hit.entry_id)
             self._counters["hits"] += 1
             stored_key = index.key_of(hit.entry_id)
@@ -192,7 +195,7 @@ class KVBackend(BaseBackend):
         with self._lock:
             self._refresh()
             found = eid in self._replica.catalog
-            if found:
+            if found and not self.read_only:
                 self._replica.uses.record(self._replica.catalog, eid)
                 self._flush_touches_if_due()
             return found
@@ -272,8 +275,7 @@ class KVBackend(BaseBackend):
                 )
             return found
 
-    def purge_damaged(self) -> int:
-        """Remove entries whose index record is unreadable now, rather than on the next write."""
+    def _remove_damaged(self) -> int:
         with self._lock:
             self._refresh()
             count = len(self._replica.damaged)
@@ -290,7 +292,7 @@ class KVBackend(BaseBackend):
         release_unreferenced_blobs()
         with self._lock:
             try:
-                if self._replica.uses.items:
+                if self._replica.uses.items and not self.read_only:
                     self._write(_nothing)
             except Exception as exc:  # closing must not fail over lost recency data
                 log.warning("sippcache: could not save recency updates on close: %s", exc)
@@ -303,6 +305,8 @@ class KVBackend(BaseBackend):
         log records, then apply its in-memory updates. On `CacheFull` (the store
         itself has no room), retry once (the backend may have made room: LMDB grows
         its map), then evict down to half the stored bytes and retry a last time."""
+        if self.read_only:  # the public methods refuse first; this guards every other path
+            raise ReadOnlyStore(f"{self.location} is open read-only")
         with self._lock:
             try:
                 self._write_once(change)
@@ -402,7 +406,7 @@ class KVBackend(BaseBackend):
     # -- recency -------------------------------------------------------------------
 
     def _flush_touches_if_due(self) -> None:
-        if self._replica.uses.due():
+        if self._replica.uses.due() and not self.read_only:
             try:
                 self._write(_nothing)
             except Exception as exc:  # recency is advisory: never fail a lookup over it
