@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from . import tokens as _tokens
 from .errors import BadOption, CacheClosed, CorruptStore, ReadOnlyStore, SippcacheError, StoreError
@@ -81,8 +81,9 @@ class BaseBackend(ABC):
     def _from_url(cls, location: str, options: Mapping[str, str], **fixed: Any) -> BaseBackend:
         """`cls(location, **options, **fixed)`, the options coerced to their types."""
         kwargs = coerce_options(cls.__name__, options, cls.options)
+        build = cast(Callable[..., BaseBackend], cls)  # a concrete subclass: its own __init__ takes the location
         try:
-            return cls(location, **kwargs, **fixed)  # type: ignore[call-arg]
+            return build(location, **kwargs, **fixed)
         except ValueError as exc:  # out-of-range values, a missing or extra path
             raise BadOption(f"{cls.__name__}: {exc}") from exc
 

@@ -21,11 +21,19 @@ from pathlib import Path
 import pytest
 
 import sippcache
+from sippcache.base import BaseBackend
 from sippcache.errors import NoStore, ReadOnlyStore
 
 SCHEMES = ["lmdb", "diskcache"]
 STORE_FILE = {"lmdb": "data.mdb", "diskcache": "cache.db"}
 BLOB = b"state bytes " * 10
+
+
+def _opened(url: str, *, read_only: bool = False, must_exist: bool = False) -> BaseBackend:
+    """`sippcache.open`, as the `BaseBackend` every built-in backend is (for `read_only`, `purge_damaged`)."""
+    cache = sippcache.open(url, read_only=read_only, must_exist=must_exist)
+    assert isinstance(cache, BaseBackend)
+    return cache
 
 
 def _fill(url: str) -> None:
@@ -76,8 +84,8 @@ def test_must_exist_names_a_directory_without_a_store(scheme: str, tmp_path: Pat
 
 def test_must_exist_opens_an_existing_store(scheme: str, tmp_path: Path) -> None:
     _fill(f"{scheme}://{tmp_path}/db")
-    with sippcache.open(f"{scheme}://{tmp_path}/db", must_exist=True) as cache:
-        assert len(cache) == 3 and not cache.read_only  # type: ignore[attr-defined]
+    with _opened(f"{scheme}://{tmp_path}/db", must_exist=True) as cache:
+        assert len(cache) == 3 and not cache.read_only
 
 
 def test_ram_and_tiered_cannot_tell_so_must_exist_opens_them(tmp_path: Path) -> None:
@@ -102,8 +110,8 @@ def test_read_only_reads_everything_and_writes_nothing(scheme: str, tmp_path: Pa
     url = f"{scheme}://{tmp_path}/db"
     _fill(url)
     before = _fingerprint(tmp_path / "db")
-    with sippcache.open(url, read_only=True) as cache:
-        assert cache.read_only  # type: ignore[attr-defined]
+    with _opened(url, read_only=True) as cache:
+        assert cache.read_only
         assert len(cache) == 3
         stats = cache.stats()
         assert (stats.entries, stats.namespaces, stats.pinned) == (3, 2, 1)
@@ -111,8 +119,9 @@ def test_read_only_reads_everything_and_writes_nothing(scheme: str, tmp_path: Pa
             ("a", (1, 2, 3)), ("a", (1, 2, 3, 4, 5)), ("b", (7,))
         ]  # fmt: skip
         for _ in range(600):  # more uses than one recency batch: none may be saved
-            with cache.lookup([1, 2, 3, 4, 5, 6], namespace="a") as match:
-                assert match.length == 5 and bytes(match.blob) == BLOB + b"!"
+            match = cache.lookup([1, 2, 3, 4, 5, 6], namespace="a")
+            assert match is not None and match.length == 5 and bytes(match.blob) == BLOB + b"!"
+            match.release()
             assert cache.touch([7], namespace="b")
         peeked = cache.peek([1, 2, 3, 9], namespace="a")
         assert peeked is not None and peeked.length == 3
@@ -123,14 +132,14 @@ def test_writes_through_a_read_only_handle_raise_read_only_store(scheme: str, tm
     url = f"{scheme}://{tmp_path}/db"
     _fill(url)
     before = _fingerprint(tmp_path / "db")
-    with sippcache.open(url, read_only=True) as cache:
+    with _opened(url, read_only=True) as cache:
         writes = {
             "store": lambda: cache.store([9], b"x"),
             "delete": lambda: cache.delete([7], namespace="b"),
             "pin": lambda: cache.pin([7], namespace="b"),
             "unpin": lambda: cache.unpin([1, 2, 3, 4, 5], namespace="a"),
             "clear": cache.clear,
-            "purge_damaged": cache.purge_damaged,  # type: ignore[attr-defined]
+            "purge_damaged": cache.purge_damaged,
         }
         for name, write in writes.items():
             with pytest.raises(ReadOnlyStore, match="open read-only"):
@@ -152,8 +161,9 @@ def test_a_read_only_handle_sees_a_writers_changes(scheme: str, tmp_path: Path) 
     with sippcache.open(url) as writer, sippcache.open(url, read_only=True) as reader:  # LMDB: writer first
         assert reader.lookup([5, 6], namespace="c") is None
         writer.store([5, 6], b"new", namespace="c")
-        with reader.lookup([5, 6], namespace="c") as match:  # type: ignore[union-attr]
-            assert bytes(match.blob) == b"new"
+        match = reader.lookup([5, 6], namespace="c")
+        assert match is not None and bytes(match.blob) == b"new"
+        match.release()
         writer.delete([7], namespace="b")
         assert len(reader) == 3
 
@@ -162,17 +172,16 @@ def test_lmdb_cannot_be_opened_for_writing_while_read_only_in_this_process(tmp_p
     """LMDB allows one environment per path per process: a read-only one cannot serve writers."""
     url = f"lmdb://{tmp_path}/db"
     _fill(url)
-    with sippcache.open(url, read_only=True):
-        with pytest.raises(ReadOnlyStore, match="open read-only in this process"):
-            sippcache.open(url)
+    with sippcache.open(url, read_only=True), pytest.raises(ReadOnlyStore, match="open read-only in this process"):
+        sippcache.open(url)
     with sippcache.open(url) as writer, sippcache.open(url, read_only=True) as reader:
         writer.store([8], b"x")  # the other way round shares the writable environment
         assert len(reader) == 4
 
 
 def test_backends_that_cannot_open_read_only_open_normally() -> None:
-    with sippcache.open("ram://", read_only=True) as cache:
-        assert not cache.read_only  # type: ignore[attr-defined]
+    with _opened("ram://", read_only=True) as cache:
+        assert not cache.read_only
         assert cache.store([1], b"x")
 
 
@@ -182,10 +191,10 @@ def test_backends_that_cannot_open_read_only_open_normally() -> None:
 def test_purge_damaged_is_on_every_base_backend(tmp_path: Path) -> None:
     l1, l2 = f"lmdb://{tmp_path}/l1", f"lmdb://{tmp_path}/l2"
     tiered = f"tiered://?l1={l1}&l2={l2}"
-    with sippcache.open(tiered) as cache:
-        assert cache.purge_damaged() == 0  # type: ignore[attr-defined]  # the default: nothing to remove
-    with sippcache.open("ram://") as cache:
-        assert cache.purge_damaged() == 0  # type: ignore[attr-defined]
+    with _opened(tiered) as cache:
+        assert cache.purge_damaged() == 0  # the default: nothing to remove
+    with _opened("ram://") as cache:
+        assert cache.purge_damaged() == 0
 
 
 def test_purge_damaged_removes_entries_with_unreadable_index_records(tmp_path: Path) -> None:
@@ -198,9 +207,9 @@ def test_purge_damaged_removes_entries_with_unreadable_index_records(tmp_path: P
         key = next(k for k, _ in txn.cursor() if k.startswith(b"M"))
         txn.put(key, b"\xc1 not msgpack")
     env.close()
-    with sippcache.open(url) as cache:
+    with _opened(url) as cache:
         assert cache.stats().damaged == 1
-        assert cache.purge_damaged() == 1  # type: ignore[attr-defined]
+        assert cache.purge_damaged() == 1
         assert cache.stats().damaged == 0 and len(cache) == 2
 
 

@@ -118,18 +118,21 @@ def _open_environment(path: str, map_size: int, sync: bool, max_readers: int, re
         check_store_files(path, STORE_FILES)
     else:
         prepare_directory(path, STORE_FILES)
-    settings = dict(
-        map_size=map_size, subdir=True, sync=sync, max_readers=max_readers, readahead=False, meminit=False,
-        mode=0o600, max_dbs=0, max_spare_txns=0, readonly=read_only,
-    )  # fmt: skip
+
+    def environment(lock: bool) -> lmdb.Environment:
+        return lmdb.open(
+            path, map_size=map_size, subdir=True, sync=sync, max_readers=max_readers, readahead=False,
+            meminit=False, mode=0o600, max_dbs=0, max_spare_txns=0, readonly=read_only, lock=lock,
+        )  # fmt: skip
+
     try:
         try:
-            return lmdb.open(path, **settings)
+            return environment(lock=True)
         except lmdb.Error as exc:
             if not (read_only and _denied(exc)):
                 raise
         # This user may not write lock.mdb: read without LMDB's lock table (see the module docstring).
-        return lmdb.open(path, lock=False, **settings)
+        return environment(lock=False)
     except LMDBBackend.damage_errors as exc:
         raise CorruptStore(f"{path} is not a readable LMDB store: {exc}") from exc
     except lmdb.Error as exc:
@@ -163,7 +166,7 @@ fork_safe_lock(lambda: _SharedEnv._lock, lambda lock: setattr(_SharedEnv, "_lock
 
 
 class _LMDBTxn:
-    def __init__(self, txn: lmdb.Transaction) -> None:
+    def __init__(self, txn: lmdb.Transaction[Blob]) -> None:
         self._txn = txn
 
     def get(self, key: bytes) -> Blob | None:
@@ -279,15 +282,20 @@ class LMDBBackend(KVBackend):
         return _LMDBTxn(txn), end
 
     @staticmethod
-    def _begin(shared: _SharedEnv, write: bool) -> lmdb.Transaction:
+    def _begin(shared: _SharedEnv, write: bool) -> lmdb.Transaction[Blob]:
+        """A write transaction, or a read transaction whose values are views of the map."""
+
+        def begin() -> lmdb.Transaction[Blob]:
+            return shared.env.begin(write=True) if write else shared.env.begin(buffers=True)
+
         try:
-            return shared.env.begin(write=write, buffers=not write)
+            return begin()
         except lmdb.MapResizedError:  # another process grew the map: adopt its size
             if not shared.resize(0):
                 raise
         except lmdb.ReadersFullError:  # slots held by dead processes: free them
             shared.env.reader_check()
-        return shared.env.begin(write=write, buffers=not write)
+        return begin()
 
     def _close_store(self) -> None:
         self._shared.release()
