@@ -99,6 +99,7 @@ class BaseBackend(ABC):
         pinned: bool = False,
         generation: int | None = None,
     ) -> bool:
+        """See `CacheBackend.store`; checks the tokens, namespace, blob and options first."""
         key = _tokens.encode(tokens)
         if not key:
             raise ValueError("cannot store an empty token sequence")
@@ -117,6 +118,7 @@ class BaseBackend(ABC):
     def lookup(
         self, tokens: Tokens, *, namespace: str = "", partial: bool = False, touch: bool = True
     ) -> Match | None:
+        """See `CacheBackend.lookup`; an empty query is a miss."""
         key = self._query_key(tokens, namespace)
         if not key:
             return None
@@ -124,6 +126,7 @@ class BaseBackend(ABC):
             return self._lookup(key, namespace, bool(partial), bool(touch))
 
     def peek(self, tokens: Tokens, *, namespace: str = "", partial: bool = False) -> Peek | None:
+        """See `CacheBackend.peek`; an empty query finds nothing."""
         key = self._query_key(tokens, namespace)
         if not key:
             return None
@@ -131,20 +134,24 @@ class BaseBackend(ABC):
             return self._peek(key, namespace, bool(partial))
 
     def delete(self, tokens: Tokens, *, namespace: str = "") -> bool:
+        """See `CacheBackend.delete`."""
         key = self._query_key(tokens, namespace)
         self._check_writable()
         with self._library_errors_translated():
             return bool(key) and self._delete(key, namespace)
 
     def touch(self, tokens: Tokens, *, namespace: str = "") -> bool:
+        """See `CacheBackend.touch`."""
         key = self._query_key(tokens, namespace)
         with self._library_errors_translated():
             return bool(key) and self._touch_entry(key, namespace)
 
     def pin(self, tokens: Tokens, *, namespace: str = "") -> bool:
+        """See `CacheBackend.pin`."""
         return self._pin(tokens, namespace, True)
 
     def unpin(self, tokens: Tokens, *, namespace: str = "") -> bool:
+        """See `CacheBackend.unpin`."""
         return self._pin(tokens, namespace, False)
 
     def _pin(self, tokens: Tokens, namespace: str, pinned: bool) -> bool:
@@ -154,17 +161,20 @@ class BaseBackend(ABC):
             return bool(key) and self._set_pinned(key, namespace, pinned)
 
     def clear(self) -> None:
+        """See `CacheBackend.clear`."""
         self._check_open()
         self._check_writable()
         with self._library_errors_translated():
             self._clear()
 
     def stats(self) -> Stats:
+        """See `CacheBackend.stats`."""
         self._check_open()
         with self._library_errors_translated():
             return self._stats()
 
     def entries(self, namespace: str | None = None) -> Iterator[EntryInfo]:
+        """See `CacheBackend.entries`."""
         if namespace is not None:
             _check_namespace(namespace)
         self._check_open()
@@ -185,6 +195,7 @@ class BaseBackend(ABC):
             return self._remove_damaged()
 
     def close(self) -> None:
+        """See `CacheBackend.close`; closing twice does nothing."""
         with self._close_lock:
             if self._closed:
                 return
@@ -193,6 +204,7 @@ class BaseBackend(ABC):
 
     @property
     def closed(self) -> bool:
+        """Whether `close` was called."""
         return self._closed
 
     def __enter__(self) -> BaseBackend:

@@ -100,21 +100,25 @@ class BytesOnlyDisk(diskcache.Disk):  # type: ignore[misc]  # diskcache is untyp
                 raise CorruptStore(f"refusing value folder {folder}: it is not a real folder")
 
     def put(self, key: Any) -> tuple[Any, bool]:
+        """The database key of `key`, which must be bytes (stored raw, never pickled)."""
         if type(key) is not bytes:
             raise TypeError("sippcache stores only bytes keys in diskcache")
         return cast(tuple[Any, bool], super().put(key))
 
     def get(self, key: Any, raw: bool) -> Any:
+        """A key read from the database; a pickled one (not ours) is never unpickled."""
         if not raw:
             return _FOREIGN_KEY  # a pickled key (not ours): never unpickled, skipped by scans
         return super().get(key, raw)
 
     def store(self, value: Any, read: bool, key: Any = diskcache.core.UNKNOWN) -> Any:
+        """The database fields of `value`, which must be bytes."""
         if type(value) is not bytes:
             raise TypeError("sippcache stores only bytes values in diskcache")
         return super().store(value, read, key)
 
     def fetch(self, mode: int, filename: Any, value: Any, read: bool) -> Any:
+        """A stored value, read only in the raw or binary modes and only inside the store."""
         if mode not in (diskcache.core.MODE_RAW, diskcache.core.MODE_BINARY):
             raise CorruptStore(f"refusing to decode a diskcache value stored in mode {mode}")
         if filename is not None:
@@ -125,6 +129,7 @@ class BytesOnlyDisk(diskcache.Disk):  # type: ignore[misc]  # diskcache is untyp
     deferred: list[str] | None = None
 
     def remove(self, file_path: str) -> None:
+        """Delete a value file inside the store, once the transaction that dropped its row commits."""
         try:
             self._inside(file_path)
         except CorruptStore as exc:  # drop the row, never touch the outside file
