@@ -168,6 +168,26 @@ def test_a_read_only_handle_sees_a_writers_changes(scheme: str, tmp_path: Path) 
         assert len(reader) == 3
 
 
+def test_a_read_only_handle_works_in_a_forked_child(scheme: str, tmp_path: Path) -> None:
+    url = f"{scheme}://{tmp_path}/db"
+    _fill(url)
+    with sippcache.open(url, read_only=True) as cache:
+        assert len(cache) == 3
+        pid = os.fork()
+        if pid == 0:  # the child opens its own environment / connection on first use
+            code = 1
+            try:
+                match = cache.lookup([1, 2, 3], namespace="a")
+                code = 0 if match is not None and bytes(match.blob) == BLOB and len(cache) == 3 else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        match = cache.lookup([1, 2, 3], namespace="a")
+        assert match is not None and bytes(match.blob) == BLOB
+        match.release()
+
+
 def test_lmdb_cannot_be_opened_for_writing_while_read_only_in_this_process(tmp_path: Path) -> None:
     """LMDB allows one environment per path per process: a read-only one cannot serve writers."""
     url = f"lmdb://{tmp_path}/db"

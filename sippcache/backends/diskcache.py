@@ -175,6 +175,7 @@ class _ReadOnlyTxn:
     def __init__(self, con: sqlite3.Connection, disk: BytesOnlyDisk) -> None:
         self.con = con
         self._disk = disk
+        self.pid = os.getpid()  # a SQLite connection must not be used across fork
 
     def get(self, key: bytes) -> bytes | None:
         rows = self.con.execute(self._SELECT + " AND key = ?", (time.time(), key)).fetchall()
@@ -268,6 +269,9 @@ class DiskCacheBackend(KVBackend):
         if missing is not None:
             raise NoStore(f"no cache at {self.location} ({missing})")
         check_store_files(self.path, STORE_FILES)
+        self._connect_for_reading()
+
+    def _connect_for_reading(self) -> None:
         self._reading = _ReadOnlyTxn(_open_read_only(self.path), BytesOnlyDisk(self.path))
 
     @classmethod
@@ -316,6 +320,9 @@ class DiskCacheBackend(KVBackend):
         # A read transaction, so one lookup or listing sees a single commit (on this
         # thread's connection: diskcache 5.x keeps one connection per thread).
         if self._reading is not None:
+            if self._reading.pid != os.getpid():  # forked: leave the parent's connection alone
+                self._connect_for_reading()
+                assert self._reading is not None
             execute: Callable[[str], Any] = self._reading.con.execute
             txn: KVTxn = self._reading
         else:
@@ -326,6 +333,7 @@ class DiskCacheBackend(KVBackend):
 
     def _close_store(self) -> None:
         if self._reading is not None:
-            self._reading.con.close()
+            if self._reading.pid == os.getpid():
+                self._reading.con.close()
         else:
             self._cache.close()
