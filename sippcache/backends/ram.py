@@ -11,6 +11,7 @@ from typing import ClassVar
 
 from ..engine import KVBackend, KVTxn
 from ..options import Size
+from ..protocol import Blob
 
 DEFAULT_MAX_BYTES = 1024**3
 
@@ -26,7 +27,7 @@ class _DictTxn:
     def get(self, key: bytes) -> bytes | None:
         return self._data.get(key)
 
-    def put(self, key: bytes, value: bytes | memoryview) -> None:
+    def put(self, key: bytes, value: Blob) -> None:
         assert self._undo is not None, "write in a read transaction"
         self._undo.append((key, self._data.get(key)))
         # Keep an immutable bytes object as it is (no copy); copy anything mutable.
@@ -48,7 +49,9 @@ class RAMBackend(KVBackend):
     persistent: ClassVar[bool] = False
     options: ClassVar[dict[str, type]] = {"max_bytes": Size, "max_entries": int}
 
-    def __init__(self, location: str = "", *, max_bytes: int | None = DEFAULT_MAX_BYTES, max_entries: int | None = None) -> None:
+    def __init__(
+        self, location: str = "", *, max_bytes: int | None = DEFAULT_MAX_BYTES, max_entries: int | None = None
+    ) -> None:
         if location:
             raise ValueError(f"ram:// takes no path, got {location!r}")
         super().__init__(max_bytes=max_bytes, max_entries=max_entries, location="ram://")
