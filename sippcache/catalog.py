@@ -27,11 +27,17 @@ ordering strictly by token count, oldest last, reuses less than half as many.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import logging
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import xxhash
 
 from .errors import CacheFull
 from .index import PrefixIndex
@@ -40,6 +46,9 @@ from .protocol import Peek, Stats, StoreOptions
 log = logging.getLogger("sippcache")
 
 _TOKEN = 4  # bytes per token in index keys
+#: Starts every `Catalog.snapshot`; a new layout gets a new one, and older snapshots are ignored.
+SNAPSHOT_MAGIC = b"sippcache-catalog-1\n"
+_DIGEST = 16  # xxh3_128 of the snapshot's body
 
 
 @dataclass(slots=True)
@@ -56,6 +65,9 @@ class EntryState:
     value: float  # GreedyDual retention value
     pinned: bool = False
     superseded: bool = False
+    #: A hash of the backend's stored record of the entry (0: none), so a use can
+    #: check the record is still the one this state was read from.
+    record_hash: int = 0
 
     def order(self) -> tuple[bool, float, int]:
         """Eviction order: lowest first."""
@@ -77,6 +89,20 @@ class StorePlan:
     victims: list[bytes] = field(default_factory=list)
     clock: float = 0.0
     superseded: bytes | None = None
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection inside: building a catalog of many entries
+    allocates objects faster than the collector's thresholds assume, and its
+    full passes over the growing heap would cost more than the build itself."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class Catalog:
@@ -145,6 +171,62 @@ class Catalog:
 
     def clear(self) -> None:
         self.__init__()  # type: ignore[misc]
+
+    # -- snapshots -------------------------------------------------------------------
+
+    def snapshot(self, position: int) -> bytes:
+        """The whole catalog as bytes that `from_snapshot` loads much faster than
+        putting every entry again (no key is inserted into the index one by one).
+        `position` is the backend's: what the snapshot reflects (a log sequence
+        number). Checksummed, so damage makes `from_snapshot` refuse it."""
+        trees = self.index.dump()
+        states = [self._entries[eid] for tree in trees for eid in tree[3] if eid]  # in the dump's order
+        columns = [  # every field but the namespace, which the index knows
+            [e.tokens for e in states], [e.size for e in states], [e.priority for e in states],
+            [e.generation for e in states], [e.created for e in states], [e.used for e in states],
+            [e.value for e in states], [e.pinned for e in states], [e.superseded for e in states],
+            [e.record_hash for e in states],
+        ]  # fmt: skip
+        body = msgpack.packb([position, self.clock, trees, columns])
+        return SNAPSHOT_MAGIC + xxhash.xxh3_128_digest(body) + body
+
+    @classmethod
+    def from_snapshot(cls, raw: bytes | memoryview) -> tuple[Catalog, int] | None:
+        """The catalog a `snapshot` holds and its position; None if `raw` is not an
+        intact snapshot of this layout (damaged, cut short, another version)."""
+        start = len(SNAPSHOT_MAGIC)
+        if bytes(raw[:start]) != SNAPSHOT_MAGIC or len(raw) < start + _DIGEST:
+            return None
+        body = memoryview(raw)[start + _DIGEST :]
+        if xxhash.xxh3_128_digest(body) != bytes(raw[start : start + _DIGEST]):
+            return None
+        catalog = cls()
+        with paused_gc():
+            try:
+                position, clock, trees, columns = msgpack.unpackb(body, raw=False)
+                catalog._load(float(clock), trees, columns)
+            except (ValueError, TypeError, IndexError, StopIteration, msgpack.UnpackException):
+                return None
+        if type(position) is not int:
+            return None
+        return catalog, position
+
+    def _load(self, clock: float, trees: list[list[Any]], columns: list[list[Any]]) -> None:
+        """Fill an empty catalog from a snapshot's parts; raises if they do not fit together."""
+        used = columns[5]
+        self.index.load(trees, iter(used))
+        ids = [eid for tree in trees for eid in tree[3] if eid]
+        namespaces = [tree[0] for tree in trees for eid in tree[3] if eid]
+        if len(columns) != 10 or not all(len(column) == len(ids) for column in columns):
+            raise ValueError("snapshot index and entries differ")
+        states = list(map(EntryState, namespaces, *columns))
+        self._entries = entries = dict(zip(ids, states))
+        self.clock = clock
+        self.total = sum(columns[1])
+        pinned = [state.size for state in states if state.pinned]
+        self.pinned_bytes, self.pinned_count = sum(pinned), len(pinned)
+        self._heap = [(*state.order(), eid) for eid, state in entries.items() if not state.pinned]
+        heapq.heapify(self._heap)
 
     def use(self, eid: bytes, used: int, value: float | None = None) -> None:
         """Record a use at `used` (ns): a new retention value, and no longer superseded."""

@@ -12,7 +12,9 @@ partial match go to that entry without visiting the subtree.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 _TOKEN = 4  # bytes per token
 
@@ -156,6 +158,60 @@ class PrefixIndex:
 
     def clear(self) -> None:
         self.__init__()  # type: ignore[misc]
+
+    def dump(self) -> list[list[Any]]:
+        """The trees as plain lists that msgpack packs in C, so a store can keep its
+        index and load it without inserting every key again: per namespace
+        `[namespace, edges, parent positions, entry ids (b"" for none)]`, nodes in
+        preorder (a parent before its children, the root first). Ranks are left
+        out: the caller keeps them with its entries, in the order the dump lists them."""
+        trees = []
+        for namespace, root in self._roots.items():
+            edges, parents, entries = [], [], []
+            stack: list[tuple[_Node, int]] = [(root, -1)]
+            while stack:
+                node, parent = stack.pop()
+                position = len(edges)
+                edges.append(node.edge)
+                parents.append(parent)
+                entries.append(node.entry or b"")
+                stack.extend((child, position) for child in node.children.values())
+            trees.append([namespace, edges, parents, entries])
+        return trees
+
+    def load(self, trees: list[list[Any]], ranks: Iterator[int]) -> None:
+        """Replace the contents by a `dump()`, the entries' ranks given in the order the
+        dump lists them. A dump that is not well formed raises (ValueError, TypeError,
+        IndexError, StopIteration) and leaves the index unusable: clear it then."""
+        self.clear()
+        nodes_of, namespace_of = self._nodes, self._namespace
+        for namespace, edges, parents, entries in trees:
+            if not (type(namespace) is str and len(edges) == len(parents) == len(entries) > 1
+                    and parents[0] == -1 and edges[0] == b"" and namespace not in self._roots):  # fmt: skip
+                raise ValueError("not an index dump")
+            nodes: list[_Node] = []
+            for position, (edge, parent, entry) in enumerate(zip(edges, parents, entries)):
+                if (type(edge) is not bytes or type(entry) is not bytes or len(edge) % _TOKEN
+                        or (position and not (edge and 0 <= parent < position))):  # fmt: skip
+                    raise ValueError("not an index dump")
+                node = _Node(edge, nodes[parent] if position else None)
+                if position:
+                    nodes[parent].children[edge[:_TOKEN]] = node
+                if entry:
+                    node.entry, node.rank = entry, next(ranks)
+                    nodes_of[entry] = node
+                    namespace_of[entry] = namespace
+                nodes.append(node)
+            # Children follow their parents, so going backwards sees every subtree before its root.
+            for node in reversed(nodes):
+                if node.entry is not None and node.rank >= node.best_rank:
+                    node.best, node.best_rank = node.entry, node.rank
+                parent = node.parent
+                if parent is not None and node.best_rank > parent.best_rank:
+                    parent.best, parent.best_rank = node.best, node.best_rank
+            self._roots[namespace] = nodes[0]
+        if len(nodes_of) != sum(len(tree[3]) - tree[3].count(b"") for tree in trees):
+            raise ValueError("an entry indexed twice")
 
     def longest_prefix(self, namespace: str, query: bytes) -> IndexHit | None:
         """The entry whose key is the longest prefix of `query`, if any."""
