@@ -1,0 +1,32 @@
+"""The cache logic shared by every built-in backend, over a transactional key-value store.
+
+A backend supplies transactions on a byte-keyed map (`KVTxn`); `KVBackend`
+does the rest once. The parts, one concept each:
+
+- `layout`: which key holds what, and the change log's op codes (the on-disk format);
+- `records`: packing and validating those records;
+- `replica`: this process's index of the store, kept in step with the change log;
+- `backend`: `KVBackend`, the operations, budgets and the write path;
+- `storage`: the `KVTxn` protocol a storage library implements;
+- `directory`: where persistent stores live;
+- `forking`: keeping open stores usable across `os.fork`.
+"""
+
+from __future__ import annotations
+
+from .backend import Change, KVBackend
+from .directory import directory_path, prepare_directory
+from .forking import fork_safe_lock
+from .layout import LOG_KEEP, entry_id
+from .storage import KVTxn
+
+__all__ = [
+    "LOG_KEEP",
+    "Change",
+    "KVBackend",
+    "KVTxn",
+    "directory_path",
+    "entry_id",
+    "fork_safe_lock",
+    "prepare_directory",
+]

@@ -1,0 +1,63 @@
+"""Which key of the engine's byte map holds what, and the change log's op codes.
+
+Entry ids are xxh3_128 of namespace + key, so LMDB's 511-byte key limit never
+matters. Each entry has up to four records, keyed by a one-byte prefix and its
+id; a few single keys describe the whole store::
+
+    B<id>   the blob
+    M<id>   msgpack [namespace, key bytes, size, created_ns, priority, generation]
+            (stores written before pins and priorities have the first four only)
+    U<id>   u64 last-use time (ns), updated in batches
+    V<id>   msgpack [retention value, pinned, superseded] (absent: the defaults)
+    L<seq>  the change log: msgpack [op, ...], op one of the OP_ codes below
+    S       u64 sequence number of the newest log record
+    T       u64 log records at or below this number were trimmed
+    G       f64 the eviction clock (see `sippcache.catalog`)
+
+These bytes are the on-disk format of every existing store: never change one.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+#: Per-entry record prefixes (followed by the 16-byte entry id).
+PREFIX_BLOB = b"B"
+PREFIX_META = b"M"
+PREFIX_USED = b"U"
+PREFIX_VALUES = b"V"
+#: The records each entry has besides its log entries.
+ENTRY_PREFIXES = (PREFIX_BLOB, PREFIX_META, PREFIX_USED, PREFIX_VALUES)
+
+#: Change-log record prefix (followed by the big-endian u64 sequence number).
+PREFIX_LOG = b"L"
+#: Single keys describing the store.
+KEY_NEWEST = b"S"
+KEY_TRIMMED = b"T"
+KEY_CLOCK = b"G"
+
+#: Change-log op codes: the first field of every log record.
+OP_PUT = "p"  # [OP_PUT, id]: an entry was stored; read its records
+OP_DELETE = "d"  # [OP_DELETE, id]: an entry was removed
+OP_TOUCH = "t"  # [OP_TOUCH, [[id, used_ns, value?], ...]]: entries were used
+OP_VALUES = "v"  # [OP_VALUES, id]: an entry's V record (pinned, superseded) changed
+OP_CLEAR = "c"  # [OP_CLEAR]: every entry was removed
+
+#: Log records kept for processes that fall behind; further behind means a rebuild.
+LOG_KEEP = 10_000
+
+_U64 = struct.Struct("<Q")
+_SEQ = struct.Struct(">Q")  # big-endian so log keys sort by number
+
+
+def entry_id(namespace: str, key: bytes) -> bytes:
+    """The 16-byte id of `key` (token bytes) in `namespace`."""
+    ns = namespace.encode("utf-8")
+    return xxhash.xxh3_128_digest(_U64.pack(len(ns)) + ns + key)
+
+
+def log_key(seq: int) -> bytes:
+    """The key of change-log record number `seq`."""
+    return PREFIX_LOG + _SEQ.pack(seq)
