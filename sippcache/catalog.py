@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
 import xxhash
 
 from .errors import CacheFull
@@ -65,9 +65,6 @@ class EntryState:
     value: float  # GreedyDual retention value
     pinned: bool = False
     superseded: bool = False
-    #: A hash of the backend's stored record of the entry (0: none), so a use can
-    #: check the record is still the one this state was read from.
-    record_hash: int = 0
 
     def order(self) -> tuple[bool, float, int]:
         """Eviction order: lowest first."""
@@ -185,7 +182,6 @@ class Catalog:
             [e.tokens for e in states], [e.size for e in states], [e.priority for e in states],
             [e.generation for e in states], [e.created for e in states], [e.used for e in states],
             [e.value for e in states], [e.pinned for e in states], [e.superseded for e in states],
-            [e.record_hash for e in states],
         ]  # fmt: skip
         body = msgpack.packb([position, self.clock, trees, columns])
         return SNAPSHOT_MAGIC + xxhash.xxh3_128_digest(body) + body
@@ -217,7 +213,7 @@ class Catalog:
         self.index.load(trees, iter(used))
         ids = [eid for tree in trees for eid in tree[3] if eid]
         namespaces = [tree[0] for tree in trees for eid in tree[3] if eid]
-        if len(columns) != 10 or not all(len(column) == len(ids) for column in columns):
+        if len(columns) != 9 or not all(len(column) == len(ids) for column in columns):
             raise ValueError("snapshot index and entries differ")
         states = list(map(EntryState, namespaces, *columns))
         self._entries = entries = dict(zip(ids, states))
