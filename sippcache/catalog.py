@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import compress, repeat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,7 +114,9 @@ class Catalog:
         self.index = PrefixIndex()
         self.clock = 0.0
         self._entries: dict[bytes, EntryState] = {}
-        self._heap: list[tuple[bool, float, int, bytes]] = []
+        #: The eviction order: (*order, id) items, some stale; None until first needed
+        #: after a snapshot load (most processes that open a store never evict).
+        self._heap: list[tuple[bool, float, int, bytes]] | None = []
         self.total = 0
         self.pinned_bytes = 0
         self.pinned_count = 0
@@ -209,20 +212,18 @@ class Catalog:
 
     def _load(self, clock: float, trees: list[list[Any]], columns: list[list[Any]]) -> None:
         """Fill an empty catalog from a snapshot's parts; raises if they do not fit together."""
-        used = columns[5]
-        self.index.load(trees, iter(used))
-        ids = [eid for tree in trees for eid in tree[3] if eid]
-        namespaces = [tree[0] for tree in trees for eid in tree[3] if eid]
+        self.index.load(trees, iter(columns[5]))  # ranks: the use times
+        ids = [eid for tree in trees for eid in compress(tree[3], tree[3])]
+        namespaces = [name for tree in trees for name in repeat(tree[0], len(tree[3]) - tree[3].count(b""))]
         if len(columns) != 9 or not all(len(column) == len(ids) for column in columns):
             raise ValueError("snapshot index and entries differ")
-        states = list(map(EntryState, namespaces, *columns))
-        self._entries = entries = dict(zip(ids, states))
+        self._entries = dict(zip(ids, map(EntryState, namespaces, *columns)))
         self.clock = clock
-        self.total = sum(columns[1])
-        pinned = [state.size for state in states if state.pinned]
-        self.pinned_bytes, self.pinned_count = sum(pinned), len(pinned)
-        self._heap = [(*state.order(), eid) for eid, state in entries.items() if not state.pinned]
-        heapq.heapify(self._heap)
+        sizes, pinned = columns[1], columns[7]
+        self.total = sum(sizes)
+        pinned_sizes = list(compress(sizes, pinned))
+        self.pinned_bytes, self.pinned_count = sum(pinned_sizes), len(pinned_sizes)
+        self._heap = None
 
     def use(self, eid: bytes, used: int, value: float | None = None) -> None:
         """Record a use at `used` (ns): a new retention value, and no longer superseded."""
@@ -332,8 +333,9 @@ class Catalog:
         chosen: list[bytes] = []
         popped: list[tuple[bool, float, int, bytes]] = []
         seen: set[bytes] = set()
-        while over() and self._heap:
-            item = heapq.heappop(self._heap)
+        heap = self._order()
+        while over() and heap:
+            item = heapq.heappop(heap)
             eid = item[3]
             entry = self._entries.get(eid)
             if entry is None or entry.pinned or eid in seen or item[:3] != entry.order():
@@ -346,15 +348,24 @@ class Catalog:
             total -= entry.size
             number -= 1
         for item in popped:
-            heapq.heappush(self._heap, item)
+            heapq.heappush(heap, item)
         return None if over() else chosen
 
     # -- the order -------------------------------------------------------------------
 
-    def _push(self, eid: bytes, entry: EntryState) -> None:
-        if len(self._heap) > 2 * len(self._entries) + 1024:  # mostly stale items: rebuild
+    def _order(self) -> list[tuple[bool, float, int, bytes]]:
+        """The eviction heap, built from the entries when there is none."""
+        if self._heap is None:
             self._heap = [(*e.order(), i) for i, e in self._entries.items() if not e.pinned]
             heapq.heapify(self._heap)
+        return self._heap
+
+    def _push(self, eid: bytes, entry: EntryState) -> None:
+        if self._heap is None:
+            return  # `_order` builds it, with this entry's order, when it is needed
+        if len(self._heap) > 2 * len(self._entries) + 1024:  # mostly stale items: rebuild
+            self._heap = None
+            self._order()
         elif not entry.pinned:
             heapq.heappush(self._heap, (*entry.order(), eid))
 

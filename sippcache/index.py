@@ -185,33 +185,33 @@ class PrefixIndex:
         IndexError, StopIteration) and leaves the index unusable: clear it then."""
         self.clear()
         nodes_of, namespace_of = self._nodes, self._namespace
+        listed = 0
         for namespace, edges, parents, entries in trees:
-            if not (type(namespace) is str and len(edges) == len(parents) == len(entries) > 1
-                    and parents[0] == -1 and edges[0] == b"" and namespace not in self._roots):  # fmt: skip
-                raise ValueError("not an index dump")
-            nodes: list[_Node] = []
-            for position, (edge, parent, entry) in enumerate(zip(edges, parents, entries)):
-                if (type(edge) is not bytes or type(entry) is not bytes or len(edge) % _TOKEN
-                        or (position and not (edge and 0 <= parent < position))):  # fmt: skip
-                    raise ValueError("not an index dump")
-                node = _Node(edge, nodes[parent] if position else None)
-                if position:
-                    nodes[parent].children[edge[:_TOKEN]] = node
+            _check_dump(namespace, edges, parents, entries)
+            if namespace in self._roots:
+                raise ValueError("a namespace twice in an index dump")
+            root = _Node(b"", None)
+            nodes = [root]
+            append = nodes.append
+            for edge, parent, entry in zip(edges[1:], parents[1:], entries[1:]):
+                above = nodes[parent]
+                node = _Node(edge, above)
+                above.children[edge[:_TOKEN]] = node
                 if entry:
-                    node.entry, node.rank = entry, next(ranks)
+                    node.entry = node.best = entry
+                    node.rank = node.best_rank = next(ranks)
                     nodes_of[entry] = node
                     namespace_of[entry] = namespace
-                nodes.append(node)
+                    listed += 1
+                append(node)
             # Children follow their parents, so going backwards sees every subtree before its root.
-            for node in reversed(nodes):
-                if node.entry is not None and node.rank >= node.best_rank:
-                    node.best, node.best_rank = node.entry, node.rank
-                parent = node.parent
-                if parent is not None and node.best_rank > parent.best_rank:
-                    parent.best, parent.best_rank = node.best, node.best_rank
-            self._roots[namespace] = nodes[0]
-        if len(nodes_of) != sum(len(tree[3]) - tree[3].count(b"") for tree in trees):
-            raise ValueError("an entry indexed twice")
+            for node in reversed(nodes[1:]):
+                above = node.parent  # type: ignore[assignment]
+                if node.best_rank > above.best_rank:
+                    above.best, above.best_rank = node.best, node.best_rank
+            self._roots[namespace] = root
+        if len(nodes_of) != listed:
+            raise ValueError("an entry twice in an index dump")
 
     def longest_prefix(self, namespace: str, query: bytes) -> IndexHit | None:
         """The entry whose key is the longest prefix of `query`, if any."""
@@ -267,3 +267,22 @@ class PrefixIndex:
                         best, best_rank = child.best, child.best_rank
                 node.best, node.best_rank = best, best_rank
             node = node.parent
+
+
+def _check_dump(namespace: Any, edges: list[Any], parents: list[Any], entries: list[Any]) -> None:
+    """Raise ValueError unless one tree of a dump is well formed: a root first, every
+    other node after its parent with a non-empty edge of whole tokens, ids bytes.
+    Checked with C-level passes over the columns: a load must stay fast."""
+    count = len(edges)
+    if not (type(namespace) is str and count == len(parents) == len(entries) > 1):
+        raise ValueError("not an index dump: columns")
+    if edges[0] != b"" or parents[0] != -1 or entries[0] != b"":
+        raise ValueError("not an index dump: no root")
+    if not set(map(type, edges)) | set(map(type, entries)) <= {bytes}:
+        raise ValueError("not an index dump: types")
+    if not all(edges[1:]) or any(map((_TOKEN - 1).__and__, map(len, edges))):
+        raise ValueError("not an index dump: edges")
+    if set(map(type, parents)) != {int} or min(parents[1:]) < 0 or not all(
+        map(int.__lt__, parents[1:], range(1, count))
+    ):
+        raise ValueError("not an index dump: parents")
