@@ -53,7 +53,7 @@ _CHILD = textwrap.dedent(
 
     url, key, full_read, EXTRA = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "1", json.loads(sys.argv[4])
     if full_read:  # the same code with the snapshot ignored: every entry's records are read
-        Replica._load_snapshot = lambda self, txn, seq: False
+        Replica._load_index_snapshot = lambda self, txn, seq: False
     start = time.perf_counter()
     cache = sippcache.open(url)
     opened = time.perf_counter()

@@ -1,6 +1,6 @@
 """The index snapshot: a store opened from it answers exactly as one that reads every entry.
 
-Stores of at least `SNAPSHOT_MIN_ENTRIES` entries save their catalog (`I`, at log
+Stores of at least `INDEX_SNAPSHOT_MIN_ENTRIES` entries save their catalog (`I`, at log
 record `J`) on close; the next process loads it and replays the log after it.
 Every test here uses real LMDB stores (one diskcache store too), another
 process where the brief says "another process", and compares what a store
@@ -24,12 +24,12 @@ import pytest
 
 import sippcache
 from sippcache.catalog import Catalog, EntryState
-from sippcache.engine.backend import SNAPSHOT_MIN_ENTRIES
+from sippcache.engine.backend import INDEX_SNAPSHOT_MIN_ENTRIES
 from sippcache import tokens
-from sippcache.engine.layout import ENTRY_PREFIXES, KEY_SNAPSHOT, KEY_SNAPSHOT_SEQ, LOG_KEEP, PREFIX_BLOB, entry_id
+from sippcache.engine.layout import ENTRY_PREFIXES, KEY_INDEX_SNAPSHOT, KEY_INDEX_SNAPSHOT_SEQ, LOG_KEEP, PREFIX_BLOB, entry_id
 from sippcache.index import PrefixIndex
 
-ENTRIES = SNAPSHOT_MIN_ENTRIES + 200
+ENTRIES = INDEX_SNAPSHOT_MIN_ENTRIES + 200
 PREFIXES = [list(range(1000 * p, 1000 * p + 40 + 10 * p)) for p in range(3)]
 
 
@@ -93,7 +93,7 @@ def without_snapshot(path: Path, tmp_path: Path) -> list[tuple[Any, ...]]:
     copy = tmp_path / f"copy-of-{path.name}"
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(path, copy)
-    edit_lmdb(copy, delete=(KEY_SNAPSHOT, KEY_SNAPSHOT_SEQ))
+    edit_lmdb(copy, delete=(KEY_INDEX_SNAPSHOT, KEY_INDEX_SNAPSHOT_SEQ))
     cache = sippcache.open(url(copy))
     try:
         count = len(cache)  # the first operation loads the index
@@ -127,7 +127,7 @@ def test_snapshot_written_on_close_and_loaded_with_the_same_answers(tmp_path: Pa
     store = tmp_path / "store"
     build(store)
     records = lmdb_records(store)
-    assert KEY_SNAPSHOT in records and KEY_SNAPSHOT_SEQ in records
+    assert KEY_INDEX_SNAPSHOT in records and KEY_INDEX_SNAPSHOT_SEQ in records
     cache = opened_from_snapshot(store)
     try:
         assert len(cache) == ENTRIES
@@ -146,8 +146,8 @@ def test_snapshot_written_on_close_and_loaded_with_the_same_answers(tmp_path: Pa
 
 def test_small_stores_get_no_snapshot(tmp_path: Path) -> None:
     store = tmp_path / "store"
-    build(store, entries=SNAPSHOT_MIN_ENTRIES - 1)
-    assert KEY_SNAPSHOT not in lmdb_records(store)
+    build(store, entries=INDEX_SNAPSHOT_MIN_ENTRIES - 1)
+    assert KEY_INDEX_SNAPSHOT not in lmdb_records(store)
 
 
 def test_reopen_after_another_process_stored_and_deleted(tmp_path: Path) -> None:
@@ -163,7 +163,7 @@ def test_reopen_after_another_process_stored_and_deleted(tmp_path: Path) -> None
         cache.close()
     """)  # fmt: skip
     records = lmdb_records(store)
-    assert records[b"S"] > records[KEY_SNAPSHOT_SEQ], "the other process must not have rewritten the snapshot"
+    assert records[b"S"] > records[KEY_INDEX_SNAPSHOT_SEQ], "the other process must not have rewritten the snapshot"
     cache = opened_from_snapshot(store)
     try:
         assert contents(cache) == without_snapshot(store, tmp_path)
@@ -205,10 +205,10 @@ def test_snapshot_older_than_the_trimmed_log_is_not_used(tmp_path: Path) -> None
     the next open reads every entry (and its close writes a fresh snapshot)."""
     store = tmp_path / "store"
     build(store)
-    snapshot_at = int.from_bytes(lmdb_records(store)[KEY_SNAPSHOT_SEQ], "little")
+    snapshot_at = int.from_bytes(lmdb_records(store)[KEY_INDEX_SNAPSHOT_SEQ], "little")
     in_another_process(store, f"""
         import sippcache.engine.backend as backend
-        backend.SNAPSHOT_MIN_ENTRIES = 10**9  # this writer never saves a snapshot
+        backend.INDEX_SNAPSHOT_MIN_ENTRIES = 10**9  # this writer never saves a snapshot
         for n in range({2 * LOG_KEEP + 10}):
             cache.pin(key(7), namespace=namespace(7)) if n % 2 else cache.unpin(key(7), namespace=namespace(7))
         cache.delete(key(8), namespace=namespace(8))
@@ -216,7 +216,7 @@ def test_snapshot_older_than_the_trimmed_log_is_not_used(tmp_path: Path) -> None
     """)  # fmt: skip
     records = lmdb_records(store)
     assert int.from_bytes(records[b"T"], "little") > snapshot_at
-    assert int.from_bytes(records[KEY_SNAPSHOT_SEQ], "little") == snapshot_at
+    assert int.from_bytes(records[KEY_INDEX_SNAPSHOT_SEQ], "little") == snapshot_at
     cache = sippcache.open(url(store))
     try:
         assert contents(cache) == without_snapshot(store, tmp_path)  # contents() loads the index first
@@ -224,7 +224,7 @@ def test_snapshot_older_than_the_trimmed_log_is_not_used(tmp_path: Path) -> None
         assert cache.lookup(key(8), namespace=namespace(8)) is None
     finally:
         cache.close()
-    assert int.from_bytes(lmdb_records(store)[KEY_SNAPSHOT_SEQ], "little") > snapshot_at
+    assert int.from_bytes(lmdb_records(store)[KEY_INDEX_SNAPSHOT_SEQ], "little") > snapshot_at
     opened_from_snapshot(store).close()
 
 
@@ -235,7 +235,7 @@ def test_damaged_snapshot_falls_back_to_reading_every_entry(
     store = tmp_path / "store"
     build(store)
     expected = without_snapshot(store, tmp_path)
-    raw = bytearray(lmdb_records(store)[KEY_SNAPSHOT])
+    raw = bytearray(lmdb_records(store)[KEY_INDEX_SNAPSHOT])
     if damage == "flipped byte":
         raw[len(raw) // 2] ^= 0x04
     elif damage == "cut short":
@@ -246,7 +246,7 @@ def test_damaged_snapshot_falls_back_to_reading_every_entry(
         raw = bytearray(random.Random(1).randbytes(len(raw)))
     else:
         raw[: len(b"sippcache-catalog-1")] = b"sippcache-catalog-9"
-    edit_lmdb(store, put={KEY_SNAPSHOT: bytes(raw) or b"\0"} if raw else None, delete=() if raw else (KEY_SNAPSHOT,))
+    edit_lmdb(store, put={KEY_INDEX_SNAPSHOT: bytes(raw) or b"\0"} if raw else None, delete=() if raw else (KEY_INDEX_SNAPSHOT,))
     with caplog.at_level(logging.WARNING, logger="sippcache"):
         cache = sippcache.open(url(store))
         try:
@@ -304,7 +304,7 @@ def test_clear_after_the_snapshot(tmp_path: Path) -> None:
     finally:
         keeper.close()
     records = lmdb_records(store)
-    assert KEY_SNAPSHOT not in records and KEY_SNAPSHOT_SEQ not in records
+    assert KEY_INDEX_SNAPSHOT not in records and KEY_INDEX_SNAPSHOT_SEQ not in records
     with sippcache.open(url(store)) as cache:
         assert len(cache) == 0 and list(cache.entries()) == []
         cache.store(key(1), b"after", namespace=namespace(1))
@@ -316,9 +316,9 @@ def test_clear_by_a_process_that_did_not_remove_the_snapshot(tmp_path: Path) -> 
     """A snapshot older than a clear record is brought up to date by replaying it."""
     store = tmp_path / "store"
     build(store)
-    snapshot = lmdb_records(store)[KEY_SNAPSHOT]
+    snapshot = lmdb_records(store)[KEY_INDEX_SNAPSHOT]
     in_another_process(store, "cache.clear(); cache.store([4, 5], b'x'); cache.close()")
-    edit_lmdb(store, put={KEY_SNAPSHOT: snapshot})  # the old snapshot back: its position is before the clear
+    edit_lmdb(store, put={KEY_INDEX_SNAPSHOT: snapshot})  # the old snapshot back: its position is before the clear
     cache = sippcache.open(url(store))
     try:
         assert [e.key for e in cache.entries()] == [(4, 5)]

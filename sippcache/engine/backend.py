@@ -24,8 +24,8 @@ from .layout import (
     ENTRY_PREFIXES,
     KEY_CLOCK,
     KEY_NEWEST,
-    KEY_SNAPSHOT,
-    KEY_SNAPSHOT_SEQ,
+    KEY_INDEX_SNAPSHOT,
+    KEY_INDEX_SNAPSHOT_SEQ,
     KEY_TRIMMED,
     LOG_KEEP,
     OP_CLEAR,
@@ -48,10 +48,10 @@ log = logging.getLogger("sippcache")
 
 #: Stores with fewer entries get no snapshot: reading their records at open takes
 #: less than 40 ms, and checks every one of them.
-SNAPSHOT_MIN_ENTRIES = 1_000
+INDEX_SNAPSHOT_MIN_ENTRIES = 1_000
 #: On close, a snapshot this many log records behind the store is written again
 #: (replaying that many records at open costs about what loading the snapshot does).
-SNAPSHOT_LAG = 1_000
+INDEX_SNAPSHOT_LAG = 1_000
 
 #: Log records a write transaction appends (see `sippcache.engine.layout`).
 Records = list[list[Any]]
@@ -252,7 +252,7 @@ class KVBackend(BaseBackend):
                 eid = key[1:]
                 for prefix in ENTRY_PREFIXES:
                     txn.delete(prefix + eid)
-            for single in (KEY_CLOCK, KEY_SNAPSHOT, KEY_SNAPSHOT_SEQ):
+            for single in (KEY_CLOCK, KEY_INDEX_SNAPSHOT, KEY_INDEX_SNAPSHOT_SEQ):
                 txn.delete(single)
             records.append([OP_CLEAR])
             after.append(self._replica.catalog.clear)
@@ -314,7 +314,7 @@ class KVBackend(BaseBackend):
             except Exception as exc:  # closing must not fail over lost recency data
                 log.warning("sippcache: could not save recency updates on close: %s", exc)
             else:
-                self._save_snapshot_if_stale()
+                self._save_index_snapshot_if_stale()
             self._close_store()
 
     # -- writing -----------------------------------------------------------------
@@ -337,7 +337,7 @@ class KVBackend(BaseBackend):
                     self._write_once(self._evict_to_half)
                     self._write_once(change)
             if self._replica.read_every_entry:
-                self._save_snapshot()
+                self._save_index_snapshot()
 
     def _write_once(self, change: Change) -> None:
         replica = self._replica
@@ -381,43 +381,43 @@ class KVBackend(BaseBackend):
 
     # -- the snapshot (see `sippcache.engine.replica`) --------------------------------
 
-    def _save_snapshot_if_stale(self) -> None:
+    def _save_index_snapshot_if_stale(self) -> None:
         """On close: save a snapshot if the store's is missing, or older than the
-        trimmed log (useless), or `SNAPSHOT_LAG` log records behind the store."""
-        if not self._snapshot_wanted():
+        trimmed log (useless), or `INDEX_SNAPSHOT_LAG` log records behind the store."""
+        if not self._index_snapshot_wanted():
             return
         try:
             txn, end = self._reader()
             try:
                 newest, trimmed = read_u64(txn.get(KEY_NEWEST)), read_u64(txn.get(KEY_TRIMMED))
-                saved = txn.get(KEY_SNAPSHOT_SEQ)
+                saved = txn.get(KEY_INDEX_SNAPSHOT_SEQ)
             finally:
                 end()
         except Exception as exc:  # the snapshot only saves time: never fail over it
             log.warning("sippcache: could not read %s's snapshot position: %s", self.location, exc)
             return
         at = read_u64(saved)
-        if self._replica.read_every_entry or saved is None or at < trimmed or newest - at >= SNAPSHOT_LAG:
-            self._save_snapshot()
+        if self._replica.read_every_entry or saved is None or at < trimmed or newest - at >= INDEX_SNAPSHOT_LAG:
+            self._save_index_snapshot()
 
-    def _snapshot_wanted(self) -> bool:
-        return type(self).persistent and len(self._replica.catalog) >= SNAPSHOT_MIN_ENTRIES
+    def _index_snapshot_wanted(self) -> bool:
+        return type(self).persistent and len(self._replica.catalog) >= INDEX_SNAPSHOT_MIN_ENTRIES
 
-    def _save_snapshot(self) -> None:
+    def _save_index_snapshot(self) -> None:
         """Write the catalog's snapshot, as of the store's newest log record, in a
         write transaction of its own. Written rarely (on close, and once after this
         process had to read every entry), so stores never wait for it; a snapshot
         that cannot be written (a read-only store, a full disk) is skipped."""
         replica = self._replica
         replica.read_every_entry = False  # tried once, whatever happens
-        if not self._snapshot_wanted():
+        if not self._index_snapshot_wanted():
             return
         try:
             with self._transaction() as txn:
                 replica.sync(txn)
                 if not replica.uses.items and not replica.damaged:  # memory is exactly the store
-                    txn.put(KEY_SNAPSHOT, replica.catalog.snapshot(replica.seq))
-                    txn.put(KEY_SNAPSHOT_SEQ, pack_u64(replica.seq))
+                    txn.put(KEY_INDEX_SNAPSHOT, replica.catalog.snapshot(replica.seq))
+                    txn.put(KEY_INDEX_SNAPSHOT_SEQ, pack_u64(replica.seq))
         except Exception as exc:
             log.warning("sippcache: could not save %s's index snapshot: %s", self.location, exc)
 

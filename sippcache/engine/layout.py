@@ -40,8 +40,8 @@ PREFIX_LOG = b"L"
 KEY_NEWEST = b"S"
 KEY_TRIMMED = b"T"
 KEY_CLOCK = b"G"
-KEY_SNAPSHOT = b"I"
-KEY_SNAPSHOT_SEQ = b"J"
+KEY_INDEX_SNAPSHOT = b"I"
+KEY_INDEX_SNAPSHOT_SEQ = b"J"
 
 #: Change-log op codes: the first field of every log record.
 OP_PUT = "p"  # [OP_PUT, id]: an entry was stored; read its records

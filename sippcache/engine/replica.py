@@ -23,7 +23,7 @@ from ..protocol import Blob
 from .layout import (
     KEY_CLOCK,
     KEY_NEWEST,
-    KEY_SNAPSHOT,
+    KEY_INDEX_SNAPSHOT,
     KEY_TRIMMED,
     OP_CLEAR,
     OP_DELETE,
@@ -71,7 +71,7 @@ class Replica:
         log after it if there is a usable one (and `snapshot`), else from every entry's records."""
         self.uses.items.clear()
         with paused_gc():  # hundreds of thousands of objects at once (see `paused_gc`)
-            if snapshot and self._load_snapshot(txn, seq):
+            if snapshot and self._load_index_snapshot(txn, seq):
                 self.read_every_entry = False
                 return
             self._read_entries(txn, seq)
@@ -109,10 +109,10 @@ class Replica:
         self.seq = seq
         return True
 
-    def _load_snapshot(self, txn: KVTxn, seq: int) -> bool:
+    def _load_index_snapshot(self, txn: KVTxn, seq: int) -> bool:
         """Load the store's snapshot and replay the log after it; False (memory to be
         rebuilt) if there is none, it is damaged, or the log after it is trimmed."""
-        raw = txn.get(KEY_SNAPSHOT)
+        raw = txn.get(KEY_INDEX_SNAPSHOT)
         if raw is None:
             return False
         loaded = Catalog.from_snapshot(raw)
