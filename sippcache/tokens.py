@@ -8,15 +8,22 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
-from typing import Any, Union
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:  # numpy is optional: only the type checker needs it here
+    import numpy
+    import numpy.typing
+
+    from .protocol import Blob
 
 #: Largest token id accepted (llama.cpp's ``llama_token`` is an int32).
 MAX_TOKEN_ID = 2**31 - 1
 
-#: What the public API accepts as a token sequence: a list, tuple,
-#: ``array.array`` or 1-d numpy integer array.
-Tokens = Union[Sequence[int], Any]
+#: What the public API accepts as a token sequence: a list, tuple or
+#: ``array.array`` of ints, a 1-d numpy integer array, or any iterable of ints
+#: (read once). `encode` checks it at run time.
+Tokens: TypeAlias = "Sequence[int] | Iterable[int] | numpy.typing.NDArray[numpy.integer[Any]]"
 
 _BUFFER_FORMATS = {"b", "B", "h", "H", "i", "I", "l", "L", "q", "Q"}
 _VALID_HIGH_BYTES = bytes(range(0x80))  # the top byte of a little-endian id in 0..2**31-1
@@ -68,11 +75,8 @@ def encode(tokens: Tokens) -> bytes:
         raise TypeError(f"tokens must be a sequence of ints, not {type(tokens).__name__}")
     if sys.byteorder != "little":  # pragma: no cover
         raise RuntimeError("sippcache supports little-endian machines only")
-    try:
-        view: memoryview | None = memoryview(tokens)  # numpy arrays, array.array: no Python ints
-    except TypeError:
-        view = None
-    if view is not None:
+    view = _buffer(tokens)
+    if view is not None:  # numpy arrays, array.array: no Python ints
         data = _from_buffer(view)
         ids: Any = tokens
     else:
@@ -86,7 +90,15 @@ def encode(tokens: Tokens) -> bytes:
     return data
 
 
-def decode(data: bytes | memoryview) -> tuple[int, ...]:
+def _buffer(tokens: Any) -> memoryview | None:
+    """`tokens` as a buffer if it is one (numpy arrays, array.array), else None."""
+    try:
+        return memoryview(tokens)
+    except TypeError:
+        return None
+
+
+def decode(data: Blob) -> tuple[int, ...]:
     """The token ids of a byte form made by `encode`."""
     ids = array("I")
     ids.frombytes(bytes(data))

@@ -23,6 +23,7 @@ import diskcache
 from ..engine import KVBackend, KVTxn, directory_path, prepare_directory
 from ..errors import CacheFull, CorruptStore
 from ..options import Size
+from ..protocol import Blob
 
 DEFAULT_MAX_BYTES = 8 * 1024**3
 
@@ -133,7 +134,7 @@ class _DiskCacheTxn:
             log.warning("sippcache: %s", exc)
             return None
 
-    def put(self, key: bytes, value: bytes | memoryview) -> None:
+    def put(self, key: bytes, value: Blob) -> None:
         self._cache.set(key, value if type(value) is bytes else bytes(value), retry=True)
 
     def delete(self, key: bytes) -> None:

@@ -19,6 +19,7 @@ import lmdb
 from ..engine import KVBackend, KVTxn, directory_path, fork_safe_lock, prepare_directory
 from ..errors import CacheFull, CorruptStore, SippcacheError
 from ..options import Size
+from ..protocol import Blob
 
 DEFAULT_MAX_BYTES = 8 * 1024**3
 #: Room in the map beyond max_bytes: LMDB needs free pages for copy-on-write
@@ -117,16 +118,16 @@ class _LMDBTxn:
     def __init__(self, txn: lmdb.Transaction) -> None:
         self._txn = txn
 
-    def get(self, key: bytes) -> bytes | memoryview | None:
+    def get(self, key: bytes) -> Blob | None:
         return self._txn.get(key)
 
-    def put(self, key: bytes, value: bytes | memoryview) -> None:
+    def put(self, key: bytes, value: Blob) -> None:
         self._txn.put(key, value)
 
     def delete(self, key: bytes) -> None:
         self._txn.delete(key)
 
-    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes | memoryview]]:
+    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, Blob]]:
         cursor = self._txn.cursor()
         if not cursor.set_range(prefix):
             return

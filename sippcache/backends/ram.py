@@ -11,6 +11,7 @@ from typing import ClassVar
 
 from ..engine import KVBackend, KVTxn
 from ..options import Size
+from ..protocol import Blob
 
 DEFAULT_MAX_BYTES = 1024**3
 
@@ -26,7 +27,7 @@ class _DictTxn:
     def get(self, key: bytes) -> bytes | None:
         return self._data.get(key)
 
-    def put(self, key: bytes, value: bytes | memoryview) -> None:
+    def put(self, key: bytes, value: Blob) -> None:
         assert self._undo is not None, "write in a read transaction"
         self._undo.append((key, self._data.get(key)))
         # Keep an immutable bytes object as it is (no copy); copy anything mutable.

@@ -43,9 +43,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode
 
+from ..base import BaseBackend
 from ..errors import BadOption, CacheFull
 from ..options import Size, coerce_options
-from ..protocol import BaseBackend, CacheBackend, EntryInfo, Match, Peek, Stats, StoreOptions
+from ..protocol import CacheBackend, EntryInfo, Match, Peek, Stats, StoreOptions
 
 log = logging.getLogger("sippcache")
 

@@ -8,6 +8,7 @@ does the rest once. The parts, one concept each:
 - `replica`: this process's index of the store, kept in step with the change log;
 - `backend`: `KVBackend`, the operations, budgets and the write path;
 - `storage`: the `KVTxn` protocol a storage library implements;
+- `snapshots`: zero-copy matches, valid while their read snapshot is open;
 - `directory`: where persistent stores live;
 - `forking`: keeping open stores usable across `os.fork`.
 """
@@ -18,6 +19,7 @@ from .backend import Change, KVBackend
 from .directory import directory_path, prepare_directory
 from .forking import fork_safe_lock
 from .layout import LOG_KEEP, entry_id
+from .snapshots import SnapshotMatch
 from .storage import KVTxn
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "Change",
     "KVBackend",
     "KVTxn",
+    "SnapshotMatch",
     "directory_path",
     "entry_id",
     "fork_safe_lock",

@@ -16,9 +16,10 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from .. import tokens as _tokens
+from ..base import BaseBackend
 from ..catalog import StorePlan, refuse
 from ..errors import CacheFull
-from ..protocol import BaseBackend, EntryInfo, Match, Peek, Stats, StoreOptions
+from ..protocol import EntryInfo, Match, Peek, Stats, StoreOptions
 from . import forking
 from .layout import (
     ENTRY_PREFIXES,
@@ -42,6 +43,7 @@ from .layout import (
 )
 from .records import pack_f64, pack_meta, pack_record, pack_u64, pack_values, read_u64
 from .replica import Replica
+from .snapshots import SnapshotMatch, release_unreferenced_blobs
 from .storage import KVTxn
 
 log = logging.getLogger("sippcache")
@@ -181,16 +183,16 @@ class KVBackend(BaseBackend):
                 self._counters["misses"] += 1
                 self._flush_touches_if_due()
                 return None
-            release: Callable[[], None] | None = end
             if not isinstance(blob, memoryview):
                 end()
-                release = None
             if touch:
                 self._replica.uses.record(self._replica.catalog, hit.entry_id)
             self._counters["hits"] += 1
             stored_key = index.key_of(hit.entry_id)
             self._flush_touches_if_due()
-        return Match(hit.length, stored_key, blob, namespace, release)
+        if isinstance(blob, memoryview):
+            return SnapshotMatch(hit.length, stored_key, blob, namespace, end)
+        return Match(hit.length, stored_key, blob, namespace)
 
     def _peek(self, key: bytes, namespace: str, partial: bool) -> Peek | None:
         with self._lock:
@@ -307,6 +309,7 @@ class KVBackend(BaseBackend):
             return len(self._replica.catalog)
 
     def _close(self) -> None:
+        release_unreferenced_blobs()
         with self._lock:
             try:
                 if self._replica.uses.items:
