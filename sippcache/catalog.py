@@ -33,8 +33,8 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from itertools import compress, repeat
 from dataclasses import dataclass, field
+from itertools import compress, repeat
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
@@ -186,7 +186,7 @@ class Catalog:
             [e.generation for e in states], [e.created for e in states], [e.used for e in states],
             [e.value for e in states], [e.pinned for e in states], [e.superseded for e in states],
         ]  # fmt: skip
-        body = msgpack.packb([position, self.clock, trees, columns])
+        body: bytes = msgpack.packb([position, self.clock, trees, columns])
         return SNAPSHOT_MAGIC + xxhash.xxh3_128_digest(body) + body
 
     @classmethod
@@ -217,7 +217,7 @@ class Catalog:
         namespaces = [name for tree in trees for name in repeat(tree[0], len(tree[3]) - tree[3].count(b""))]
         if len(columns) != 9 or not all(len(column) == len(ids) for column in columns):
             raise ValueError("snapshot index and entries differ")
-        self._entries = dict(zip(ids, map(EntryState, namespaces, *columns)))
+        self._entries = dict(zip(ids, map(EntryState, namespaces, *columns), strict=True))
         self.clock = clock
         sizes, pinned = columns[1], columns[7]
         self.total = sum(sizes)
@@ -413,5 +413,7 @@ def refuse(location: str, size: int, tokens: int, pinned: bool, why: str, budget
     is dropped with a warning. Returns False (not stored)."""
     if pinned:
         raise CacheFull(f"{location}: cannot pin a {size}-byte entry ({tokens} tokens): {why} ({budgets})")
-    log.warning("sippcache: not storing a %d-byte entry (%d tokens): %s (%s) of %s", size, tokens, why, budgets, location)
+    log.warning(
+        "sippcache: not storing a %d-byte entry (%d tokens): %s (%s) of %s", size, tokens, why, budgets, location
+    )
     return False

@@ -167,7 +167,9 @@ class PrefixIndex:
         out: the caller keeps them with its entries, in the order the dump lists them."""
         trees = []
         for namespace, root in self._roots.items():
-            edges, parents, entries = [], [], []
+            edges: list[bytes] = []
+            parents: list[int] = []
+            entries: list[bytes] = []
             stack: list[tuple[_Node, int]] = [(root, -1)]
             while stack:
                 node, parent = stack.pop()
@@ -193,7 +195,7 @@ class PrefixIndex:
             root = _Node(b"", None)
             nodes = [root]
             append = nodes.append
-            for edge, parent, entry in zip(edges[1:], parents[1:], entries[1:]):
+            for edge, parent, entry in zip(edges[1:], parents[1:], entries[1:], strict=True):
                 above = nodes[parent]
                 node = _Node(edge, above)
                 above.children[edge[:_TOKEN]] = node
@@ -205,8 +207,7 @@ class PrefixIndex:
                     listed += 1
                 append(node)
             # Children follow their parents, so going backwards sees every subtree before its root.
-            for node in reversed(nodes[1:]):
-                above = node.parent  # type: ignore[assignment]
+            for node, above in zip(reversed(nodes[1:]), map(nodes.__getitem__, reversed(parents[1:])), strict=True):
                 if node.best_rank > above.best_rank:
                     above.best, above.best_rank = node.best, node.best_rank
             self._roots[namespace] = root

@@ -23,10 +23,17 @@ import lmdb
 import pytest
 
 import sippcache
+from sippcache import tokens
 from sippcache.catalog import Catalog, EntryState
 from sippcache.engine.backend import INDEX_SNAPSHOT_MIN_ENTRIES
-from sippcache import tokens
-from sippcache.engine.layout import ENTRY_PREFIXES, KEY_INDEX_SNAPSHOT, KEY_INDEX_SNAPSHOT_SEQ, LOG_KEEP, PREFIX_BLOB, entry_id
+from sippcache.engine.layout import (
+    ENTRY_PREFIXES,
+    KEY_INDEX_SNAPSHOT,
+    KEY_INDEX_SNAPSHOT_SEQ,
+    LOG_KEEP,
+    PREFIX_BLOB,
+    entry_id,
+)
 from sippcache.index import PrefixIndex
 
 ENTRIES = INDEX_SNAPSHOT_MIN_ENTRIES + 200
@@ -246,7 +253,10 @@ def test_damaged_snapshot_falls_back_to_reading_every_entry(
         raw = bytearray(random.Random(1).randbytes(len(raw)))
     else:
         raw[: len(b"sippcache-catalog-1")] = b"sippcache-catalog-9"
-    edit_lmdb(store, put={KEY_INDEX_SNAPSHOT: bytes(raw) or b"\0"} if raw else None, delete=() if raw else (KEY_INDEX_SNAPSHOT,))
+    if raw:
+        edit_lmdb(store, put={KEY_INDEX_SNAPSHOT: bytes(raw)})
+    else:
+        edit_lmdb(store, delete=(KEY_INDEX_SNAPSHOT,))
     with caplog.at_level(logging.WARNING, logger="sippcache"):
         cache = sippcache.open(url(store))
         try:

@@ -24,9 +24,9 @@ from . import forking
 from .layout import (
     ENTRY_PREFIXES,
     KEY_CLOCK,
-    KEY_NEWEST,
     KEY_INDEX_SNAPSHOT,
     KEY_INDEX_SNAPSHOT_SEQ,
+    KEY_NEWEST,
     KEY_TRIMMED,
     LOG_KEEP,
     OP_CLEAR,

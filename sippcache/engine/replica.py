@@ -22,8 +22,8 @@ from ..catalog import Catalog, EntryState, PendingUses, paused_gc
 from ..protocol import Blob
 from .layout import (
     KEY_CLOCK,
-    KEY_NEWEST,
     KEY_INDEX_SNAPSHOT,
+    KEY_NEWEST,
     KEY_TRIMMED,
     OP_CLEAR,
     OP_DELETE,
