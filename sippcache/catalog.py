@@ -33,8 +33,9 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from itertools import compress, repeat
+from operator import attrgetter
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
@@ -70,6 +71,11 @@ class EntryState:
     def order(self) -> tuple[bool, float, int]:
         """Eviction order: lowest first."""
         return (not self.superseded, self.value, self.used)
+
+
+#: The `EntryState` fields a snapshot keeps, in constructor order: all but the
+#: namespace, which the index knows.
+_COLUMNS = tuple(f.name for f in fields(EntryState))[1:]
 
 
 @dataclass
@@ -180,12 +186,8 @@ class Catalog:
         `position` is the backend's: what the snapshot reflects (a log sequence
         number). Checksummed, so damage makes `from_snapshot` refuse it."""
         trees = self.index.dump()
-        states = [self._entries[eid] for tree in trees for eid in tree[3] if eid]  # in the dump's order
-        columns = [  # every field but the namespace, which the index knows
-            [e.tokens for e in states], [e.size for e in states], [e.priority for e in states],
-            [e.generation for e in states], [e.created for e in states], [e.used for e in states],
-            [e.value for e in states], [e.pinned for e in states], [e.superseded for e in states],
-        ]  # fmt: skip
+        states = [self._entries[eid] for tree in trees for eid in compress(tree[3], tree[3])]  # in the dump's order
+        columns = [list(map(attrgetter(name), states)) for name in _COLUMNS]
         body: bytes = msgpack.packb([position, self.clock, trees, columns])
         return SNAPSHOT_MAGIC + xxhash.xxh3_128_digest(body) + body
 
@@ -212,14 +214,17 @@ class Catalog:
 
     def _load(self, clock: float, trees: list[list[Any]], columns: list[list[Any]]) -> None:
         """Fill an empty catalog from a snapshot's parts; raises if they do not fit together."""
-        self.index.load(trees, iter(columns[5]))  # ranks: the use times
+        if len(columns) != len(_COLUMNS):
+            raise ValueError("not a snapshot of this layout")
+        column = dict(zip(_COLUMNS, columns, strict=True))
+        self.index.load(trees, iter(column["used"]))  # ranks are use times
         ids = [eid for tree in trees for eid in compress(tree[3], tree[3])]
         namespaces = [name for tree in trees for name in repeat(tree[0], len(tree[3]) - tree[3].count(b""))]
-        if len(columns) != 9 or not all(len(column) == len(ids) for column in columns):
+        if not all(len(values) == len(ids) for values in columns):
             raise ValueError("snapshot index and entries differ")
         self._entries = dict(zip(ids, map(EntryState, namespaces, *columns), strict=True))
         self.clock = clock
-        sizes, pinned = columns[1], columns[7]
+        sizes, pinned = column["size"], column["pinned"]
         self.total = sum(sizes)
         pinned_sizes = list(compress(sizes, pinned))
         self.pinned_bytes, self.pinned_count = sum(pinned_sizes), len(pinned_sizes)
