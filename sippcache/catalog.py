@@ -217,9 +217,9 @@ class Catalog:
         if len(columns) != len(_COLUMNS):
             raise ValueError("not a snapshot of this layout")
         column = dict(zip(_COLUMNS, columns, strict=True))
-        self.index.load(trees, iter(column["used"]))  # ranks are use times
-        ids = [eid for tree in trees for eid in compress(tree[3], tree[3])]
-        namespaces = [name for tree in trees for name in repeat(tree[0], len(tree[3]) - tree[3].count(b""))]
+        self.index.load(trees)
+        ids = [eid for tree in trees for eid in compress(tree[3], tree[3])]  # in the dump's order
+        namespaces = [name for tree in trees for name in repeat(tree[0], len(tree[3]) - tree[3].count(None))]
         if not all(len(values) == len(ids) for values in columns):
             raise ValueError("snapshot index and entries differ")
         self._entries = dict(zip(ids, map(EntryState, namespaces, *columns), strict=True))

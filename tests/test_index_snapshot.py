@@ -24,7 +24,7 @@ import pytest
 
 import sippcache
 from sippcache import tokens
-from sippcache.catalog import Catalog, EntryState
+from sippcache.catalog import SNAPSHOT_MAGIC, Catalog, EntryState
 from sippcache.engine.backend import INDEX_SNAPSHOT_MIN_ENTRIES
 from sippcache.engine.layout import (
     ENTRY_PREFIXES,
@@ -34,7 +34,7 @@ from sippcache.engine.layout import (
     PREFIX_BLOB,
     entry_id,
 )
-from sippcache.index import PrefixIndex
+from sippcache.index import IndexHit, PrefixIndex
 
 ENTRIES = INDEX_SNAPSHOT_MIN_ENTRIES + 200
 PREFIXES = [list(range(1000 * p, 1000 * p + 40 + 10 * p)) for p in range(3)]
@@ -252,7 +252,7 @@ def test_damaged_snapshot_falls_back_to_reading_every_entry(
     elif damage == "garbage":
         raw = bytearray(random.Random(1).randbytes(len(raw)))
     else:
-        raw[: len(b"sippcache-catalog-1")] = b"sippcache-catalog-9"
+        raw[: len(SNAPSHOT_MAGIC)] = SNAPSHOT_MAGIC.replace(b"-1", b"-9")
     if raw:
         edit_lmdb(store, put={KEY_INDEX_SNAPSHOT: bytes(raw)})
     else:
@@ -402,15 +402,17 @@ def test_index_load_refuses_malformed_dumps() -> None:
     index.insert("", b"\1\0\0\0\3\0\0\0", b"id-2", 2)
     good = index.dump()
     fresh = PrefixIndex()
-    fresh.load(good, iter([1, 2]))
-    assert fresh.longest_prefix("", b"\1\0\0\0\3\0\0\0\4\0\0\0").entry_id == b"id-2"  # type: ignore[union-attr]
-    ns, edges, parents, entries = good[0]
+    fresh.load(good)
+    assert fresh.longest_prefix("", b"\1\0\0\0\3\0\0\0\4\0\0\0") == IndexHit(b"id-2", 2)
+    assert fresh.longest_common("", b"\1\0\0\0") == IndexHit(b"id-2", 1)  # the most recent of both
+    ns, edges, parents, entries, ranks = good[0]
     for bad in (
-        [[ns, edges, [5] * len(parents), entries]],  # a parent after its child
-        [[ns, [b"\1\0\0"] * len(edges), parents, entries]],  # an edge of part of a token
-        [[ns, edges, parents, ["id"] * len(entries)]],  # ids that are not bytes
-        [[ns, edges[:-1], parents, entries]],  # columns of different lengths
+        [[ns, edges, [5] * len(parents), entries, ranks]],  # a parent after its child
+        [[ns, [b"\1\0\0"] * len(edges), parents, entries, ranks]],  # an edge of part of a token
+        [[ns, edges, parents, ["id"] * len(entries), ranks]],  # ids that are not bytes
+        [[ns, edges, parents, entries, [0.5] * len(ranks)]],  # ranks that are not integers
+        [[ns, edges[:-1], parents, entries, ranks]],  # columns of different lengths
         good + good,  # a namespace twice
     ):
-        with pytest.raises((ValueError, TypeError, IndexError, StopIteration)):
-            PrefixIndex().load(bad, iter(range(10)))
+        with pytest.raises(ValueError):
+            PrefixIndex().load(bad)
