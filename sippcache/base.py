@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from . import tokens as _tokens
-from .errors import BadOption, CacheClosed, CorruptStore
+from .errors import BadOption, CacheClosed, CorruptStore, ReadOnlyStore, SippcacheError, StoreError
 from .options import coerce_options
 from .protocol import Blob, EntryInfo, Match, Peek, Stats, StoreOptions
 from .tokens import Tokens
@@ -40,20 +40,50 @@ class BaseBackend(ABC):
     #: Exceptions of the backend's library that mean damaged files; the public
     #: methods re-raise them as `CorruptStore`.
     damage_errors: ClassVar[tuple[type[BaseException], ...]] = ()
+    #: Every other exception of the backend's library: the public methods re-raise
+    #: them as what `_library_error` makes of them (by default `StoreError`), so
+    #: callers only ever see sippcache's errors (and ValueError, TypeError, OSError).
+    library_errors: ClassVar[tuple[type[BaseException], ...]] = ()
     #: URL query options this backend accepts: name -> type (int, float, bool, str
     #: or `sippcache.options.Size`); coerced by `sippcache.options.coerce_options`.
     options: ClassVar[Mapping[str, type]] = {}
 
-    def __init__(self) -> None:
+    def __init__(self, *, read_only: bool = False) -> None:
         self._closed = False
         self._close_lock = threading.Lock()
+        #: Writes (store, delete, pin, unpin, clear, purge_damaged) raise `ReadOnlyStore`.
+        self.read_only = read_only
+
+    # -- opening ----------------------------------------------------------------
 
     @classmethod
     def from_url(cls, location: str, options: Mapping[str, str]) -> BaseBackend:
         """Build a backend from a URL's location and raw query options."""
+        return cls._from_url(location, options)
+
+    @classmethod
+    def open_read_only(cls, location: str, options: Mapping[str, str]) -> BaseBackend:
+        """Like `from_url`, for reading only: listing, stats and lookups work where
+        this user may not write the store, and nothing is written (not even
+        recency). By default a normal open: backends that can open read-only
+        override it and return a handle whose `read_only` is True."""
+        return cls.from_url(location, options)
+
+    @classmethod
+    def missing_store(cls, location: str) -> str | None:
+        """Why there is no store at `location` (a URL's location), e.g. "directory
+        /x does not exist"; None if there is one or the backend cannot tell
+        without opening it (the default). `sippcache.open(must_exist=True)`
+        raises `NoStore` with this reason."""
+        return None
+
+    @classmethod
+    def _from_url(cls, location: str, options: Mapping[str, str], **fixed: Any) -> BaseBackend:
+        """`cls(location, **options, **fixed)`, the options coerced to their types."""
         kwargs = coerce_options(cls.__name__, options, cls.options)
+        build = cast(Callable[..., BaseBackend], cls)  # a concrete subclass: its own __init__ takes the location
         try:
-            return cls(location, **kwargs)  # type: ignore[call-arg]
+            return build(location, **kwargs, **fixed)
         except ValueError as exc:  # out-of-range values, a missing or extra path
             raise BadOption(f"{cls.__name__}: {exc}") from exc
 
@@ -69,6 +99,7 @@ class BaseBackend(ABC):
         pinned: bool = False,
         generation: int | None = None,
     ) -> bool:
+        """See `CacheBackend.store`; checks the tokens, namespace, blob and options first."""
         key = _tokens.encode(tokens)
         if not key:
             raise ValueError("cannot store an empty token sequence")
@@ -80,69 +111,91 @@ class BaseBackend(ABC):
             raise ValueError("cannot store an empty blob")
         options = StoreOptions.resolve(len(key) // 4, priority, pinned, generation)
         self._check_open()
-        with self._damage_as_corrupt_store():
+        self._check_writable()
+        with self._library_errors_translated():
             return self._store(key, view if view.contiguous else memoryview(view.tobytes()), namespace, options)
 
     def lookup(
         self, tokens: Tokens, *, namespace: str = "", partial: bool = False, touch: bool = True
     ) -> Match | None:
+        """See `CacheBackend.lookup`; an empty query is a miss."""
         key = self._query_key(tokens, namespace)
         if not key:
             return None
-        with self._damage_as_corrupt_store():
+        with self._library_errors_translated():
             return self._lookup(key, namespace, bool(partial), bool(touch))
 
     def peek(self, tokens: Tokens, *, namespace: str = "", partial: bool = False) -> Peek | None:
+        """See `CacheBackend.peek`; an empty query finds nothing."""
         key = self._query_key(tokens, namespace)
         if not key:
             return None
-        with self._damage_as_corrupt_store():
+        with self._library_errors_translated():
             return self._peek(key, namespace, bool(partial))
 
     def delete(self, tokens: Tokens, *, namespace: str = "") -> bool:
+        """See `CacheBackend.delete`."""
         key = self._query_key(tokens, namespace)
-        with self._damage_as_corrupt_store():
+        self._check_writable()
+        with self._library_errors_translated():
             return bool(key) and self._delete(key, namespace)
 
     def touch(self, tokens: Tokens, *, namespace: str = "") -> bool:
+        """See `CacheBackend.touch`."""
         key = self._query_key(tokens, namespace)
-        with self._damage_as_corrupt_store():
+        with self._library_errors_translated():
             return bool(key) and self._touch_entry(key, namespace)
 
     def pin(self, tokens: Tokens, *, namespace: str = "") -> bool:
+        """See `CacheBackend.pin`."""
         return self._pin(tokens, namespace, True)
 
     def unpin(self, tokens: Tokens, *, namespace: str = "") -> bool:
+        """See `CacheBackend.unpin`."""
         return self._pin(tokens, namespace, False)
 
     def _pin(self, tokens: Tokens, namespace: str, pinned: bool) -> bool:
         key = self._query_key(tokens, namespace)
-        with self._damage_as_corrupt_store():
+        self._check_writable()
+        with self._library_errors_translated():
             return bool(key) and self._set_pinned(key, namespace, pinned)
 
     def clear(self) -> None:
+        """See `CacheBackend.clear`."""
         self._check_open()
-        with self._damage_as_corrupt_store():
+        self._check_writable()
+        with self._library_errors_translated():
             self._clear()
 
     def stats(self) -> Stats:
+        """See `CacheBackend.stats`."""
         self._check_open()
-        with self._damage_as_corrupt_store():
+        with self._library_errors_translated():
             return self._stats()
 
     def entries(self, namespace: str | None = None) -> Iterator[EntryInfo]:
+        """See `CacheBackend.entries`."""
         if namespace is not None:
             _check_namespace(namespace)
         self._check_open()
-        with self._damage_as_corrupt_store():
+        with self._library_errors_translated():
             return iter(self._entries(namespace))
 
     def __len__(self) -> int:
         self._check_open()
-        with self._damage_as_corrupt_store():
+        with self._library_errors_translated():
             return self._len()
 
+    def purge_damaged(self) -> int:
+        """Remove entries whose index record is unreadable now, rather than on the
+        next write; how many there were (0 for backends that have none to remove)."""
+        self._check_open()
+        self._check_writable()
+        with self._library_errors_translated():
+            return self._remove_damaged()
+
     def close(self) -> None:
+        """See `CacheBackend.close`; closing twice does nothing."""
         with self._close_lock:
             if self._closed:
                 return
@@ -151,24 +204,42 @@ class BaseBackend(ABC):
 
     @property
     def closed(self) -> bool:
+        """Whether `close` was called."""
         return self._closed
 
     def __enter__(self) -> BaseBackend:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     @contextmanager
-    def _damage_as_corrupt_store(self) -> Iterator[None]:
+    def _library_errors_translated(self) -> Iterator[None]:
         try:
             yield
-        except self.damage_errors as exc:
-            raise CorruptStore(f"{type(self).__name__}: the store's files are damaged: {exc}") from exc
+        except SippcacheError:
+            raise
+        except self.damage_errors + self.library_errors as exc:
+            raise self._library_error(exc) from exc
+
+    def _library_error(self, exc: BaseException) -> SippcacheError:
+        """The sippcache error an exception of the backend's library becomes:
+        `CorruptStore` for `damage_errors`, else `StoreError`. Override to tell
+        more apart (a read-only store, say)."""
+        if isinstance(exc, self.damage_errors):
+            return CorruptStore(f"{type(self).__name__}: the store's files are damaged: {exc}")
+        return StoreError(f"{type(self).__name__}: {exc}")
 
     def _check_open(self) -> None:
         if self._closed:
             raise CacheClosed(f"{type(self).__name__} is closed")
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            where = getattr(self, "location", type(self).__name__)
+            raise ReadOnlyStore(f"{where} is open read-only: it cannot be changed through this handle")
 
     def _query_key(self, tokens: Tokens, namespace: str) -> bytes:
         """The encoded key of a query (empty for no tokens), after the argument checks
@@ -188,6 +259,10 @@ class BaseBackend(ABC):
             return None
         with match:
             return Peek(match.length, len(match.key))
+
+    def _remove_damaged(self) -> int:
+        """`purge_damaged`: by default there is nothing to remove."""
+        return 0
 
     def _touch_entry(self, key: bytes, namespace: str) -> bool:
         """`touch`: by default an exact lookup whose blob is not read; override

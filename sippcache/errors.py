@@ -49,3 +49,19 @@ class CacheFull(SippcacheError):
 
 class CacheClosed(SippcacheError):
     """The cache was used after `close()`."""
+
+
+class NoStore(SippcacheError):
+    """There is no store at a location: it was opened with `must_exist` (or
+    `read_only`) and nothing is there, or the location cannot hold a store (a
+    regular file where a directory should be)."""
+
+
+class ReadOnlyStore(SippcacheError):
+    """A write to a store that cannot be written: the handle was opened
+    `read_only`, or this user may not write the store's files."""
+
+
+class StoreError(SippcacheError):
+    """The backend's storage library failed in a way that is not damage (a lock
+    it could not take, a limit it hit); the message names the store."""

@@ -13,10 +13,13 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias, runtime_checkable
 
 from . import tokens as _tokens
 from .tokens import Tokens
+
+if TYPE_CHECKING:  # at run time `__getattr__` below imports it on first use (base.py imports this module)
+    from .base import BaseBackend as BaseBackend
 
 #: A stored value: bytes, or a zero-copy view of the store's memory (LMDB).
 Blob: TypeAlias = bytes | memoryview

@@ -16,7 +16,7 @@ from importlib.metadata import entry_points
 from typing import cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from .errors import BadOption, BrokenPlugin, MissingDependency, UnknownBackend
+from .errors import BadOption, BrokenPlugin, MissingDependency, NoStore, UnknownBackend
 from .protocol import CacheBackend
 
 log = logging.getLogger("sippcache")
@@ -145,21 +145,38 @@ def parse_url(url: str) -> tuple[str, str, dict[str, str]]:
     return parts.scheme.lower(), location, options
 
 
-def open(url: str | None = None) -> CacheBackend:
+def open(url: str | None = None, *, read_only: bool = False, must_exist: bool = False) -> CacheBackend:
     """Open the cache a URL names; with no URL, `default_url()`.
 
     ``ram://?max_bytes=2GiB``, ``lmdb:///var/cache/sipp?max_bytes=20GiB``,
     ``diskcache:///path``, or ``<plugin>://...`` for an installed plugin.
+
+    `must_exist`: raise `NoStore` rather than create a store where there is none
+    (for backends that can tell; see `BaseBackend.missing_store`). `read_only`:
+    open for reading only, where this user may not write the store; writes
+    through the handle raise `ReadOnlyStore` (backends that cannot open
+    read-only open normally). A read-only open never creates a store either.
     """
-    name, location, options = parse_url(default_url() if url is None else url)
+    url = default_url() if url is None else url
+    name, location, options = parse_url(url)
     cls = _load(name)
-    from_url = getattr(cls, "from_url", None)
-    if from_url is None:
+    if must_exist or read_only:
+        _require_store(cls, url, location)
+    opener = (getattr(cls, "open_read_only", None) if read_only else None) or getattr(cls, "from_url", None)
+    if opener is None:
         if options:
             raise BadOption(f"backend {name!r} takes no options, got {', '.join(options)}")
         backend = cls(location)
     else:
-        backend = from_url(location, options)
+        backend = opener(location, options)
     if not isinstance(backend, CacheBackend):
         raise BrokenPlugin(f"backend {name!r} ({cls.__module__}.{cls.__qualname__}) does not implement CacheBackend")
     return backend
+
+
+def _require_store(cls: type, url: str, location: str) -> None:
+    """Raise `NoStore` if the backend can tell there is no store at `location`."""
+    missing_store = getattr(cls, "missing_store", None)
+    problem = missing_store(location) if missing_store is not None else None
+    if problem is not None:
+        raise NoStore(f"no cache at {url} ({problem})")

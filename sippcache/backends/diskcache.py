@@ -5,6 +5,13 @@ sippcache does its own LRU accounting, so diskcache's eviction is switched off
 llama-cpp-python). Only bytes go in and only bytes come out: the `Disk`
 subclass below refuses to unpickle anything, so a tampered cache file cannot
 run code.
+
+A read-only open does not use `diskcache.Cache`, which writes its settings
+whenever it opens: it reads the ``Cache`` table through its own SQLite
+connection opened with ``mode=ro``. If SQLite cannot open the database that
+way (a WAL database whose ``-shm`` file this user may not create), it opens it
+``immutable``, without locking: safe for a store nobody writes meanwhile, not
+for one a writer is changing.
 """
 
 from __future__ import annotations
@@ -14,18 +21,24 @@ import logging
 import os
 import sqlite3
 import stat
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
+from urllib.parse import quote
 
-import diskcache
+import diskcache  # type: ignore[import-untyped]  # diskcache ships no type information
 
 from ..engine import KVBackend, KVTxn, directory_path, prepare_directory
-from ..errors import CacheFull, CorruptStore
+from ..engine.directory import check_store_files, missing_store
+from ..errors import CacheFull, CorruptStore, NoStore, ReadOnlyStore, SippcacheError, StoreError
 from ..options import Size
 from ..protocol import Blob
 
 DEFAULT_MAX_BYTES = 8 * 1024**3
+#: The database diskcache keeps its index (and small values) in, and SQLite's files beside it.
+DATABASE = "cache.db"
+STORE_FILES = (DATABASE, "cache.db-wal", "cache.db-shm")
 
 log = logging.getLogger("sippcache")
 
@@ -33,7 +46,7 @@ log = logging.getLogger("sippcache")
 _FOREIGN_KEY = object()
 
 
-class BytesOnlyDisk(diskcache.Disk):
+class BytesOnlyDisk(diskcache.Disk):  # type: ignore[misc]  # diskcache is untyped
     """A diskcache `Disk` that stores bytes keys and values, never unpickles,
     never touches a value file outside its directory (the file name comes from
     the database, which may have been tampered with), and keeps value files
@@ -87,21 +100,25 @@ class BytesOnlyDisk(diskcache.Disk):
                 raise CorruptStore(f"refusing value folder {folder}: it is not a real folder")
 
     def put(self, key: Any) -> tuple[Any, bool]:
+        """The database key of `key`, which must be bytes (stored raw, never pickled)."""
         if type(key) is not bytes:
             raise TypeError("sippcache stores only bytes keys in diskcache")
-        return super().put(key)
+        return cast(tuple[Any, bool], super().put(key))
 
     def get(self, key: Any, raw: bool) -> Any:
+        """A key read from the database; a pickled one (not ours) is never unpickled."""
         if not raw:
             return _FOREIGN_KEY  # a pickled key (not ours): never unpickled, skipped by scans
         return super().get(key, raw)
 
     def store(self, value: Any, read: bool, key: Any = diskcache.core.UNKNOWN) -> Any:
+        """The database fields of `value`, which must be bytes."""
         if type(value) is not bytes:
             raise TypeError("sippcache stores only bytes values in diskcache")
         return super().store(value, read, key)
 
     def fetch(self, mode: int, filename: Any, value: Any, read: bool) -> Any:
+        """A stored value, read only in the raw or binary modes and only inside the store."""
         if mode not in (diskcache.core.MODE_RAW, diskcache.core.MODE_BINARY):
             raise CorruptStore(f"refusing to decode a diskcache value stored in mode {mode}")
         if filename is not None:
@@ -112,6 +129,7 @@ class BytesOnlyDisk(diskcache.Disk):
     deferred: list[str] | None = None
 
     def remove(self, file_path: str) -> None:
+        """Delete a value file inside the store, once the transaction that dropped its row commits."""
         try:
             self._inside(file_path)
         except CorruptStore as exc:  # drop the row, never touch the outside file
@@ -129,7 +147,7 @@ class _DiskCacheTxn:
 
     def get(self, key: bytes) -> bytes | None:
         try:
-            return self._cache.get(key, retry=True)
+            return cast(bytes | None, self._cache.get(key, retry=True))
         except CorruptStore as exc:  # a tampered row: its value is not read
             log.warning("sippcache: %s", exc)
             return None
@@ -148,11 +166,62 @@ class _DiskCacheTxn:
                     yield key, value
 
 
+class _ReadOnlyTxn:
+    """Reads of diskcache's ``Cache`` table (rows with bytes keys), values decoded
+    by `BytesOnlyDisk` as `diskcache.Cache.get` would; every write is refused."""
+
+    _SELECT = "SELECT key, mode, filename, value FROM Cache WHERE raw = 1 AND (expire_time IS NULL OR expire_time > ?)"
+
+    def __init__(self, con: sqlite3.Connection, disk: BytesOnlyDisk) -> None:
+        self.con = con
+        self._disk = disk
+
+    def get(self, key: bytes) -> bytes | None:
+        rows = self.con.execute(self._SELECT + " AND key = ?", (time.time(), key)).fetchall()
+        return self._value(rows[0]) if rows else None
+
+    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        for row in self.con.execute(self._SELECT, (time.time(),)).fetchall():
+            if isinstance(row[0], bytes) and row[0].startswith(prefix):
+                value = self._value(row)
+                if value is not None:
+                    yield row[0], value
+
+    def _value(self, row: tuple[Any, ...]) -> bytes | None:
+        _, mode, filename, value = row
+        try:
+            fetched = self._disk.fetch(mode, filename, value, False)
+        except (CorruptStore, OSError) as exc:  # a tampered row, a value file gone: not read
+            log.warning("sippcache: %s", exc)
+            return None
+        return fetched if isinstance(fetched, bytes) else None
+
+    def put(self, key: bytes, value: Blob) -> None:
+        raise ReadOnlyStore("this diskcache store is open read-only")
+
+    def delete(self, key: bytes) -> None:
+        raise ReadOnlyStore("this diskcache store is open read-only")
+
+
+def _open_read_only(path: str) -> sqlite3.Connection:
+    """A connection that cannot write `path`'s database (see the module docstring)."""
+    uri = "file:" + quote(os.path.join(path, DATABASE))
+    try:
+        con = sqlite3.connect(uri + "?mode=ro", uri=True, isolation_level=None, check_same_thread=False)
+        con.execute("SELECT 1 FROM Cache LIMIT 1").fetchall()
+    except sqlite3.OperationalError as exc:  # SQLite could not set up WAL's shared memory here
+        if "unable to open" not in str(exc) and "readonly" not in str(exc):
+            raise
+        con = sqlite3.connect(uri + "?immutable=1", uri=True, isolation_level=None, check_same_thread=False)
+    return con
+
+
 class DiskCacheBackend(KVBackend):
     """A persistent, multi-process cache in a diskcache directory at `location`."""
 
     persistent: ClassVar[bool] = True
     damage_errors = (sqlite3.DatabaseError,)
+    library_errors = (sqlite3.Error,)
     options: ClassVar[dict[str, type]] = {"max_bytes": Size, "max_entries": int, "timeout": float}
 
     def __init__(
@@ -162,23 +231,65 @@ class DiskCacheBackend(KVBackend):
         max_bytes: int | None = DEFAULT_MAX_BYTES,
         max_entries: int | None = None,
         timeout: float = 60.0,
+        read_only: bool = False,
     ) -> None:
         if not 0 <= timeout < float("inf"):
             raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
         path = directory_path("diskcache", location)
-        super().__init__(max_bytes=max_bytes, max_entries=max_entries, location=f"diskcache://{path}")
+        super().__init__(
+            max_bytes=max_bytes, max_entries=max_entries, location=f"diskcache://{path}", read_only=read_only
+        )
         self.path = path
-        prepare_directory(path, ("cache.db", "cache.db-wal", "cache.db-shm"))
+        self._cache: Any = None  # a diskcache.Cache, for writing
+        self._reading: _ReadOnlyTxn | None = None  # reads through a read-only connection
         try:
-            self._cache = diskcache.Cache(
-                path, timeout=timeout, disk=BytesOnlyDisk,
-                eviction_policy="none", size_limit=2**62, cull_limit=0, statistics=False, tag_index=False,
-            )  # fmt: skip
-        except sqlite3.DatabaseError as exc:
-            raise CorruptStore(f"{path} is not a readable diskcache store: {exc}") from exc
-        for name in ("cache.db", "cache.db-wal", "cache.db-shm"):  # SQLite creates them 0644
-            if os.path.exists(os.path.join(path, name)):
-                os.chmod(os.path.join(path, name), 0o600)
+            if read_only:
+                self._open_for_reading()
+            else:
+                self._open_for_writing(timeout)
+        except sqlite3.Error as exc:
+            error = self._library_error(exc)
+            if isinstance(error, CorruptStore):
+                error = CorruptStore(f"{path} is not a readable diskcache store: {exc}")
+            raise error from exc
+
+    def _open_for_writing(self, timeout: float) -> None:
+        prepare_directory(self.path, STORE_FILES)
+        self._cache = diskcache.Cache(
+            self.path, timeout=timeout, disk=BytesOnlyDisk,
+            eviction_policy="none", size_limit=2**62, cull_limit=0, statistics=False, tag_index=False,
+        )  # fmt: skip
+        for name in STORE_FILES:  # SQLite creates them 0644
+            if os.path.exists(os.path.join(self.path, name)):
+                os.chmod(os.path.join(self.path, name), 0o600)
+
+    def _open_for_reading(self) -> None:
+        missing = missing_store(self.path, DATABASE, "diskcache")
+        if missing is not None:
+            raise NoStore(f"no cache at {self.location} ({missing})")
+        check_store_files(self.path, STORE_FILES)
+        self._reading = _ReadOnlyTxn(_open_read_only(self.path), BytesOnlyDisk(self.path))
+
+    @classmethod
+    def open_read_only(cls, location: str, options: Mapping[str, str]) -> DiskCacheBackend:
+        """Read the store through a read-only SQLite connection (see the module docstring)."""
+        return cast(DiskCacheBackend, cls._from_url(location, options, read_only=True))
+
+    @classmethod
+    def missing_store(cls, location: str) -> str | None:
+        """No directory, a file instead, or a directory without ``cache.db``."""
+        return missing_store(directory_path("diskcache", location), DATABASE, "diskcache")
+
+    def _library_error(self, exc: BaseException) -> SippcacheError:
+        text = str(exc)
+        if isinstance(exc, sqlite3.OperationalError):
+            if "readonly" in text or "unable to open" in text:
+                return ReadOnlyStore(
+                    f"{self.path} is not writable by this user ({text}); open it with read_only=True to read it"
+                )
+            if "locked" in text:
+                return StoreError(f"{self.location}: {text}")
+        return super()._library_error(exc)
 
     @contextmanager
     def _transaction(self) -> Iterator[KVTxn]:
@@ -202,11 +313,19 @@ class DiskCacheBackend(KVBackend):
             disk.deferred = None  # rolled back: the files still belong to their rows
 
     def _reader(self) -> tuple[KVTxn, Callable[[], None]]:
-        # A read transaction on this thread's connection, so one lookup or listing
-        # sees a single commit (diskcache 5.x keeps one connection per thread).
-        execute = self._cache._sql
+        # A read transaction, so one lookup or listing sees a single commit (on this
+        # thread's connection: diskcache 5.x keeps one connection per thread).
+        if self._reading is not None:
+            execute: Callable[[str], Any] = self._reading.con.execute
+            txn: KVTxn = self._reading
+        else:
+            execute = self._cache._sql
+            txn = _DiskCacheTxn(self._cache)
         execute("BEGIN")
-        return _DiskCacheTxn(self._cache), lambda: execute("COMMIT")
+        return txn, lambda: execute("COMMIT")
 
     def _close_store(self) -> None:
-        self._cache.close()
+        if self._reading is not None:
+            self._reading.con.close()
+        else:
+            self._cache.close()

@@ -4,20 +4,26 @@ Lookups return the blob as a view of the mapped page (no copy), valid until
 the `Match` is released. One LMDB environment is opened per path per process
 (LMDB forbids two) and reopened in a forked child. Readers never block the
 writer; writers take turns through LMDB's own lock.
+
+A read-only open (`sippcache.open(url, read_only=True)`) opens the environment
+read-only. If this user may not write ``lock.mdb`` either, it reads without
+LMDB's lock table: safe for a store nobody writes meanwhile (another user's,
+one on read-only media), not for one a writer is changing.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import lmdb
 
 from ..engine import KVBackend, KVTxn, directory_path, fork_safe_lock, prepare_directory
-from ..errors import CacheFull, CorruptStore, SippcacheError
+from ..engine.directory import check_store_files, missing_store
+from ..errors import CacheFull, CorruptStore, NoStore, ReadOnlyStore, SippcacheError, StoreError
 from ..options import Size
 from ..protocol import Blob
 
@@ -25,6 +31,8 @@ DEFAULT_MAX_BYTES = 8 * 1024**3
 #: Room in the map beyond max_bytes: LMDB needs free pages for copy-on-write
 #: and for pages still pinned by readers.
 MAP_HEADROOM = 256 * 1024**2
+#: The files of a store; data.mdb holds the entries.
+STORE_FILES = ("data.mdb", "lock.mdb")
 #: Largest map this backend asks for (the address space bounds it on 64-bit machines).
 MAX_MAP_SIZE = 16 * 1024**4
 
@@ -37,34 +45,34 @@ class _SharedEnv:
     map may only be resized while none is open.
     """
 
-    _lock = threading.Lock()
-    _open: dict[tuple[str, int], _SharedEnv] = {}
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+    _open: ClassVar[dict[tuple[str, int], _SharedEnv]] = {}
 
-    def __init__(self, env: lmdb.Environment, key: tuple[str, int]) -> None:
+    def __init__(self, env: lmdb.Environment, key: tuple[str, int], read_only: bool) -> None:
         self.env = env
         self.key = key
+        self.read_only = read_only
         self.users = 0
         self.readers = 0
 
     @classmethod
-    def acquire(cls, path: str, map_size: int, sync: bool, max_readers: int) -> _SharedEnv:
+    def acquire(cls, path: str, map_size: int, sync: bool, max_readers: int, read_only: bool) -> _SharedEnv:
+        """This process's environment for `path`, opened if it is not yet; a
+        writable one also serves read-only handles, never the other way round."""
         key = (path, os.getpid())
         with cls._lock:
             for inherited in [s for (p, pid), s in cls._open.items() if p == path and pid != key[1]]:
                 inherited.abandon_after_fork()  # a forked child: the parent's environment must go first
             shared = cls._open.get(key)
+            if shared is not None and shared.read_only and not read_only:
+                raise ReadOnlyStore(
+                    f"{path} is open read-only in this process; close those handles before opening it for writing"
+                )
             if shared is None:
-                prepare_directory(path, ("data.mdb", "lock.mdb"))
-                try:
-                    env = lmdb.open(
-                        path, map_size=map_size, subdir=True, sync=sync, max_readers=max_readers,
-                        readahead=False, meminit=False, mode=0o600, max_dbs=0, max_spare_txns=0,
-                    )  # fmt: skip
-                except LMDBBackend.damage_errors as exc:
-                    raise CorruptStore(f"{path} is not a readable LMDB store: {exc}") from exc
+                env = _open_environment(path, map_size, sync, max_readers, read_only)
                 _check_file_length(env, path)
                 env.reader_check()  # free reader slots of processes that died holding a match
-                shared = cls._open[key] = _SharedEnv(env, key)
+                shared = cls._open[key] = _SharedEnv(env, key, read_only)
             shared.users += 1
             return shared
 
@@ -100,6 +108,49 @@ class _SharedEnv:
                     self.env.close()
 
 
+def _open_environment(path: str, map_size: int, sync: bool, max_readers: int, read_only: bool) -> lmdb.Environment:
+    """Open the environment at `path` (creating it unless `read_only`), its
+    errors as sippcache's."""
+    if read_only:
+        missing = missing_store(path, "data.mdb", "lmdb")
+        if missing is not None:
+            raise NoStore(f"no cache at lmdb://{path} ({missing})")
+        check_store_files(path, STORE_FILES)
+    else:
+        prepare_directory(path, STORE_FILES)
+
+    def environment(lock: bool) -> lmdb.Environment:
+        return lmdb.open(
+            path, map_size=map_size, subdir=True, sync=sync, max_readers=max_readers, readahead=False,
+            meminit=False, mode=0o600, max_dbs=0, max_spare_txns=0, readonly=read_only, lock=lock,
+        )  # fmt: skip
+
+    try:
+        try:
+            return environment(lock=True)
+        except lmdb.Error as exc:
+            if not (read_only and _denied(exc)):
+                raise
+        # This user may not write lock.mdb: read without LMDB's lock table (see the module docstring).
+        return environment(lock=False)
+    except LMDBBackend.damage_errors as exc:
+        raise CorruptStore(f"{path} is not a readable LMDB store: {exc}") from exc
+    except lmdb.Error as exc:
+        if _denied(exc):
+            raise ReadOnlyStore(_not_writable(path, exc)) from exc
+        raise StoreError(f"{path}: cannot open the LMDB store: {exc}") from exc
+
+
+def _denied(exc: lmdb.Error) -> bool:
+    """Whether an LMDB error means this user may not write the store's files."""
+    return isinstance(exc, lmdb.ReadonlyError) or "Permission denied" in str(exc) or "Read-only" in str(exc)
+
+
+def _not_writable(path: str, exc: BaseException) -> str:
+    reason = str(exc).removeprefix(f"{path}: ")
+    return f"{path} is not writable by this user ({reason}); open it with read_only=True to read it"
+
+
 def _check_file_length(env: lmdb.Environment, path: str) -> None:
     """Refuse a data file shorter than its pages: touching mapped pages past the
     end of a file kills the process with SIGBUS."""
@@ -115,7 +166,7 @@ fork_safe_lock(lambda: _SharedEnv._lock, lambda lock: setattr(_SharedEnv, "_lock
 
 
 class _LMDBTxn:
-    def __init__(self, txn: lmdb.Transaction) -> None:
+    def __init__(self, txn: lmdb.Transaction[Blob]) -> None:
         self._txn = txn
 
     def get(self, key: bytes) -> Blob | None:
@@ -144,6 +195,7 @@ class LMDBBackend(KVBackend):
     persistent: ClassVar[bool] = True
     damage_errors = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
                      lmdb.PanicError, lmdb.BadTxnError)  # fmt: skip
+    library_errors = (lmdb.Error,)
     options: ClassVar[dict[str, type]] = {
         "max_bytes": Size, "max_entries": int, "map_size": Size, "sync": bool, "max_readers": int,
     }  # fmt: skip
@@ -157,6 +209,7 @@ class LMDBBackend(KVBackend):
         map_size: int | None = None,
         sync: bool = True,
         max_readers: int = 126,
+        read_only: bool = False,
     ) -> None:
         if not 1 <= max_readers <= 65536:
             raise ValueError(f"max_readers must be in 1..65536, got {max_readers}")
@@ -164,12 +217,27 @@ class LMDBBackend(KVBackend):
             if value is not None and not 0 < value <= MAX_MAP_SIZE:
                 raise ValueError(f"{name} must be in 1..{MAX_MAP_SIZE} bytes (16 TiB), got {value}")
         path = directory_path("lmdb", location)
-        super().__init__(max_bytes=max_bytes, max_entries=max_entries, location=f"lmdb://{path}")
+        super().__init__(max_bytes=max_bytes, max_entries=max_entries, location=f"lmdb://{path}", read_only=read_only)
         if map_size is None:
             map_size = min(MAX_MAP_SIZE, (max_bytes or DEFAULT_MAX_BYTES) * 2 + MAP_HEADROOM)
         self.path = path
-        self._env_args = (path, map_size, sync, max_readers)
+        self._env_args = (path, map_size, sync, max_readers, read_only)
         self._shared = _SharedEnv.acquire(*self._env_args)
+
+    @classmethod
+    def open_read_only(cls, location: str, options: Mapping[str, str]) -> LMDBBackend:
+        """Open the environment read-only (see the module docstring)."""
+        return cast(LMDBBackend, cls._from_url(location, options, read_only=True))
+
+    @classmethod
+    def missing_store(cls, location: str) -> str | None:
+        """No directory, a file instead, or a directory without ``data.mdb``."""
+        return missing_store(directory_path("lmdb", location), "data.mdb", "lmdb")
+
+    def _library_error(self, exc: BaseException) -> SippcacheError:
+        if isinstance(exc, lmdb.Error) and _denied(exc):
+            return ReadOnlyStore(_not_writable(self.path, exc))
+        return super()._library_error(exc)
 
     def _env(self) -> _SharedEnv:
         if self._shared.key[1] != os.getpid():  # forked: this process needs its own environment
@@ -214,15 +282,20 @@ class LMDBBackend(KVBackend):
         return _LMDBTxn(txn), end
 
     @staticmethod
-    def _begin(shared: _SharedEnv, write: bool) -> lmdb.Transaction:
+    def _begin(shared: _SharedEnv, write: bool) -> lmdb.Transaction[Blob]:
+        """A write transaction, or a read transaction whose values are views of the map."""
+
+        def begin() -> lmdb.Transaction[Blob]:
+            return shared.env.begin(write=True) if write else shared.env.begin(buffers=True)
+
         try:
-            return shared.env.begin(write=write, buffers=not write)
+            return begin()
         except lmdb.MapResizedError:  # another process grew the map: adopt its size
             if not shared.resize(0):
                 raise
         except lmdb.ReadersFullError:  # slots held by dead processes: free them
             shared.env.reader_check()
-        return shared.env.begin(write=write, buffers=not write)
+        return begin()
 
     def _close_store(self) -> None:
         self._shared.release()

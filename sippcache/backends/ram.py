@@ -49,7 +49,9 @@ class RAMBackend(KVBackend):
     persistent: ClassVar[bool] = False
     options: ClassVar[dict[str, type]] = {"max_bytes": Size, "max_entries": int}
 
-    def __init__(self, location: str = "", *, max_bytes: int | None = DEFAULT_MAX_BYTES, max_entries: int | None = None) -> None:
+    def __init__(
+        self, location: str = "", *, max_bytes: int | None = DEFAULT_MAX_BYTES, max_entries: int | None = None
+    ) -> None:
         if location:
             raise ValueError(f"ram:// takes no path, got {location!r}")
         super().__init__(max_bytes=max_bytes, max_entries=max_entries, location="ram://")

@@ -40,7 +40,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qsl, urlencode
 
 from ..base import BaseBackend
@@ -49,6 +49,9 @@ from ..options import Size, coerce_options
 from ..protocol import CacheBackend, EntryInfo, Match, Peek, Stats, StoreOptions
 
 log = logging.getLogger("sippcache")
+
+_Result = TypeVar("_Result")
+_Default = TypeVar("_Default")
 
 DEFAULT_QUEUE = 256
 DEFAULT_QUEUE_BYTES = 512 * 1024**2
@@ -71,7 +74,7 @@ def _with_options(url: str, options: Mapping[str, Any]) -> str:
     return f"{base}?{urlencode(merged)}"
 
 
-def _tokens(key: bytes) -> array:
+def _tokens(key: bytes) -> array[int]:
     ids = array("I")
     ids.frombytes(key)
     return ids
@@ -92,8 +95,8 @@ class _Job:
 class _Lane:
     """A FIFO of L2 operations and the thread that runs them (one per L2 URL per process)."""
 
-    _lock = threading.Lock()
-    _lanes: dict[tuple[int, str], _Lane] = {}
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+    _lanes: ClassVar[dict[tuple[int, str], _Lane]] = {}
 
     def __init__(self, key: tuple[int, str]) -> None:
         self.key = key
@@ -236,7 +239,7 @@ class TieredBackend(BaseBackend):
         missing = [name for name in ("l1", "l2") if not kwargs.get(name)]
         if missing:
             raise BadOption(f"tiered:// needs {' and '.join(missing)}, e.g. {tiered_url('lmdb:///var/cache/sipp', 'redis://cache:6379/0')}")
-        budgets = {name: kwargs.pop(name) for name in ("max_bytes", "max_entries") if name in kwargs}
+        budgets: dict[str, Any] = {name: kwargs.pop(name) for name in ("max_bytes", "max_entries") if name in kwargs}
         l1_url, l2_url = _with_options(kwargs.pop("l1"), budgets), _with_options(kwargs.pop("l2"), budgets)
         l1 = open_url(l1_url)
         try:
@@ -299,7 +302,7 @@ class TieredBackend(BaseBackend):
                 self._l2_down = f"{type(error).__name__}: {error}"
                 log.warning("sippcache: L2 of %s failed (%s); carrying on with L1", self.location, self._l2_down)
 
-    def _l2(self, call: Callable[[], Any], default: Any) -> Any:
+    def _l2(self, call: Callable[[], _Result], default: _Default) -> _Result | _Default:
         """Call L2 from this thread; a failure is counted and answered with `default`."""
         try:
             result = call()
@@ -323,7 +326,8 @@ class TieredBackend(BaseBackend):
             generation=options.generation,
         )  # fmt: skip
         owner = blob.obj
-        data = owner if type(owner) is bytes and len(owner) == blob.nbytes else blob.tobytes()  # the caller may reuse its buffer
+        # A copy unless the blob is a whole bytes object: the caller may reuse its buffer.
+        data = owner if type(owner) is bytes and len(owner) == blob.nbytes else blob.tobytes()
         self._submit(
             lambda: self.l2.store(tokens, data, namespace=namespace, priority=options.priority,
                                   pinned=options.pinned, generation=options.generation),
@@ -365,7 +369,7 @@ class TieredBackend(BaseBackend):
         second = self._l2(lambda: self.l2.peek(tokens, namespace=namespace, partial=partial), None)
         return second if second is not None and (first is None or second.length > first.length) else first
 
-    def _l2_longer(self, tokens: array, namespace: str, partial: bool, best: int) -> Match | None:
+    def _l2_longer(self, tokens: array[int], namespace: str, partial: bool, best: int) -> Match | None:
         """L2's match if it covers more than `best` tokens (its blob is read only then)."""
         peeked = self._l2(lambda: self.l2.peek(tokens, namespace=namespace, partial=partial), None)
         if peeked is None or peeked.length <= best:
@@ -398,9 +402,12 @@ class TieredBackend(BaseBackend):
 
     def _set_pinned(self, key: bytes, namespace: str, pinned: bool) -> bool:
         tokens = _tokens(key)
-        change = (lambda backend: backend.pin) if pinned else (lambda backend: backend.unpin)
-        first = change(self.l1)(tokens, namespace=namespace)
-        second = self._ordered(lambda: change(self.l2)(tokens, namespace=namespace), False)
+
+        def change(backend: CacheBackend) -> bool:
+            return (backend.pin if pinned else backend.unpin)(tokens, namespace=namespace)
+
+        first = change(self.l1)
+        second = self._ordered(lambda: change(self.l2), False)
         return bool(first or second)
 
     def _clear(self) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from .. import tokens as _tokens
 from ..base import BaseBackend
 from ..catalog import StorePlan, refuse
-from ..errors import CacheFull
+from ..errors import CacheFull, ReadOnlyStore
 from ..protocol import EntryInfo, Match, Peek, Stats, StoreOptions
 from . import forking
 from .layout import (
@@ -73,11 +73,14 @@ class KVBackend(BaseBackend):
 
     Subclasses implement `_transaction` and `_reader` (and `_close_store`);
     everything else is here. All in-memory state is guarded by one lock, so an
-    instance may be shared by threads.
+    instance may be shared by threads. A `read_only` instance never starts a
+    write transaction: uses are not recorded and damaged entries stay.
     """
 
-    def __init__(self, *, max_bytes: int | None, max_entries: int | None, location: str) -> None:
-        super().__init__()
+    def __init__(
+        self, *, max_bytes: int | None, max_entries: int | None, location: str, read_only: bool = False
+    ) -> None:
+        super().__init__(read_only=read_only)
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         if max_entries is not None and max_entries <= 0:
@@ -185,7 +188,7 @@ class KVBackend(BaseBackend):
                 return None
             if not isinstance(blob, memoryview):
                 end()
-            if touch:
+            if touch and not self.read_only:
                 self._replica.uses.record(self._replica.catalog, hit.entry_id)
             self._counters["hits"] += 1
             stored_key = index.key_of(hit.entry_id)
@@ -204,7 +207,7 @@ class KVBackend(BaseBackend):
         with self._lock:
             self._refresh()
             found = eid in self._replica.catalog
-            if found:
+            if found and not self.read_only:
                 self._replica.uses.record(self._replica.catalog, eid)
                 self._flush_touches_if_due()
             return found
@@ -285,10 +288,9 @@ class KVBackend(BaseBackend):
                 )
             return found
 
-    def purge_damaged(self) -> int:
-        """Remove entries whose index record is unreadable now, rather than on the next write.
-        An index loaded from a snapshot is read again from every entry's records first,
-        so records damaged after the snapshot was written are found too."""
+    def _remove_damaged(self) -> int:
+        """An index loaded from a snapshot is read again from every entry's records
+        first, so records damaged after the snapshot was written are found too."""
         with self._lock:
             txn, end = self._reader()
             try:
@@ -312,7 +314,7 @@ class KVBackend(BaseBackend):
         release_unreferenced_blobs()
         with self._lock:
             try:
-                if self._replica.uses.items:
+                if self._replica.uses.items and not self.read_only:
                     self._write(_nothing)
             except Exception as exc:  # closing must not fail over lost recency data
                 log.warning("sippcache: could not save recency updates on close: %s", exc)
@@ -327,6 +329,8 @@ class KVBackend(BaseBackend):
         log records, then apply its in-memory updates. On `CacheFull` (the store
         itself has no room), retry once (the backend may have made room: LMDB grows
         its map), then evict down to half the stored bytes and retry a last time."""
+        if self.read_only:  # the public methods refuse first; this guards every other path
+            raise ReadOnlyStore(f"{self.location} is open read-only")
         with self._lock:
             try:
                 self._write_once(change)
@@ -397,20 +401,23 @@ class KVBackend(BaseBackend):
             finally:
                 end()
         except Exception as exc:  # the snapshot only saves time: never fail over it
-            log.warning("sippcache: could not read %s's snapshot position: %s", self.location, exc)
+            log.info("sippcache: could not read %s's index snapshot position: %s", self.location, exc)
             return
         at = read_u64(saved)
         if self._replica.read_every_entry or saved is None or at < trimmed or newest - at >= INDEX_SNAPSHOT_LAG:
             self._save_index_snapshot()
 
     def _index_snapshot_wanted(self) -> bool:
-        return type(self).persistent and len(self._replica.catalog) >= INDEX_SNAPSHOT_MIN_ENTRIES
+        return (
+            type(self).persistent and not self.read_only
+            and len(self._replica.catalog) >= INDEX_SNAPSHOT_MIN_ENTRIES
+        )  # fmt: skip
 
     def _save_index_snapshot(self) -> None:
         """Write the catalog's snapshot, as of the store's newest log record, in a
         write transaction of its own. Written rarely (on close, and once after this
         process had to read every entry), so stores never wait for it; a snapshot
-        that cannot be written (a read-only store, a full disk) is skipped."""
+        that cannot be written (a full disk) is skipped: it only saves time."""
         replica = self._replica
         replica.read_every_entry = False  # tried once, whatever happens
         if not self._index_snapshot_wanted():
@@ -422,7 +429,7 @@ class KVBackend(BaseBackend):
                     txn.put(KEY_INDEX_SNAPSHOT, replica.catalog.snapshot(replica.seq))
                     txn.put(KEY_INDEX_SNAPSHOT_SEQ, pack_u64(replica.seq))
         except Exception as exc:
-            log.warning("sippcache: could not save %s's index snapshot: %s", self.location, exc)
+            log.info("sippcache: could not save %s's index snapshot: %s", self.location, exc)
 
     def _evict_to_half(self, txn: KVTxn, records: Records, after: AfterCommit) -> None:
         """Evict (by the eviction order, never pinned entries) down to half the stored bytes."""
@@ -470,7 +477,7 @@ class KVBackend(BaseBackend):
     # -- recency -------------------------------------------------------------------
 
     def _flush_touches_if_due(self) -> None:
-        if self._replica.uses.due():
+        if self._replica.uses.due() and not self.read_only:
             try:
                 self._write(_nothing)
             except Exception as exc:  # recency is advisory: never fail a lookup over it

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import stat
 
-from ..errors import CorruptStore
+from ..errors import CorruptStore, NoStore, ReadOnlyStore
 
 
 def directory_path(scheme: str, location: str) -> str:
@@ -19,12 +19,32 @@ def directory_path(scheme: str, location: str) -> str:
     return path
 
 
+def missing_store(path: str, store_file: str, kind: str) -> str | None:
+    """Why the directory `path` holds no `kind` store (whose data is in
+    `store_file`), or None if it holds one."""
+    if not os.path.lexists(path):
+        return f"directory {path} does not exist"
+    if not os.path.isdir(path):
+        return f"{path} is a file, not a cache directory"
+    if not os.path.lexists(os.path.join(path, store_file)):
+        return f"{path} holds no {kind} store"
+    return None
+
+
 def prepare_directory(path: str, files: tuple[str, ...]) -> None:
     """Create the store directory (0700: entries hold users' prompts) and refuse
     store files that are symbolic links, so nothing is written through them."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    if not os.path.isdir(path):
-        raise NotADirectoryError(f"{path} is not a directory")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise NoStore(f"{path} is a file, not a cache directory")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except PermissionError as exc:
+        raise ReadOnlyStore(f"cannot create the cache directory {path}: {exc.strerror}") from exc
+    check_store_files(path, files)
+
+
+def check_store_files(path: str, files: tuple[str, ...]) -> None:
+    """Refuse store files in `path` that are symbolic links or folders."""
     for name in files:
         try:
             mode = os.lstat(os.path.join(path, name)).st_mode
@@ -32,3 +52,4 @@ def prepare_directory(path: str, files: tuple[str, ...]) -> None:
             continue
         if not stat.S_ISREG(mode):
             raise CorruptStore(f"{os.path.join(path, name)} is not a regular file (a link or a folder?); refusing it")
+
