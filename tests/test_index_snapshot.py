@@ -157,6 +157,22 @@ def test_small_stores_get_no_snapshot(tmp_path: Path) -> None:
     assert KEY_INDEX_SNAPSHOT not in lmdb_records(store)
 
 
+def test_a_read_only_handle_loads_the_snapshot_and_never_writes_one(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    build(store)
+    cache = sippcache.open(url(store), read_only=True)
+    try:
+        assert len(cache) == ENTRIES and not cache._replica.read_every_entry
+        with cache.lookup(key(3), namespace=namespace(3)) as match:
+            assert bytes(match.blob) == b"blob 3"
+    finally:
+        cache.close()
+    edit_lmdb(store, delete=(KEY_INDEX_SNAPSHOT, KEY_INDEX_SNAPSHOT_SEQ))
+    with sippcache.open(url(store), read_only=True) as cache:
+        assert len(cache) == ENTRIES  # read entry by entry
+    assert KEY_INDEX_SNAPSHOT not in lmdb_records(store)
+
+
 def test_reopen_after_another_process_stored_and_deleted(tmp_path: Path) -> None:
     store = tmp_path / "store"
     build(store)
