@@ -33,6 +33,7 @@ from sippcache.engine.layout import (
     LOG_KEEP,
     PREFIX_BLOB,
     entry_id,
+    log_key,
 )
 from sippcache.index import IndexHit, PrefixIndex
 
@@ -285,6 +286,25 @@ def test_damaged_snapshot_falls_back_to_reading_every_entry(
     if damage not in ("empty",):
         assert "snapshot is damaged" in caplog.text
     opened_from_snapshot(store).close()  # closing wrote a good one
+
+
+def test_a_missing_log_record_after_the_snapshot_means_reading_every_entry(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    build(store)
+    in_another_process(store, f"""
+        for i in range({ENTRIES}, {ENTRIES} + 5):
+            cache.store(key(i), b"late", namespace=namespace(i))
+        cache.close()
+    """)  # fmt: skip
+    records = lmdb_records(store)
+    after_snapshot = int.from_bytes(records[KEY_INDEX_SNAPSHOT_SEQ], "little") + 2
+    edit_lmdb(store, delete=(log_key(after_snapshot),))
+    cache = sippcache.open(url(store))
+    try:
+        assert contents(cache) == without_snapshot(store, tmp_path)
+        assert cache._replica.read_every_entry and len(cache) == ENTRIES + 5
+    finally:
+        cache.close()
 
 
 def test_entries_deleted_after_the_snapshot_without_a_log_record_are_misses(tmp_path: Path) -> None:
