@@ -27,11 +27,19 @@ ordering strictly by token count, oldest last, reuses less than half as many.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from itertools import compress, repeat
+from operator import attrgetter
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
+import xxhash
 
 from .errors import CacheFull
 from .index import PrefixIndex
@@ -40,6 +48,9 @@ from .protocol import Peek, Stats, StoreOptions
 log = logging.getLogger("sippcache")
 
 _TOKEN = 4  # bytes per token in index keys
+#: Starts every `Catalog.snapshot`; a new layout gets a new one, and older snapshots are ignored.
+SNAPSHOT_MAGIC = b"sippcache-catalog-1\n"
+_DIGEST = 16  # xxh3_128 of the snapshot's body
 
 
 @dataclass(slots=True)
@@ -62,6 +73,11 @@ class EntryState:
         return (not self.superseded, self.value, self.used)
 
 
+#: The `EntryState` fields a snapshot keeps, in constructor order: all but the
+#: namespace, which the index knows.
+_COLUMNS = tuple(f.name for f in fields(EntryState))[1:]
+
+
 @dataclass
 class StorePlan:
     """What storing an entry takes, decided by `Catalog.plan_store`.
@@ -79,6 +95,20 @@ class StorePlan:
     superseded: bytes | None = None
 
 
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection inside: building a catalog of many entries
+    allocates objects faster than the collector's thresholds assume, and its
+    full passes over the growing heap would cost more than the build itself."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class Catalog:
     """Entries of one store: index, sizes, pins, and the eviction order.
 
@@ -90,7 +120,9 @@ class Catalog:
         self.index = PrefixIndex()
         self.clock = 0.0
         self._entries: dict[bytes, EntryState] = {}
-        self._heap: list[tuple[bool, float, int, bytes]] = []
+        #: The eviction order: (*order, id) items, some stale; None until first needed
+        #: after a snapshot load (most processes that open a store never evict).
+        self._heap: list[tuple[bool, float, int, bytes]] | None = []
         self.total = 0
         self.pinned_bytes = 0
         self.pinned_count = 0
@@ -145,6 +177,58 @@ class Catalog:
 
     def clear(self) -> None:
         self.__init__()  # type: ignore[misc]
+
+    # -- snapshots -------------------------------------------------------------------
+
+    def snapshot(self, position: int) -> bytes:
+        """The whole catalog as bytes that `from_snapshot` loads much faster than
+        putting every entry again (no key is inserted into the index one by one).
+        `position` is the backend's: what the snapshot reflects (a log sequence
+        number). Checksummed, so damage makes `from_snapshot` refuse it."""
+        trees = self.index.dump()
+        states = [self._entries[eid] for tree in trees for eid in compress(tree[3], tree[3])]  # in the dump's order
+        columns = [list(map(attrgetter(name), states)) for name in _COLUMNS]
+        body: bytes = msgpack.packb([position, self.clock, trees, columns])
+        return SNAPSHOT_MAGIC + xxhash.xxh3_128_digest(body) + body
+
+    @classmethod
+    def from_snapshot(cls, raw: bytes | memoryview) -> tuple[Catalog, int] | None:
+        """The catalog a `snapshot` holds and its position; None if `raw` is not an
+        intact snapshot of this layout (damaged, cut short, another version)."""
+        start = len(SNAPSHOT_MAGIC)
+        if bytes(raw[:start]) != SNAPSHOT_MAGIC or len(raw) < start + _DIGEST:
+            return None
+        body = memoryview(raw)[start + _DIGEST :]
+        if xxhash.xxh3_128_digest(body) != bytes(raw[start : start + _DIGEST]):
+            return None
+        catalog = cls()
+        with paused_gc():
+            try:
+                position, clock, trees, columns = msgpack.unpackb(body, raw=False)
+                catalog._load(float(clock), trees, columns)
+            except (ValueError, TypeError, IndexError, StopIteration, msgpack.UnpackException):
+                return None
+        if type(position) is not int:
+            return None
+        return catalog, position
+
+    def _load(self, clock: float, trees: list[list[Any]], columns: list[list[Any]]) -> None:
+        """Fill an empty catalog from a snapshot's parts; raises if they do not fit together."""
+        if len(columns) != len(_COLUMNS):
+            raise ValueError("not a snapshot of this layout")
+        column = dict(zip(_COLUMNS, columns, strict=True))
+        self.index.load(trees)
+        ids = [eid for tree in trees for eid in compress(tree[3], tree[3])]  # in the dump's order
+        namespaces = [name for tree in trees for name in repeat(tree[0], len(tree[3]) - tree[3].count(None))]
+        if not all(len(values) == len(ids) for values in columns):
+            raise ValueError("snapshot index and entries differ")
+        self._entries = dict(zip(ids, map(EntryState, namespaces, *columns), strict=True))
+        self.clock = clock
+        sizes, pinned = column["size"], column["pinned"]
+        self.total = sum(sizes)
+        pinned_sizes = list(compress(sizes, pinned))
+        self.pinned_bytes, self.pinned_count = sum(pinned_sizes), len(pinned_sizes)
+        self._heap = None
 
     def use(self, eid: bytes, used: int, value: float | None = None) -> None:
         """Record a use at `used` (ns): a new retention value, and no longer superseded."""
@@ -254,8 +338,9 @@ class Catalog:
         chosen: list[bytes] = []
         popped: list[tuple[bool, float, int, bytes]] = []
         seen: set[bytes] = set()
-        while over() and self._heap:
-            item = heapq.heappop(self._heap)
+        heap = self._order()
+        while over() and heap:
+            item = heapq.heappop(heap)
             eid = item[3]
             entry = self._entries.get(eid)
             if entry is None or entry.pinned or eid in seen or item[:3] != entry.order():
@@ -268,15 +353,24 @@ class Catalog:
             total -= entry.size
             number -= 1
         for item in popped:
-            heapq.heappush(self._heap, item)
+            heapq.heappush(heap, item)
         return None if over() else chosen
 
     # -- the order -------------------------------------------------------------------
 
-    def _push(self, eid: bytes, entry: EntryState) -> None:
-        if len(self._heap) > 2 * len(self._entries) + 1024:  # mostly stale items: rebuild
+    def _order(self) -> list[tuple[bool, float, int, bytes]]:
+        """The eviction heap, built from the entries when there is none."""
+        if self._heap is None:
             self._heap = [(*e.order(), i) for i, e in self._entries.items() if not e.pinned]
             heapq.heapify(self._heap)
+        return self._heap
+
+    def _push(self, eid: bytes, entry: EntryState) -> None:
+        if self._heap is None:
+            return  # `_order` builds it, with this entry's order, when it is needed
+        if len(self._heap) > 2 * len(self._entries) + 1024:  # mostly stale items: rebuild
+            self._heap = None
+            self._order()
         elif not entry.pinned:
             heapq.heappush(self._heap, (*entry.order(), eid))
 
@@ -324,5 +418,7 @@ def refuse(location: str, size: int, tokens: int, pinned: bool, why: str, budget
     is dropped with a warning. Returns False (not stored)."""
     if pinned:
         raise CacheFull(f"{location}: cannot pin a {size}-byte entry ({tokens} tokens): {why} ({budgets})")
-    log.warning("sippcache: not storing a %d-byte entry (%d tokens): %s (%s) of %s", size, tokens, why, budgets, location)
+    log.warning(
+        "sippcache: not storing a %d-byte entry (%d tokens): %s (%s) of %s", size, tokens, why, budgets, location
+    )
     return False

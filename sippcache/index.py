@@ -13,6 +13,9 @@ partial match go to that entry without visiting the subtree.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter
+from typing import Any
 
 _TOKEN = 4  # bytes per token
 
@@ -29,14 +32,14 @@ def common_prefix_bytes(a: bytes | memoryview, b: bytes | memoryview) -> int:
 class _Node:
     __slots__ = ("best", "best_rank", "children", "edge", "entry", "parent", "rank")
 
-    def __init__(self, edge: bytes, parent: _Node | None) -> None:
+    def __init__(self, edge: bytes, parent: _Node | None, entry: bytes | None = None, rank: int = -1) -> None:
         self.edge = edge
         self.parent = parent
         self.children: dict[bytes, _Node] = {}
-        self.entry: bytes | None = None  # id of the entry whose key ends here
-        self.rank = -1  # that entry's recency
-        self.best: bytes | None = None  # most recently used entry in this subtree
-        self.best_rank = -1
+        self.entry = entry  # id of the entry whose key ends here
+        self.rank = rank  # that entry's recency
+        self.best = entry  # most recently used entry in this subtree (set for a leaf; `_raise_best` after)
+        self.best_rank = rank
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,63 @@ class PrefixIndex:
     def clear(self) -> None:
         self.__init__()  # type: ignore[misc]
 
+    def dump(self) -> list[list[Any]]:
+        """The trees as plain lists that msgpack packs in C, so a store can keep its
+        index and `load` it without inserting every key again: per namespace
+        `[namespace, edges, parent positions, entry ids (None for none), ranks
+        (-1 for none)]`, nodes in preorder (a parent before its children, the root first)."""
+        trees = []
+        for namespace, root in self._roots.items():
+            edges: list[bytes] = []
+            parents: list[int] = []
+            entries: list[bytes | None] = []
+            ranks: list[int] = []
+            stack: list[tuple[_Node, int]] = [(root, -1)]
+            while stack:
+                node, parent = stack.pop()
+                position = len(edges)
+                edges.append(node.edge)
+                parents.append(parent)
+                entries.append(node.entry)
+                ranks.append(node.rank)
+                stack.extend((child, position) for child in node.children.values())
+            trees.append([namespace, edges, parents, entries, ranks])
+        return trees
+
+    def load(self, trees: list[list[Any]]) -> None:
+        """Replace the contents by a `dump()`. A dump that is not well formed raises
+        (ValueError, TypeError, IndexError) and leaves the index unusable: clear it then."""
+        self.clear()
+        nodes_of, namespace_of = self._nodes, self._namespace
+        listed = 0
+        by_rank = attrgetter("best_rank")
+        for namespace, edges, parents, entries, ranks in trees:
+            _check_dump(namespace, edges, parents, entries, ranks)
+            if namespace in self._roots:
+                raise ValueError("a namespace twice in an index dump")
+            root = _Node(b"", None)
+            nodes = [root]
+            append = nodes.append
+            for edge, parent, entry, rank in zip(edges[1:], parents[1:], entries[1:], ranks[1:], strict=True):
+                above = nodes[parent]
+                node = _Node(edge, above, entry, rank)
+                above.children[edge[:_TOKEN]] = node
+                append(node)
+            ids = list(compress(entries, entries))
+            nodes_of.update(zip(ids, compress(nodes, entries), strict=True))
+            namespace_of.update(dict.fromkeys(ids, namespace))
+            listed += len(ids)
+            # Every node with children, deepest first (children follow their parents): its best is its
+            # own entry's or its most recent child's.
+            for position in sorted(set(parents[1:]), reverse=True):
+                node = nodes[position]
+                child = max(node.children.values(), key=by_rank)
+                if child.best_rank > node.best_rank:
+                    node.best, node.best_rank = child.best, child.best_rank
+            self._roots[namespace] = root
+        if len(nodes_of) != listed:
+            raise ValueError("an entry twice in an index dump")
+
     def longest_prefix(self, namespace: str, query: bytes) -> IndexHit | None:
         """The entry whose key is the longest prefix of `query`, if any."""
         node = self._roots.get(namespace)
@@ -211,3 +271,22 @@ class PrefixIndex:
                         best, best_rank = child.best, child.best_rank
                 node.best, node.best_rank = best, best_rank
             node = node.parent
+
+
+def _check_dump(namespace: Any, edges: list[Any], parents: list[Any], entries: list[Any], ranks: list[Any]) -> None:
+    """Raise ValueError unless one tree of a dump is well formed: a root first, every
+    other node after its parent with a non-empty edge of whole tokens, ids bytes or
+    None, integer ranks. Checked with C-level passes over the columns: a load must stay fast."""
+    count = len(edges)
+    if not (type(namespace) is str and count == len(parents) == len(entries) == len(ranks) > 1):
+        raise ValueError("not an index dump: columns")
+    if edges[0] != b"" or parents[0] != -1 or entries[0] is not None:
+        raise ValueError("not an index dump: no root")
+    if set(map(type, edges)) != {bytes} or not set(map(type, entries)) <= {bytes, type(None)}:
+        raise ValueError("not an index dump: types")
+    if not all(edges[1:]) or any(map((_TOKEN - 1).__and__, map(len, edges))):
+        raise ValueError("not an index dump: edges")
+    if set(map(type, ranks)) != {int} or set(map(type, parents)) != {int}:
+        raise ValueError("not an index dump: numbers")
+    if min(parents[1:]) < 0 or not all(map(int.__lt__, parents[1:], range(1, count))):
+        raise ValueError("not an index dump: parents")

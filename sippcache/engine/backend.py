@@ -24,6 +24,8 @@ from . import forking
 from .layout import (
     ENTRY_PREFIXES,
     KEY_CLOCK,
+    KEY_INDEX_SNAPSHOT,
+    KEY_INDEX_SNAPSHOT_SEQ,
     KEY_NEWEST,
     KEY_TRIMMED,
     LOG_KEEP,
@@ -45,6 +47,13 @@ from .snapshots import SnapshotMatch, release_unreferenced_blobs
 from .storage import KVTxn
 
 log = logging.getLogger("sippcache")
+
+#: Stores with fewer entries get no snapshot: reading their records at open takes
+#: less than 40 ms, and checks every one of them.
+INDEX_SNAPSHOT_MIN_ENTRIES = 1_000
+#: On close, a snapshot this many log records behind the store is written again
+#: (replaying that many records at open costs about what loading the snapshot does).
+INDEX_SNAPSHOT_LAG = 1_000
 
 #: Log records a write transaction appends (see `sippcache.engine.layout`).
 Records = list[list[Any]]
@@ -164,7 +173,10 @@ class KVBackend(BaseBackend):
             try:
                 self._replica.sync(txn)
                 index = self._replica.catalog.index
-                hit = index.longest_common(namespace, key) if partial else index.longest_prefix(namespace, key)
+                find = index.longest_common if partial else index.longest_prefix
+                hit = find(namespace, key)
+                while hit is not None and not self._replica.confirm(txn, hit.entry_id):
+                    hit = find(namespace, key)
                 blob = txn.get(PREFIX_BLOB + hit.entry_id) if hit is not None else None
             except BaseException:
                 end()
@@ -245,7 +257,8 @@ class KVBackend(BaseBackend):
                 eid = key[1:]
                 for prefix in ENTRY_PREFIXES:
                     txn.delete(prefix + eid)
-            txn.delete(KEY_CLOCK)
+            for single in (KEY_CLOCK, KEY_INDEX_SNAPSHOT, KEY_INDEX_SNAPSHOT_SEQ):
+                txn.delete(single)
             records.append([OP_CLEAR])
             after.append(self._replica.catalog.clear)
 
@@ -276,8 +289,17 @@ class KVBackend(BaseBackend):
             return found
 
     def _remove_damaged(self) -> int:
+        """An index loaded from a snapshot is read again from every entry's records
+        first, so records damaged after the snapshot was written are found too."""
         with self._lock:
-            self._refresh()
+            txn, end = self._reader()
+            try:
+                if self._replica.unconfirmed:
+                    self._replica.rebuild(txn, read_u64(txn.get(KEY_NEWEST)), snapshot=False)
+                else:
+                    self._replica.sync(txn)
+            finally:
+                end()
             count = len(self._replica.damaged)
             if count:
                 self._write(_nothing)
@@ -296,6 +318,8 @@ class KVBackend(BaseBackend):
                     self._write(_nothing)
             except Exception as exc:  # closing must not fail over lost recency data
                 log.warning("sippcache: could not save recency updates on close: %s", exc)
+            else:
+                self._save_index_snapshot_if_stale()
             self._close_store()
 
     # -- writing -----------------------------------------------------------------
@@ -319,6 +343,8 @@ class KVBackend(BaseBackend):
                     log.warning("sippcache: %s is full; evicting down to half its stored bytes", self.location)
                     self._write_once(self._evict_to_half)
                     self._write_once(change)
+            if self._replica.read_every_entry:
+                self._save_index_snapshot()
 
     def _write_once(self, change: Change) -> None:
         replica = self._replica
@@ -359,6 +385,51 @@ class KVBackend(BaseBackend):
             for old in range(trimmed + 1, seq - LOG_KEEP + 1):
                 txn.delete(log_key(old))
             txn.put(KEY_TRIMMED, pack_u64(seq - LOG_KEEP))
+
+    # -- the snapshot (see `sippcache.engine.replica`) --------------------------------
+
+    def _save_index_snapshot_if_stale(self) -> None:
+        """On close: save a snapshot if the store's is missing, or older than the
+        trimmed log (useless), or `INDEX_SNAPSHOT_LAG` log records behind the store."""
+        if not self._index_snapshot_wanted():
+            return
+        try:
+            txn, end = self._reader()
+            try:
+                newest, trimmed = read_u64(txn.get(KEY_NEWEST)), read_u64(txn.get(KEY_TRIMMED))
+                saved = txn.get(KEY_INDEX_SNAPSHOT_SEQ)
+            finally:
+                end()
+        except Exception as exc:  # the snapshot only saves time: never fail over it
+            log.info("sippcache: could not read %s's index snapshot position: %s", self.location, exc)
+            return
+        at = read_u64(saved)
+        if self._replica.read_every_entry or saved is None or at < trimmed or newest - at >= INDEX_SNAPSHOT_LAG:
+            self._save_index_snapshot()
+
+    def _index_snapshot_wanted(self) -> bool:
+        return (
+            type(self).persistent and not self.read_only
+            and len(self._replica.catalog) >= INDEX_SNAPSHOT_MIN_ENTRIES
+        )  # fmt: skip
+
+    def _save_index_snapshot(self) -> None:
+        """Write the catalog's snapshot, as of the store's newest log record, in a
+        write transaction of its own. Written rarely (on close, and once after this
+        process had to read every entry), so stores never wait for it; a snapshot
+        that cannot be written (a full disk) is skipped: it only saves time."""
+        replica = self._replica
+        replica.read_every_entry = False  # tried once, whatever happens
+        if not self._index_snapshot_wanted():
+            return
+        try:
+            with self._transaction() as txn:
+                replica.sync(txn)
+                if not replica.uses.items and not replica.damaged:  # memory is exactly the store
+                    txn.put(KEY_INDEX_SNAPSHOT, replica.catalog.snapshot(replica.seq))
+                    txn.put(KEY_INDEX_SNAPSHOT_SEQ, pack_u64(replica.seq))
+        except Exception as exc:
+            log.info("sippcache: could not save %s's index snapshot: %s", self.location, exc)
 
     def _evict_to_half(self, txn: KVTxn, records: Records, after: AfterCommit) -> None:
         """Evict (by the eviction order, never pinned entries) down to half the stored bytes."""

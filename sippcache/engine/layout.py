@@ -13,6 +13,9 @@ id; a few single keys describe the whole store::
     S       u64 sequence number of the newest log record
     T       u64 log records at or below this number were trimmed
     G       f64 the eviction clock (see `sippcache.catalog`)
+    I       the catalog's snapshot (`sippcache.catalog.Catalog.snapshot`): loading
+            it and replaying the log after it replaces reading every entry at open
+    J       u64 the log record the snapshot reflects
 
 These bytes are the on-disk format of every existing store: never change one.
 """
@@ -37,6 +40,8 @@ PREFIX_LOG = b"L"
 KEY_NEWEST = b"S"
 KEY_TRIMMED = b"T"
 KEY_CLOCK = b"G"
+KEY_INDEX_SNAPSHOT = b"I"
+KEY_INDEX_SNAPSHOT_SEQ = b"J"
 
 #: Change-log op codes: the first field of every log record.
 OP_PUT = "p"  # [OP_PUT, id]: an entry was stored; read its records

@@ -1,9 +1,16 @@
 """This process's copy of a store's index, kept in step with the store's change log.
 
-Every process rebuilds its in-memory index from the M records when it opens
-the store, then replays the log records newer than the last one it saw before
-each operation: a lookup costs one small read when nothing changed, and another
-process's store is visible at once without reopening.
+When a process opens a store it loads the catalog's snapshot (`I`, see
+`sippcache.engine.layout`) and replays the log records written after it; only
+without a usable snapshot (none, damaged, or older than the trimmed log) does
+it read every entry's records. Then it replays the log records newer than the
+last one it saw before each operation: a lookup costs one small read when
+nothing changed, and another process's store is visible at once without
+reopening.
+
+A snapshot is a copy of checked records, so an entry it lists is checked
+against its own M record the first time a lookup finds it (`confirm`): a record
+damaged after the snapshot was written still makes its entry a miss.
 """
 
 from __future__ import annotations
@@ -11,10 +18,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..catalog import Catalog, EntryState, PendingUses
+from ..catalog import Catalog, EntryState, PendingUses, paused_gc
 from ..protocol import Blob
 from .layout import (
     KEY_CLOCK,
+    KEY_INDEX_SNAPSHOT,
     KEY_NEWEST,
     KEY_TRIMMED,
     OP_CLEAR,
@@ -43,9 +51,11 @@ class Replica:
         self.seq = -1  # newest log record applied; -1 forces a rebuild
         self.uses = PendingUses()
         self.damaged: set[bytes] = set()  # ids whose M record is damaged: removed on the next write
+        self.unconfirmed: set[bytes] = set()  # ids loaded from a snapshot whose M record is not read yet
+        self.read_every_entry = False  # the last rebuild found no usable snapshot
 
     def invalidate(self) -> None:
-        """Rebuild from the store's entries on the next `sync`."""
+        """Rebuild from the store on the next `sync`."""
         self.seq = -1
 
     def sync(self, txn: KVTxn) -> None:
@@ -53,23 +63,75 @@ class Replica:
         seq = read_u64(txn.get(KEY_NEWEST))
         if seq == self.seq:
             return
-        if self.seq < read_u64(txn.get(KEY_TRIMMED)) or self.seq > seq:
+        if self.seq < read_u64(txn.get(KEY_TRIMMED)) or self.seq > seq or not self._replay(txn, seq):
             self.rebuild(txn, seq)
-            return
+
+    def rebuild(self, txn: KVTxn, seq: int, *, snapshot: bool = True) -> None:
+        """Load the catalog as of log record `seq`: from the store's snapshot and the
+        log after it if there is a usable one (and `snapshot`), else from every entry's records."""
+        self.uses.items.clear()
+        with paused_gc():  # hundreds of thousands of objects at once (see `paused_gc`)
+            if snapshot and self._load_index_snapshot(txn, seq):
+                self.read_every_entry = False
+                return
+            self._read_entries(txn, seq)
+        self.read_every_entry = True
+
+    def confirm(self, txn: KVTxn, eid: bytes) -> bool:
+        """Whether entry `eid`, found by a lookup, may be returned. An entry loaded from
+        a snapshot is checked against its M record once: if the record is gone,
+        damaged (then it is marked for removal) or names another key, the entry is
+        dropped from memory and False returned."""
+        if eid not in self.unconfirmed:
+            return True
+        self.unconfirmed.discard(eid)
+        raw = txn.get(PREFIX_META + eid)
+        meta = read_meta(eid, raw) if raw is not None else None
+        index = self.catalog.index
+        if meta is not None and meta[:2] == (index.namespace_of(eid), index.key_of(eid)):
+            return True
+        if raw is not None and meta is None:
+            self.damaged.add(eid)
+        self.catalog.remove(eid)
+        self.uses.items.pop(eid, None)
+        return False
+
+    def _replay(self, txn: KVTxn, seq: int) -> bool:
+        """Apply the log records after `self.seq` up to `seq`; False if one is
+        missing (trimmed while we read) or damaged: then only a rebuild will do."""
         for number in range(self.seq + 1, seq + 1):
             raw = txn.get(log_key(number))
             record = read_record(raw) if raw is not None else None
-            if record is None:  # trimmed while we read, or damaged: start from the entries
-                self.rebuild(txn, seq)
-                return
+            if record is None:
+                return False
             self._apply(txn, record)
         self.catalog.clock = read_f64(txn.get(KEY_CLOCK))
         self.seq = seq
+        return True
 
-    def rebuild(self, txn: KVTxn, seq: int) -> None:
+    def _load_index_snapshot(self, txn: KVTxn, seq: int) -> bool:
+        """Load the store's snapshot and replay the log after it; False (memory to be
+        rebuilt) if there is none, it is damaged, or the log after it is trimmed."""
+        raw = txn.get(KEY_INDEX_SNAPSHOT)
+        if raw is None:
+            return False
+        loaded = Catalog.from_snapshot(raw)
+        if loaded is None:
+            log.warning("sippcache: %s: the index snapshot is damaged; reading every entry instead", self.location)
+            return False
+        catalog, position = loaded
+        if not read_u64(txn.get(KEY_TRIMMED)) <= position <= seq:
+            return False  # log records it would need are gone, or the store is older than the snapshot
+        self.catalog, self.seq = catalog, position
+        self.damaged.clear()
+        self.unconfirmed = set(catalog.ids())
+        return self._replay(txn, seq)
+
+    def _read_entries(self, txn: KVTxn, seq: int) -> None:
         """Load every entry from its records, as of log record `seq`."""
-        self.catalog.clear()
-        self.uses.items.clear()
+        self.catalog = Catalog()
+        self.damaged.clear()
+        self.unconfirmed.clear()
         found = []
         for key, raw in txn.scan(PREFIX_META):
             eid = bytes(key[1:])
