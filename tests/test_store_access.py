@@ -329,3 +329,59 @@ def test_an_unwritable_store_can_be_read(unwritable_store: tuple[str, Path], sch
     assert out["blob"] == (BLOB + b"!").decode()
     assert "open read-only" in str(out["store"])
     assert _fingerprint(path) == before
+
+
+# -- the same through the command line ------------------------------------------------------------
+
+
+def _cli(*args: str, unprivileged: bool = False) -> subprocess.CompletedProcess[str]:
+    """`sippcache ARGS` in a new process (one that file permissions bind, if `unprivileged`)."""
+    preexec = _without_permission_overrides if unprivileged and os.geteuid() == 0 else None
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "sippcache.cli", *args], preexec_fn=preexec, capture_output=True, text=True,
+            timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "COLUMNS": "200"},
+        )  # fmt: skip
+    except subprocess.SubprocessError as exc:
+        pytest.skip(f"running as root without the right to drop capabilities (prctl failed: {exc})")
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_the_cli_inspects_an_unwritable_store(unwritable_store: tuple[str, Path], scheme: str) -> None:
+    url, path = unwritable_store
+    before = _fingerprint(path)
+    probe = _run_unprivileged(_PROBE.format(url=url, path=str(path)) + "    print(json.dumps(out))\n")
+    assert probe["denied"], "the child could write the store: the test would prove nothing"
+    stats = _cli("stats", url, "--json", unprivileged=True)
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["entries"] == 3
+    listed = _cli("ls", url, "--json", unprivileged=True)
+    assert listed.returncode == 0, listed.stderr
+    assert sorted(len(e["key"]) if "key" in e else e["tokens"] for e in json.loads(listed.stdout)) == [1, 3, 5]
+    verified = _cli("verify", url, "--json", unprivileged=True)  # raw test blobs, not frames: all three bad
+    assert verified.returncode == 1 and not verified.stderr, verified.stderr
+    report = json.loads(verified.stdout)
+    assert report["checked"] == 3 and len(report["bad"]) == 3 and report["deleted"] == 0
+    refused = _one_line_error(_cli("clear", url, "--yes", unprivileged=True))
+    assert "not writable" in refused and str(path) in refused
+    assert _fingerprint(path) == before
+
+
+def test_the_cli_names_a_file_given_as_a_store(scheme: str, tmp_path: Path) -> None:
+    file = tmp_path / "notes.txt"
+    file.write_text("not a cache")
+    for args in (["stats", f"{scheme}://{file}"], ["ls", f"{scheme}://{file}"]):
+        message = _one_line_error(_cli(*args))
+        assert f"{file} is a file, not a cache directory" in message, message
+    source = f"{scheme}://{tmp_path / 'db'}"
+    _fill(source)
+    message = _one_line_error(_cli("copy", source, f"{scheme}://{file}"))
+    assert f"{file} is a file, not a cache directory" in message, message
+    assert "Errno" not in message
+    assert file.read_text() == "not a cache"

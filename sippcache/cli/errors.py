@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sqlite3
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any, ParamSpec, TypeVar
@@ -24,10 +22,6 @@ from ..registry import parse_url
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-#: The file each built-in persistent backend keeps in its directory: without it there is no store.
-_STORE_FILES = {"lmdb": "data.mdb", "diskcache": "cache.db"}
-
 
 class CLIError(click.ClickException):
     """A failure reported as one ``error: ...`` line on stderr, exit code 2."""
@@ -44,13 +38,9 @@ def one_line(text: str) -> str:
     return " ".join(text.split()) or "unknown error"
 
 
-def _expected_errors() -> tuple[type[BaseException], ...]:
-    """What bad input or an unusable store raises: reported in one line, not as a traceback."""
-    errors: list[type[BaseException]] = [SippcacheError, ValueError, OSError, sqlite3.Error]
-    lmdb = sys.modules.get("lmdb")  # only if a store used it: the package is optional
-    if lmdb is not None:
-        errors.append(lmdb.Error)
-    return tuple(errors)
+#: What bad input or an unusable store raises (backends translate their
+#: libraries' errors into `SippcacheError`s): one line, not a traceback.
+EXPECTED_ERRORS = (SippcacheError, ValueError, OSError)
 
 
 def one_line_errors(fn: Callable[P, R]) -> Callable[P, R]:
@@ -63,7 +53,7 @@ def one_line_errors(fn: Callable[P, R]) -> Callable[P, R]:
         except click.ClickException:
             raise
         except Exception as exc:
-            if not isinstance(exc, _expected_errors()):
+            if not isinstance(exc, EXPECTED_ERRORS):
                 raise
             raise CLIError(str(exc) or type(exc).__name__) from None
 
@@ -100,29 +90,20 @@ def _usage_errors_in_one_line() -> Iterator[None]:
         raise CLIError(one_line(exc.format_message()) + hint) from None
 
 
-def store_path(url: str) -> tuple[str, str] | None:
-    """(backend, absolute directory) for the built-in persistent backends; None otherwise."""
-    name, location, _ = parse_url(url)
-    if name not in _STORE_FILES or not location:
-        return None
-    return name, os.path.abspath(os.path.expanduser(location))
+def same_store(a: str, b: str) -> bool:
+    """Whether two URLs name one store: same backend, same location (paths
+    compared absolute). A backend without a location (``ram://``) has no
+    store to share."""
+    name_a, location_a, _ = parse_url(a)
+    name_b, location_b, _ = parse_url(b)
+    if name_a != name_b or not location_a:
+        return False
+    return os.path.realpath(os.path.expanduser(location_a)) == os.path.realpath(os.path.expanduser(location_b))
 
 
 def open_store(url: str, *, read_only: bool, must_exist: bool = True) -> CacheBackend:
-    """Open the store `url` names; with `must_exist`, never create one where there is none.
-
-    `read_only` says the command only reads (stats, ls, verify without
-    --delete, copy's source): `sippcache.open` has no read-only mode yet, so
-    such a store is still opened for writing.
-    """
-    where = store_path(url)
-    if must_exist and where is not None:
-        name, path = where
-        if not os.path.isdir(path):
-            raise CLIError(f"no cache at {url} (directory {path} does not exist)")
-        if not os.path.exists(os.path.join(path, _STORE_FILES[name])):
-            raise CLIError(f"no cache at {url} ({path} holds no {name} store)")
-    try:
-        return open_cache(url)
-    except sqlite3.Error as exc:  # its messages do not say which file
-        raise CLIError(f"cannot open {url}: {exc}") from None
+    """Open the store `url` names; with `must_exist`, never create one where
+    there is none. `read_only`: the command only reads (stats, ls, verify
+    without --delete, copy's source), so a store this user may not write can
+    still be inspected."""
+    return open_cache(url, read_only=read_only, must_exist=must_exist)

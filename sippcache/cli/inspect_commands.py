@@ -15,6 +15,7 @@ from rich.filesize import decimal as human_size
 from rich.table import Table
 
 from .. import frame as _frame
+from ..base import BaseBackend
 from ..protocol import CacheBackend, EntryInfo
 from ..registry import backends as list_backends
 from .errors import one_line_errors, open_store
@@ -205,9 +206,8 @@ def verify(url: str | None, cache_option: str | None, delete: bool, as_json: boo
         damaged = cache.stats().damaged
         if damaged:
             bad.append({"namespace": "?", "tokens": 0, "reason": f"{damaged} entries with an unreadable index record"})
-            purge = getattr(cache, "purge_damaged", None)
-            if delete and purge is not None:
-                deleted += purge()
+            if delete and isinstance(cache, BaseBackend):  # purge_damaged is BaseBackend's, not the protocol's
+                deleted += cache.purge_damaged()
         with byte_progress("verifying") as progress:
             task = progress.add_task("verify", total=sum(e.size for e in listed))
             for entry in listed:

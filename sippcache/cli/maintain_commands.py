@@ -12,7 +12,7 @@ from rich.progress import Progress
 
 from ..errors import CacheFull
 from ..protocol import CacheBackend, EntryInfo
-from .errors import CLIError, one_line_errors, open_store, store_path
+from .errors import CLIError, one_line_errors, open_store, same_store
 from .output import ID_LENGTH, byte_progress, echo_json, entries, entry_id
 from .params import json_option, parse_age, parse_size, resolve_url, url_argument
 
@@ -188,8 +188,7 @@ def copy(src_url: str, dst_url: str, namespace: str | None, as_json: bool) -> No
     source's recency order, but their times become the copy's. Reading the
     source does not count as a use.
     """
-    src_where, dst_where = store_path(src_url), store_path(dst_url)
-    if src_where is not None and src_where == dst_where:
+    if same_store(src_url, dst_url):
         raise CLIError(f"{src_url} and {dst_url} are the same store")
     with open_store(src_url, read_only=True) as src, open_store(dst_url, read_only=False, must_exist=False) as dst:
         listed = list(src.entries(namespace))
