@@ -15,6 +15,7 @@ from __future__ import annotations
 # Import the `backends` subpackage before binding the `backends()` function: a
 # first import of the subpackage later would otherwise rebind the name.
 from . import backends as _backends_package  # noqa: F401
+from .base import BaseBackend
 from .engine import KVBackend, KVTxn
 from .errors import (
     BadOption,
@@ -24,11 +25,14 @@ from .errors import (
     CorruptEntry,
     CorruptStore,
     MissingDependency,
+    NoStore,
+    ReadOnlyStore,
     SippcacheError,
+    StoreError,
     UnknownBackend,
     UnsupportedEntry,
 )
-from .protocol import BaseBackend, CacheBackend, EntryInfo, Match, Peek, Stats, StoreOptions
+from .protocol import CacheBackend, EntryInfo, Match, Peek, Stats, StoreOptions
 from .registry import BackendInfo, backends, default_url, open, register_backend
 
 __version__ = "0.1.0"
@@ -48,9 +52,12 @@ __all__ = [
     "KVTxn",
     "Match",
     "MissingDependency",
+    "NoStore",
     "Peek",
+    "ReadOnlyStore",
     "SippcacheError",
     "Stats",
+    "StoreError",
     "StoreOptions",
     "UnknownBackend",
     "UnsupportedEntry",

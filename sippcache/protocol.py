@@ -13,16 +13,14 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeAlias, runtime_checkable
 
 from . import tokens as _tokens
 from .tokens import Tokens
 
-if TYPE_CHECKING:  # at run time `__getattr__` below imports it on first use (base.py imports this module)
-    from .base import BaseBackend as BaseBackend
-
-#: A stored value: bytes, or a zero-copy view of the store's memory (LMDB).
-Blob: TypeAlias = bytes | memoryview
+#: A stored value: any bytes-like object on the way in; bytes, or a zero-copy
+#: view of the store's memory (LMDB), on the way out.
+Blob: TypeAlias = bytes | bytearray | memoryview
 
 
 class Match:
@@ -226,14 +224,3 @@ class CacheBackend(Protocol):
     def __enter__(self) -> CacheBackend: ...
 
     def __exit__(self, *exc: object) -> None: ...
-
-
-
-
-def __getattr__(name: str) -> Any:
-    """`sippcache.protocol.BaseBackend`, where plugins written before `sippcache.base` import it from."""
-    if name == "BaseBackend":
-        from .base import BaseBackend
-
-        return BaseBackend
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
