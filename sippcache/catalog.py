@@ -43,7 +43,7 @@ import xxhash
 
 from .errors import CacheFull
 from .index import PrefixIndex
-from .protocol import Peek, Stats, StoreOptions
+from .protocol import Blob, Peek, Stats, StoreOptions
 
 log = logging.getLogger("sippcache")
 
@@ -192,7 +192,7 @@ class Catalog:
         return SNAPSHOT_MAGIC + xxhash.xxh3_128_digest(body) + body
 
     @classmethod
-    def from_snapshot(cls, raw: bytes | memoryview) -> tuple[Catalog, int] | None:
+    def from_snapshot(cls, raw: Blob) -> tuple[Catalog, int] | None:
         """The catalog a `snapshot` holds and its position; None if `raw` is not an
         intact snapshot of this layout (damaged, cut short, another version)."""
         start = len(SNAPSHOT_MAGIC)

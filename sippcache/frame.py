@@ -29,13 +29,14 @@ import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
 import xxhash
 
 from . import tokens as _tokens
 from .errors import CorruptEntry, UnsupportedEntry
+from .protocol import Blob
 
 MAGIC = b"SIPPKV\r\n"
 FORMAT_VERSION = 2
@@ -48,7 +49,6 @@ _PREFIX = struct.Struct("<8sHIQ")
 #: Upper bound on a header (token list included: 100k tokens are 400 KB).
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 
-Buffer = Union[bytes, bytearray, memoryview]
 _META_TYPES = (str, int, float, bool, bytes)
 
 
@@ -75,7 +75,7 @@ class Frame:
         return self.sections[self.roles.index(role)] if role in self.roles else None
 
 
-Secret = Union[str, bytes]
+Secret = str | bytes
 
 
 def secret_from_environment() -> bytes | None:
@@ -84,7 +84,7 @@ def secret_from_environment() -> bytes | None:
     return value.encode("utf-8") if value else None
 
 
-def _mac(secret: Secret, parts: Sequence[Buffer]) -> bytes:
+def _mac(secret: Secret, parts: Sequence[Blob]) -> bytes:
     if isinstance(secret, str):
         secret = secret.encode("utf-8")
     if not isinstance(secret, bytes) or not secret:
@@ -98,7 +98,7 @@ def _mac(secret: Secret, parts: Sequence[Buffer]) -> bytes:
 
 def encode(
     tokens: _tokens.Tokens,
-    sections: Sequence[Buffer],
+    sections: Sequence[Blob],
     *,
     fingerprint: str,
     kind: str,
@@ -202,7 +202,7 @@ def _unpack_header(raw: memoryview) -> dict[str, Any]:
     return header
 
 
-def decode(buf: Buffer, *, secret: Secret | None = None) -> Frame:
+def decode(buf: Blob, *, secret: Secret | None = None) -> Frame:
     """Parse and verify a framed entry; raise `CorruptEntry` on any damage
     (`UnsupportedEntry` for a format version this sippcache does not read).
 

@@ -17,10 +17,12 @@ from itertools import compress
 from operator import attrgetter
 from typing import Any
 
+from .protocol import Blob
+
 _TOKEN = 4  # bytes per token
 
 
-def common_prefix_bytes(a: bytes | memoryview, b: bytes | memoryview) -> int:
+def common_prefix_bytes(a: Blob, b: Blob) -> int:
     """Length in bytes of the longest common prefix of `a` and `b`."""
     n = min(len(a), len(b))
     diff = int.from_bytes(a[:n], "little") ^ int.from_bytes(b[:n], "little")

@@ -166,7 +166,7 @@ fork_safe_lock(lambda: _SharedEnv._lock, lambda lock: setattr(_SharedEnv, "_lock
 
 
 class _LMDBTxn:
-    def __init__(self, txn: lmdb.Transaction[Blob]) -> None:
+    def __init__(self, txn: lmdb.Transaction[bytes | memoryview]) -> None:
         self._txn = txn
 
     def get(self, key: bytes) -> Blob | None:
@@ -282,10 +282,10 @@ class LMDBBackend(KVBackend):
         return _LMDBTxn(txn), end
 
     @staticmethod
-    def _begin(shared: _SharedEnv, write: bool) -> lmdb.Transaction[Blob]:
+    def _begin(shared: _SharedEnv, write: bool) -> lmdb.Transaction[bytes | memoryview]:
         """A write transaction, or a read transaction whose values are views of the map."""
 
-        def begin() -> lmdb.Transaction[Blob]:
+        def begin() -> lmdb.Transaction[bytes | memoryview]:
             return shared.env.begin(write=True) if write else shared.env.begin(buffers=True)
 
         try:

