@@ -48,9 +48,9 @@ def main() -> int:
 
     import llama_cpp
 
+    from sippcache.demo.model import gemma_model_path
     from sippcache.llama import Llama as SippLlama
     from sippcache.llama import LlamaCache, PrefixCache
-    from sippcache.demo.model import gemma_model_path
 
     model = str(gemma_model_path())
     options = dict(model_path=model, n_ctx=N_CTX, n_batch=512, verbose=False)

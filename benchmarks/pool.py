@@ -122,8 +122,8 @@ def memory_child(kind: str) -> dict[str, Any]:
     """Resident memory after one turn of SLOTS conversations: one pool, or SLOTS Llamas."""
     import llama_cpp
 
-    from sippcache.llama import SessionPool
     from sippcache.demo.model import gemma_model_path
+    from sippcache.llama import SessionPool
 
     model = str(gemma_model_path())
     vocab = llama_cpp.Llama(model_path=model, n_ctx=64, vocab_only=True, verbose=False)
@@ -157,8 +157,8 @@ def main() -> int:
 
     import llama_cpp
 
-    from sippcache.llama import Llama, PrefixCache, SessionPool
     from sippcache.demo.model import gemma_model_path
+    from sippcache.llama import Llama, PrefixCache, SessionPool
 
     model = str(gemma_model_path())
     vocab = llama_cpp.Llama(model_path=model, n_ctx=64, vocab_only=True, verbose=False)

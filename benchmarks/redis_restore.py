@@ -42,9 +42,9 @@ from typing import Any
 import llama_cpp
 from sippcache_redis.servers import ValkeyServer
 
+from sippcache.demo.model import gemma_model_path
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama import PrefixCache
-from sippcache.demo.model import gemma_model_path
 
 PROMPT_TOKENS = 2_000
 N_CTX = 4_096

@@ -54,11 +54,7 @@ GOAL = 10.0
 #: and was killed for lack of memory on a 23 GB machine during this benchmark. This
 #: size holds one entry per conversation (4 x ~40 MB), its best case for this workload.
 RAM_CACHE_SIZE = 170_000_000
-WORDS = (
-    "The lighthouse keeper kept a log of every ship that passed the northern cape. Each entry named the "
-    "vessel, its flag, the hour, the weather and the state of the sea. Over forty years the log grew to "
-    "eleven volumes, and historians now read it to learn how trade moved along the coast."
-).split()
+WORDS = ["The", "lighthouse", "keeper", "kept", "a", "log", "of", "every", "ship", "that", "passed", "the", "northern", "cape.", "Each", "entry", "named", "the", "vessel,", "its", "flag,", "the", "hour,", "the", "weather", "and", "the", "state", "of", "the", "sea.", "Over", "forty", "years", "the", "log", "grew", "to", "eleven", "volumes,", "and", "historians", "now", "read", "it", "to", "learn", "how", "trade", "moved", "along", "the", "coast."]
 QUESTIONS = [
     "Which vessel passed first on day {n}, and what flag did she fly?",
     "What was the weather at that hour, and how high was the sea?",

@@ -360,9 +360,7 @@ def _modes(root: Path) -> list[tuple[str, str]]:
         mode = stat.S_IMODE(path.lstat().st_mode)
         if path.is_symlink():
             wrong.append((str(path), "symlink"))
-        elif path.is_dir() and mode != 0o700:
-            wrong.append((str(path), oct(mode)))
-        elif path.is_file() and mode != 0o600:
+        elif (path.is_dir() and mode != 0o700) or (path.is_file() and mode != 0o600):
             wrong.append((str(path), oct(mode)))
     return wrong
 
