@@ -23,7 +23,7 @@ MAX_TOKEN_ID = 2**31 - 1
 #: What the public API accepts as a token sequence: a list, tuple or
 #: ``array.array`` of ints, a 1-d numpy integer array, or any iterable of ints
 #: (read once). `encode` checks it at run time.
-Tokens: TypeAlias = "Sequence[int] | Iterable[int] | numpy.typing.NDArray[numpy.integer[Any]]"
+Tokens: TypeAlias = "Iterable[int] | numpy.typing.NDArray[numpy.integer[Any]]"
 
 _BUFFER_FORMATS = {"b", "B", "h", "H", "i", "I", "l", "L", "q", "Q"}
 _VALID_HIGH_BYTES = bytes(range(0x80))  # the top byte of a little-endian id in 0..2**31-1
