@@ -218,7 +218,8 @@ def decode(buf: Blob, *, secret: Secret | None = None) -> Frame:
         raise CorruptEntry("not a sippcache entry (bad magic bytes)")
     if version not in READABLE_VERSIONS:
         raise UnsupportedEntry(
-            f"unsupported entry format version {version} (this sippcache reads {', '.join(map(str, READABLE_VERSIONS))})"
+            f"unsupported entry format version {version}"
+            f" (this sippcache reads {', '.join(map(str, READABLE_VERSIONS))})"
         )
     start, end = _PREFIX.size, _PREFIX.size + header_len
     if header_len > MAX_HEADER_BYTES or end > len(view):

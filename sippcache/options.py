@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from .errors import BadOption
 
@@ -18,7 +18,7 @@ from .errors import BadOption
 class Size(int):
     """A byte count written as ``512MiB``, ``2GiB``, ``1.5GB``, ``1048576``."""
 
-    _UNITS = {
+    _UNITS: ClassVar[dict[str, int]] = {
         "": 1, "b": 1,
         "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
         "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,

@@ -209,11 +209,15 @@ def _clock(raw: Any) -> float:
     return value if math.isfinite(value) else 0.0
 
 
-def _entry(meta: tuple[str, bytes, int, int, float, int, _Blob], values: tuple[int, float, bool, bool] | None) -> EntryState:
+def _entry(
+    meta: tuple[str, bytes, int, int, float, int, _Blob], values: tuple[int, float, bool, bool] | None
+) -> EntryState:
     namespace, key, size, created, priority, generation, _ = meta
     tokens = len(key) // 4
     used, value, pinned, superseded = values if values is not None else (created, priority / tokens, False, False)
-    return EntryState(namespace, tokens, size, priority, generation, created, max(used, created), value, pinned, superseded)
+    return EntryState(
+        namespace, tokens, size, priority, generation, created, max(used, created), value, pinned, superseded
+    )
 
 
 _open_backends: weakref.WeakSet[RedisBackend] = weakref.WeakSet()
@@ -406,7 +410,9 @@ class RedisBackend(BaseBackend):
                 raise
             user = self.address.username or "default"
             text = " ".join(text.split())  # one line
-            raise AccessDenied(f"{self.address.display()}: the ACL of user {user!r} denies what sippcache needs: {text}") from None
+            raise AccessDenied(
+                f"{self.address.display()}: the ACL of user {user!r} denies what sippcache needs: {text}"
+            ) from None
 
     def _client(self) -> Any:
         if self._redis is None:
@@ -431,7 +437,9 @@ class RedisBackend(BaseBackend):
         except rexc.AuthenticationError as exc:
             if self._opening:
                 user = self.address.username or "default"
-                raise AccessDenied(f"{self.address.display()}: the server refused the credentials of user {user!r}: {exc}") from None
+                raise AccessDenied(
+                    f"{self.address.display()}: the server refused the credentials of user {user!r}: {exc}"
+                ) from None
             self._went_down(exc)
             raise _Unavailable(str(exc)) from exc
         except _UNAVAILABLE as exc:
@@ -783,7 +791,9 @@ class RedisBackend(BaseBackend):
                     self._finish_store(eid, ref, done)
                     return True
                 if plan.state is not None:  # never committed: the store kept changing
-                    log.warning("sippcache: %s changed %d times while storing; store dropped", self.location, COMMIT_ATTEMPTS)
+                    log.warning(
+                        "sippcache: %s changed %d times while storing; store dropped", self.location, COMMIT_ATTEMPTS
+                    )
                     self._discard(eid, ref)
                     with self._lock:
                         self._failed()
@@ -908,7 +918,9 @@ class RedisBackend(BaseBackend):
     def _remove_torn(self, eid: bytes, ref: _Blob) -> None:
         with self._lock:
             reply = self._script("delete", [eid, ref.blob_id])
-            if self._absorb(reply) == "rebuild" or (self._refs.get(eid) == ref and reply[4] == [] and reply[3] == b"ok"):
+            if self._absorb(reply) == "rebuild" or (
+                self._refs.get(eid) == ref and reply[4] == [] and reply[3] == b"ok"
+            ):
                 # Nothing to delete, yet the mirror (up to date) still holds it: the metadata
                 # was lost without a log record. Read everything again.
                 self._seq = -1
@@ -1059,7 +1071,7 @@ class RedisBackend(BaseBackend):
                     EntryInfo(
                         state.namespace, _tokens.decode(catalog.index.key_of(eid)), state.size,
                         state.created / 1e9, state.used / 1e9, state.priority, state.pinned, state.generation,
-                    )  # fmt: skip
+                    )
                 )
             return found
 

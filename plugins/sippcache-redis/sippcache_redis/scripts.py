@@ -42,12 +42,12 @@ LOG_KEEP = 10_000
 
 _COMMON = """
 local S, C, V, L = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local KEEP = %(keep)d
+local KEEP = """ + str(LOG_KEEP) + """
 local epoch, seq, clock
 local added = 0
 
 local function ty(k) return redis.call('TYPE', k)['ok'] end
-local function num(n) return string.format('%%.0f', n) end
+local function num(n) return string.format('%.0f', n) end
 
 -- Open the store: repair what is unusable, create it if needed (with `candidate` as epoch).
 local function open_store(candidate)
@@ -123,7 +123,7 @@ local function records(client_epoch, client_seq, max)
   if expect - 1 < seq then return 'more', out end
   return 'ok', out
 end
-""" % {"keep": LOG_KEEP}
+"""
 
 # ARGV: client epoch, client seq, candidate epoch, max records, then (id, used+value) pairs to touch.
 # Result: the number of entries in `cat`; fewer than the caller's mirror holds means that

@@ -103,7 +103,8 @@ class ValkeyServer:
         if self.password:
             line += ["--requirepass", self.password]
         if self.cluster:
-            line += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"]
+            line += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                     "--cluster-node-timeout", "2000"]
         return line + self.args
 
     def start(self, timeout: float = 15.0) -> None:

@@ -50,7 +50,7 @@ def parse_location(location: str, *, tls: bool) -> RedisAddress:
         user, colon, secret = userinfo.partition(":")
         username = user or None
         password = secret if colon else None
-    hostport, slash, db_text = hostpart.partition("/")
+    hostport, _slash, db_text = hostpart.partition("/")
     db_text = db_text.rstrip("/")
     if hostport.startswith("["):  # IPv6: [::1]:6379
         end = hostport.find("]")
@@ -83,5 +83,5 @@ def parse_location(location: str, *, tls: bool) -> RedisAddress:
 
 
 def _masked(location: str) -> str:
-    userinfo, at, hostpart = location.rpartition("@")
+    _userinfo, at, hostpart = location.rpartition("@")
     return ("***@" if at else "") + hostpart
