@@ -141,7 +141,7 @@ def wait_all(procs: Sequence[subprocess.Popen[bytes]], seconds: float = DEADLOCK
             codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
             codes.append(None)
-    for proc, code in zip(procs, codes):
+    for proc, code in zip(procs, codes, strict=True):
         if code is None:
             proc.kill()
             proc.wait()
@@ -226,7 +226,9 @@ def run_in_fork(child: Any, timeout: float = 60.0) -> tuple[int | None, str]:
         try:
             os.close(read_end)
             # If it hangs, report where: every thread's stack, then exit.
-            faulthandler.dump_traceback_later(max(1.0, timeout - 5), exit=True, file=os.fdopen(write_end, "w", closefd=False))
+            faulthandler.dump_traceback_later(
+                max(1.0, timeout - 5), exit=True, file=os.fdopen(write_end, "w", closefd=False)
+            )
             child()
             faulthandler.cancel_dump_traceback_later()
             code = 0
@@ -470,7 +472,9 @@ def concurrency_worker(url: str, proc: int, seed: int, ops: int, threads: int, b
                     model[keyid] = None
                     bump("delete")
                 else:
-                    other = worker_key(rng.randrange(max(4, proc + 1)), rng.randrange(threads), rng.randrange(KEYS_PER_THREAD))
+                    other = worker_key(
+                        rng.randrange(max(4, proc + 1)), rng.randrange(threads), rng.randrange(KEYS_PER_THREAD)
+                    )
                     o_namespace, o_tokens = other
                     query = o_tokens[: rng.randrange(1, len(o_tokens) + 1)] + [rng.randrange(5)]
                     partial = rng.random() < 0.5
@@ -480,12 +484,14 @@ def concurrency_worker(url: str, proc: int, seed: int, ops: int, threads: int, b
                             key = tuple(match.key)
                             blob_version(match.blob, o_namespace, key)
                             common = 0
-                            for a, b in zip(key, query):
+                            for a, b in zip(key, query, strict=False):
                                 if a != b:
                                     break
                                 common += 1
                             if match.length != common or (not partial and common != len(key)):
-                                raise AssertionError(f"lookup returned length {match.length} for a key sharing {common}")
+                                raise AssertionError(
+                                    f"lookup returned length {match.length} for a key sharing {common}"
+                                )
                     bump("cross")
                 if bounded and step % 20 == 0:
                     stats = cache.stats()

@@ -66,14 +66,15 @@ def run_workers(url: str, tmp_path: Path, bounded: bool, seed: int, round_: int)
         with open(err, "wb") as stderr, open(tmp_path / f"worker-{proc}.stdout", "wb") as stdout:
             procs.append(
                 spawn("concurrency-worker", url, proc, seed, OPS, THREADS, int(bounded), out,
-                      stdout=stdout, stderr=stderr)  # fmt: skip
+                      stdout=stdout, stderr=stderr)
             )
         outs.append(out)
         errs.append(err)
     codes = wait_all(procs, DEADLOCK_SECONDS)
     hung = [i for i, code in enumerate(codes) if code is None]
-    assert not hung, f"round {round_}: processes {hung} did not finish within {DEADLOCK_SECONDS:.0f} s (deadlock?):\n" + "\n".join(
-        f"--- process {i} stderr:\n{read_text(errs[i])}" for i in hung
+    assert not hung, (
+        f"round {round_}: processes {hung} did not finish within {DEADLOCK_SECONDS:.0f} s (deadlock?):\n"
+        + "\n".join(f"--- process {i} stderr:\n{read_text(errs[i])}" for i in hung)
     )
     failed = [i for i, code in enumerate(codes) if code != 0 or not outs[i].exists()]
     assert not failed, "\n".join(f"--- process {i} exited with {codes[i]}:\n{read_text(errs[i])}" for i in failed)
@@ -111,7 +112,9 @@ def test_processes_and_threads_lose_nothing(backend: str, tmp_path: Path) -> Non
     assert sum(report["evictions"] for report in reports) == 0
     seen, listed, stats, listed_bytes = final_state(url)
     wrong = {k: (v, seen[k]) for k, v in model.items() if seen[k] != v}
-    assert not wrong, f"{len(wrong)} keys differ from what their owner last did (expected, found): {dict(list(wrong.items())[:10])}"
+    assert not wrong, (
+        f"{len(wrong)} keys differ from what their owner last did (expected, found): {dict(list(wrong.items())[:10])}"
+    )
     unknown = {k for k, v in seen.items() if v is not None and k not in model}
     assert not unknown, f"entries nobody stored: {unknown}"
     present = sum(1 for v in seen.values() if v is not None)
@@ -130,7 +133,7 @@ def test_processes_and_threads_stay_within_a_small_budget(backend: str, tmp_path
     checkpoints = sum(report["counts"]["checkpoints"] for report in reports)
     assert checkpoints >= PROCESSES * THREADS, "the workers checked the budget too rarely"
     assert evictions > 0, "the small budget never evicted: the test does not test eviction"
-    seen, listed, stats, listed_bytes = final_state(url)
+    seen, _listed, stats, listed_bytes = final_state(url)
     assert stats.bytes <= SMALL and listed_bytes <= SMALL, (stats.bytes, listed_bytes)
     assert stats.bytes == listed_bytes
     resurrected = {k: (v, seen[k]) for k, v in model.items() if seen[k] is not None and seen[k] != v}

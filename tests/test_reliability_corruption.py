@@ -431,7 +431,7 @@ HARMLESS: dict[str, tuple[str, Callable[[Path], object]]] = {
     "lmdb lock.mdb removed": ("lmdb", lambda d: (d / "lock.mdb").unlink()),
     "diskcache garbage -wal and -shm": (
         "diskcache", lambda d: (garbage(d / "cache.db-wal", 50_000), garbage(d / "cache.db-shm", 32_768)),
-    ),  # fmt: skip
+    ),
 }
 
 

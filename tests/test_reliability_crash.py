@@ -120,7 +120,9 @@ def observe(cache: CacheBackend, keyids: list[str]) -> tuple[dict[str, int | Non
     return seen, problems
 
 
-def check_store(cache: CacheBackend, model: Model, inflight: tuple[str, int | None] | None, label: str) -> tuple[dict[str, int | None], list[str]]:
+def check_store(
+    cache: CacheBackend, model: Model, inflight: tuple[str, int | None] | None, label: str
+) -> tuple[dict[str, int | None], list[str]]:
     """Compare a handle's view of the store with the model; return (observed state, problems)."""
     keyids = sorted(set(model.state) | ({inflight[0]} if inflight else set()))
     seen, problems = observe(cache, keyids)
@@ -155,7 +157,9 @@ def check_store(cache: CacheBackend, model: Model, inflight: tuple[str, int | No
 
 
 @pytest.mark.parametrize("backend", ["lmdb", "diskcache"])
-def test_sigkill_at_random_moments_loses_nothing_acknowledged(backend: str, tmp_path: Path, opened: list[CacheBackend]) -> None:
+def test_sigkill_at_random_moments_loses_nothing_acknowledged(
+    backend: str, tmp_path: Path, opened: list[CacheBackend]
+) -> None:
     url = store_url(backend, tmp_path / "store")
     rng = random.Random(f"crash-{backend}")
     model = Model()

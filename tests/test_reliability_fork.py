@@ -101,7 +101,9 @@ def test_child_uses_a_cache_opened_before_fork(backend: str, tmp_path: Path, ope
 
 
 @pytest.mark.parametrize("what_the_child_does", ["ignores-the-match", "drops-the-match"])
-def test_fork_while_the_parent_holds_an_lmdb_match(what_the_child_does: str, tmp_path: Path, opened: list[CacheBackend]) -> None:
+def test_fork_while_the_parent_holds_an_lmdb_match(
+    what_the_child_does: str, tmp_path: Path, opened: list[CacheBackend]
+) -> None:
     """The parent's zero-copy blob is a view of LMDB's map, protected by the parent's read
     transaction. Whatever the child does with its inherited copy of the match (ignore it,
     or drop it, as any child that exits normally or clears its references does), the

@@ -127,7 +127,8 @@ def test_size_parse_returns_a_size_or_raises_value_error(text: str) -> None:
 
 
 @FUZZ
-@given(number=st.one_of(st.integers(0, 10**15), st.decimals(0, 10**9, allow_nan=False, allow_infinity=False, places=3).map(str)),
+@given(number=st.one_of(st.integers(0, 10**15),
+                        st.decimals(0, 10**9, allow_nan=False, allow_infinity=False, places=3).map(str)),
        unit=st.sampled_from(sorted(_UNITS)), upper=st.booleans(), space=st.sampled_from(["", " "]))  # fmt: skip
 def test_size_parse_well_formed_sizes(number: Any, unit: str, upper: bool, space: str) -> None:
     text = f"{number}{space}{unit.upper() if upper else unit}"
@@ -159,7 +160,8 @@ def _crafted_header(draw: st.DrawFn) -> tuple[dict[str, Any], bytes]:
     payload = draw(st.binary(max_size=64))
     cut = draw(st.integers(0, len(payload)))
     header: dict[str, Any] = {
-        "tokens": draw(st.one_of(st.lists(st.integers(0, 2**32 - 1), max_size=6).map(lambda t: struct.pack(f"<{len(t)}I", *t)),
+        "tokens": draw(st.one_of(st.lists(st.integers(0, 2**32 - 1), max_size=6)
+                                 .map(lambda t: struct.pack(f"<{len(t)}I", *t)),
                                  st.binary(max_size=10))),
         "fingerprint": "fp",
         "kind": "llama.seq",
@@ -181,7 +183,9 @@ def _crafted_header(draw: st.DrawFn) -> tuple[dict[str, Any], bytes]:
 
 
 def _reframe(raw_header: bytes, payload: bytes = b"") -> bytes:
-    prefix = struct.pack("<8sHIQ", frame.MAGIC, frame.FORMAT_VERSION, len(raw_header), xxhash.xxh3_64_intdigest(raw_header))
+    prefix = struct.pack(
+        "<8sHIQ", frame.MAGIC, frame.FORMAT_VERSION, len(raw_header), xxhash.xxh3_64_intdigest(raw_header)
+    )
     return prefix + raw_header + payload
 
 
@@ -216,7 +220,9 @@ def test_decoding_crafted_headers_gives_a_valid_frame_or_corrupt_entry(crafted: 
 @given(raw=st.binary(max_size=200), payload=st.binary(max_size=32))
 @example(raw=b"\xdd\x80\x00\x00\x00", payload=b"")
 @example(raw=b"\x91" * 150, payload=b"")
-def test_decoding_any_correctly_hashed_header_bytes_gives_a_valid_frame_or_corrupt_entry(raw: bytes, payload: bytes) -> None:
+def test_decoding_any_correctly_hashed_header_bytes_gives_a_valid_frame_or_corrupt_entry(
+    raw: bytes, payload: bytes
+) -> None:
     try:
         decoded = frame.decode(_reframe(raw, payload))
     except CorruptEntry:
@@ -393,7 +399,8 @@ BAD_OPTIONS = {
 
 
 @pytest.mark.parametrize(
-    "backend, query", [pytest.param(b, q, id=f"{b}-{q if len(q) < 40 else q[:20] + '...'}") for b, qs in BAD_OPTIONS.items() for q in qs]
+    "backend, query",
+    [pytest.param(b, q, id=f"{b}-{q if len(q) < 40 else q[:20] + '...'}") for b, qs in BAD_OPTIONS.items() for q in qs],
 )
 def test_bad_options_are_refused_before_anything_is_created(tmp_path: Path, backend: str, query: str) -> None:
     store = tmp_path / "store"
@@ -426,7 +433,8 @@ def _impossible_paths(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.parametrize(
     "what",
     ["through a regular file", "through /etc/hostname", "through /dev/null", "a regular file", "/dev/null itself",
-     "a name longer than NAME_MAX", "a path longer than PATH_MAX", "3000 levels deep", "an embedded NUL", "under /proc"],
+     "a name longer than NAME_MAX", "a path longer than PATH_MAX", "3000 levels deep", "an embedded NUL",
+     "under /proc"],
 )  # fmt: skip
 def test_impossible_paths_are_refused_clearly_and_create_nothing(tmp_path: Path, backend: str, what: str) -> None:
     location = _impossible_paths(tmp_path)[what]

@@ -38,10 +38,10 @@ from hypothesis import strategies as st
 import sippcache
 from sippcache import CorruptEntry, SippcacheError, frame
 from tests.conftest import last_logits, reference_logits
+from tests.reliability_tools import SLOW
 
 SCRIPT = Path(sys.executable).with_name("sippcache")
 PACKAGE = Path(sippcache.__file__).parent
-from tests.reliability_tools import SLOW
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -209,7 +209,9 @@ def test_url_schemes_never_import_modules_by_name() -> None:
 
 
 def _reframe(raw_header: bytes, payload: bytes = b"") -> bytes:
-    prefix = struct.pack("<8sHIQ", frame.MAGIC, frame.FORMAT_VERSION, len(raw_header), xxhash.xxh3_64_intdigest(raw_header))
+    prefix = struct.pack(
+        "<8sHIQ", frame.MAGIC, frame.FORMAT_VERSION, len(raw_header), xxhash.xxh3_64_intdigest(raw_header)
+    )
     return prefix + raw_header + payload
 
 
@@ -474,9 +476,8 @@ def test_planted_symlink_store_file_is_refused(tmp_path: Path, backend: str, nam
     if target_exists:
         target.write_bytes(b"someone else's file\n")
     (store / name).symlink_to(target)
-    with pytest.raises(SippcacheError, match="is not a regular file"):
-        with sippcache.open(f"{backend}://{store}") as cache:
-            cache.store([1, 2, 3], b"secret prompt state")
+    with pytest.raises(SippcacheError, match="is not a regular file"), sippcache.open(f"{backend}://{store}") as cache:
+        cache.store([1, 2, 3], b"secret prompt state")
     if target_exists:
         assert target.read_bytes() == b"someone else's file\n"
     else:

@@ -66,7 +66,9 @@ def _lcp(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 key_st = st.lists(st.integers(0, 3), min_size=1, max_size=8).map(tuple)
 ops_st = st.lists(
-    st.tuples(st.sampled_from(["insert", "remove", "touch"]), key_st, st.lists(st.integers(0, 3), max_size=10).map(tuple)),
+    st.tuples(
+        st.sampled_from(["insert", "remove", "touch"]), key_st, st.lists(st.integers(0, 3), max_size=10).map(tuple)
+    ),
     max_size=60,
 )
 

@@ -166,7 +166,7 @@ def test_persistent_server_keeps_entries_across_restarts(
     server.kill()  # SIGKILL: only what was saved survives
     server.start()
     for i, blob in blobs.items():  # the same handle, reconnected
-        _wait_until(lambda: cache.lookup([i, i]) is not None)
+        _wait_until(lambda i=i: cache.lookup([i, i]) is not None)
         assert bytes(cache.lookup([i, i, 7]).blob) == blob
     with sippcache.open(url) as fresh:  # and a new one
         assert len(fresh) == 5 and next(e for e in fresh.entries() if e.key == (0, 0)).pinned
@@ -195,8 +195,9 @@ def test_acl_denials_are_clear_errors_at_open(make_server: Callable[..., ValkeyS
         admin.execute_command("ACL", "SETUSER", "otherkeys", "on", ">secret2", "~elsewhere:*", "+@all")
         admin.execute_command("ACL", "SETUSER", "exact", "on", ">secret3", f"~{{{prefix}}}:*", f"~{prefix}:*",
                               "+evalsha", "+eval", "+info", "+get", "+set", "+pexpire", "+unlink", "+hscan",
-                              "+type", "+hget", "+hmget", "+hlen", "+hset", "+hdel", "+hexists", "+del", "+xadd", "+xrange")
-    with pytest.raises(AccessDenied, match="(?i)'noxadd'.*xadd") as info:
+                              "+type", "+hget", "+hmget", "+hlen", "+hset", "+hdel", "+hexists", "+del", "+xadd",
+                              "+xrange")
+    with pytest.raises(AccessDenied, match=r"(?i)'noxadd'.*xadd") as info:
         sippcache.open(f"redis://noxadd:secret1@127.0.0.1:{server.port}/0?prefix={prefix}")
     assert "\n" not in str(info.value) and "secret1" not in str(info.value)
     with pytest.raises(AccessDenied, match="'otherkeys'"):

@@ -16,7 +16,9 @@ import sippcache
 MiB = 1024**2
 
 
-def _measure(url: str, servers: list[Any], prompts: dict[int, tuple[list[int], bytes]]) -> dict[tuple[int, str], tuple[dict[str, int], int]]:
+def _measure(
+    url: str, servers: list[Any], prompts: dict[int, tuple[list[int], bytes]]
+) -> dict[tuple[int, str], tuple[dict[str, int], int]]:
     """For each prompt length: the commands and client round trips of a miss and of a hit."""
     out = {}
     with sippcache.open(url) as cache:
@@ -27,7 +29,9 @@ def _measure(url: str, servers: list[Any], prompts: dict[int, tuple[list[int], b
             for what, query in (("miss", [2**31 - 1, *prompt[1:]]), ("hit", [*prompt, 7])):
                 before = cache.round_trips
                 found: list[Any] = []
-                commands = commands_during(servers, lambda: found.append(cache.lookup(query, touch=False)))
+                commands = commands_during(
+                    servers, lambda found=found, query=query: found.append(cache.lookup(query, touch=False))
+                )
                 if what == "hit":
                     assert found[0] is not None and found[0].length == length and bytes(found[0].blob) == blob
                 else:
@@ -37,7 +41,9 @@ def _measure(url: str, servers: list[Any], prompts: dict[int, tuple[list[int], b
 
 
 @pytest.mark.parametrize("where", ["server", "cluster"])
-def test_lookup_cost_is_flat(where: str, valkey_server: ValkeyServer, valkey_cluster: ValkeyCluster, prefix: str) -> None:
+def test_lookup_cost_is_flat(
+    where: str, valkey_server: ValkeyServer, valkey_cluster: ValkeyCluster, prefix: str
+) -> None:
     if where == "server":
         url, servers, bulk = valkey_server.url, [valkey_server.client()], valkey_server.client()
     else:
@@ -79,7 +85,9 @@ def test_peek_is_one_round_trip_and_moves_no_blob(valkey_server: ValkeyServer, p
         cache.store([1, 2, 3], b"a" * 3 * MiB)
         for partial in (False, True):
             peeked: list[Any] = []
-            counts = commands_during(servers, lambda: peeked.append(cache.peek([1, 2, 3, 4], partial=partial)))
+            counts = commands_during(
+                servers, lambda peeked=peeked, partial=partial: peeked.append(cache.peek([1, 2, 3, 4], partial=partial))
+            )
             # One round trip (the sync script; INFO also counts the commands it runs inside), no GET.
             assert counts["evalsha"] == 1 and "get" not in counts and peeked == [sippcache.Peek(3, 3)]
         fetched = commands_during(servers, lambda: cache.lookup([1, 2, 3, 4]).release())

@@ -106,7 +106,7 @@ def test_tls(valkey_server: ValkeyServer, tmp_path: Any, prefix: str, opened: li
         with sippcache.open(f"redis://127.0.0.1:{valkey_server.port}/0?prefix={prefix}") as plain:  # same store
             assert bytes(plain.lookup([1, 2, 3]).blob) == b"over TLS"
         # A server whose certificate the client cannot verify is refused at open, clearly.
-        with pytest.raises(AccessDenied, match="(?i)certificate") as info:
+        with pytest.raises(AccessDenied, match=r"(?i)certificate") as info:
             sippcache.open(f"rediss://localhost:{proxy.port}/0?prefix={prefix}&ssl_ca_certs={certs['other.crt']}")
         assert "\n" not in str(info.value)
         # ...unless verification is switched off (redis-py's own option, passed through).
