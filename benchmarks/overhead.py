@@ -73,27 +73,29 @@ def main() -> int:
                 tokens = prompt(n, f"r{run}n{n}")
                 text = plain.detokenize(tokens).decode(errors="ignore")
 
-                def ttft_none() -> None:
+                def ttft_none(tokens: list[int] = tokens) -> None:
                     plain.reset()
                     plain.eval(tokens)
                     plain.sample(temp=0.0)
 
-                def ttft_miss() -> None:
+                def ttft_miss(tokens: list[int] = tokens) -> None:
                     result = prefix_cache.prefill(tokens)
                     ours.sample(temp=0.0)
                     assert result.restored == 0  # a miss (the live context may still share the first token)
 
-                def completion_none() -> None:
+                def completion_none(text: str = text) -> None:
                     plain.reset()
                     plain.create_completion(text, max_tokens=16, temperature=0.0)
 
-                def completion_miss() -> None:
+                def completion_miss(text: str = text) -> None:
                     hooked.create_completion(text, max_tokens=16, temperature=0.0)
 
-                pairs = [("ttft", ttft_none, ttft_miss, prefix_cache), ("completion", completion_none, completion_miss, hook)]
+                pairs = [("ttft", ttft_none, ttft_miss, prefix_cache),
+                         ("completion", completion_none, completion_miss, hook)]
                 for way, none, miss, cache in pairs:
                     # Which side goes first alternates, so a drift of the machine's speed favours neither.
-                    for side, call in ((("none", none), ("miss", miss)) if run % 2 == 0 else (("miss", miss), ("none", none))):
+                    order = (("none", none), ("miss", miss)) if run % 2 == 0 else (("miss", miss), ("none", none))
+                    for side, call in order:
                         started = time.perf_counter()
                         call()
                         times[f"{way} {side}"].append(time.perf_counter() - started)

@@ -136,7 +136,8 @@ def memory_child(kind: str) -> dict[str, Any]:
             llms = [llama_cpp.Llama(model_path=model, n_ctx=2048, n_batch=512, verbose=False) for _ in range(SLOTS)]
             for c, llm in enumerate(llms):
                 llm.eval(system + questions[c][0])
-        rss = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+        with open("/proc/self/status") as status:
+            rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
     return {"kind": kind, "rss_mb": rss / 1024}
 
 
@@ -201,7 +202,8 @@ def main() -> int:
         for name, run in runs.items():
             table.add_row(name, f"{run['seconds']:.1f} s", f"{run['tokens_per_second']:.1f}",
                           f"{run['tokens_per_second'] / b['tokens_per_second']:.2f}x",
-                          f"{run['first_turn_ttft'] * 1000:,.0f} ms", f"{run['later_ttft'] * 1000:,.0f} ms")  # fmt: skip
+                          f"{run['first_turn_ttft'] * 1000:,.0f} ms",
+                          f"{run['later_ttft'] * 1000:,.0f} ms")  # fmt: skip
         console = Console()
         console.print(table)
         one, many = steps["step_s_1"], steps[f"step_s_{SLOTS}"]

@@ -99,7 +99,7 @@ def main() -> int:
                 url = f"{server.url}?prefix=lookup{size}&max_bytes=4GiB"
                 bulk_fill(raw, f"lookup{size}", size, blob=bytes(64), seed=size)
                 with sippcache.open(url) as writer:
-                    for n, pair in prompts.items():
+                    for pair in prompts.values():
                         for i, prompt in enumerate(pair):
                             assert writer.store(prompt, bytes([i]) * BLOB)
                 with sippcache.open(url) as cache:
@@ -112,11 +112,11 @@ def main() -> int:
                         for query in hits:  # connections and scripts warm
                             cache.lookup(query)
                         trips = cache.round_trips
-                        miss_commands = commands_during([raw], lambda: cache.lookup(miss_query))
+                        miss_commands = commands_during([raw], lambda q=miss_query: cache.lookup(q))
                         miss_trips = cache.round_trips - trips
                         turn = [1]  # the first hit takes the entry the warm-up did not end on
 
-                        def hit() -> None:
+                        def hit(turn: list[int] = turn, hits: list[list[int]] = hits, n: int = n) -> None:
                             turn[0] ^= 1
                             match = cache.lookup(hits[turn[0]])
                             assert match is not None and match.length == n and len(match.blob) == BLOB
@@ -152,7 +152,8 @@ def main() -> int:
         table.add_column(column, justify="right")
     for r in rows:
         b = baseline[r["prompt_tokens"]]
-        table.add_row(f"{r['entries']:,}", f"{r['prompt_tokens']:,}", str(r["miss_round_trips"]), f"{r['miss_us']:,.0f} µs",
+        table.add_row(f"{r['entries']:,}", f"{r['prompt_tokens']:,}", str(r["miss_round_trips"]),
+                      f"{r['miss_us']:,.0f} µs",
                       str(r["hit_round_trips"]), f"{r['hit_us']:,.0f} µs", str(b["round_trips"]), f"{b['us']:,.0f} µs",
                       f"{r['mirror_build_s']:.2f} s")  # fmt: skip
     Console(width=150).print(table)

@@ -142,11 +142,16 @@ def main() -> int:
                     }  # fmt: skip
         finally:
             server.kill()
-    ratios = {way: backends["redis"]["warm_ttft_ms"] / backends["lmdb"]["warm_ttft_ms"] for way, backends in rows.items()}
+    ratios = {
+        way: backends["redis"]["warm_ttft_ms"] / backends["lmdb"]["warm_ttft_ms"] for way, backends in rows.items()
+    }
     speedups = {way: cold_s * 1000 / backends["redis"]["warm_ttft_ms"] for way, backends in rows.items()}
-    correct = all(r["reused"] == r["expected_reused"] and r["same_first_token"] for b in rows.values() for r in b.values())
+    correct = all(
+        r["reused"] == r["expected_reused"] and r["same_first_token"] for b in rows.values() for r in b.values()
+    )
     goals = {
-        f"restore + decode: Redis within {REDIS_VS_LMDB_LIMIT:g}x of LMDB": ratios["restore + decode"] <= REDIS_VS_LMDB_LIMIT,
+        f"restore + decode: Redis within {REDIS_VS_LMDB_LIMIT:g}x of LMDB":
+            ratios["restore + decode"] <= REDIS_VS_LMDB_LIMIT,
         **{f"{way}: Redis >= {SPEEDUP_GOAL:g}x faster than cold": s >= SPEEDUP_GOAL for way, s in speedups.items()},
         "stored logits from Redis faster than restore + decode from LMDB":
             rows["stored logits"]["redis"]["warm_ttft_ms"] < rows["restore + decode"]["lmdb"]["warm_ttft_ms"],

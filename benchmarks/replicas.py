@@ -49,10 +49,13 @@ SYSTEM = (
         f"Day {d}: the {name} ({flag}) arrived on the {tide} tide with {cargo}; pilot {pilot}.\n"
         for d, (name, flag, tide, cargo, pilot) in enumerate(
             [("Eider", "Denmark", "morning", "timber", "Hansen"), ("Mistral", "France", "evening", "wine", "Morel"),
-             ("Northern Star", "Norway", "morning", "salt cod", "Berg"), ("Aurora", "Sweden", "night", "iron ore", "Lind"),
+             ("Northern Star", "Norway", "morning", "salt cod", "Berg"),
+             ("Aurora", "Sweden", "night", "iron ore", "Lind"),
              ("Santa Clara", "Spain", "morning", "oranges", "Ruiz"), ("Gull", "Ireland", "evening", "wool", "Byrne"),
-             ("Valkyrie", "Norway", "night", "herring", "Dahl"), ("Meridian", "Netherlands", "morning", "tulip bulbs", "de Vries"),
-             ("Kestrel", "Scotland", "evening", "whisky", "MacLeod"), ("Baltic Rose", "Poland", "morning", "coal", "Nowak")] * 3,
+             ("Valkyrie", "Norway", "night", "herring", "Dahl"),
+             ("Meridian", "Netherlands", "morning", "tulip bulbs", "de Vries"),
+             ("Kestrel", "Scotland", "evening", "whisky", "MacLeod"),
+             ("Baltic Rose", "Poland", "morning", "coal", "Nowak")] * 3,
             start=1,
         )
     )
@@ -80,7 +83,8 @@ _WORKER = textwrap.dedent(
     cache = PrefixCache(llm, url)
     def argmax():
         pointer = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-        return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(llm.n_vocab(),))))
+        logits = ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float))
+        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(llm.n_vocab(),))))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)

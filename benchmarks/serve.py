@@ -54,7 +54,12 @@ GOAL = 10.0
 #: and was killed for lack of memory on a 23 GB machine during this benchmark. This
 #: size holds one entry per conversation (4 x ~40 MB), its best case for this workload.
 RAM_CACHE_SIZE = 170_000_000
-WORDS = ["The", "lighthouse", "keeper", "kept", "a", "log", "of", "every", "ship", "that", "passed", "the", "northern", "cape.", "Each", "entry", "named", "the", "vessel,", "its", "flag,", "the", "hour,", "the", "weather", "and", "the", "state", "of", "the", "sea.", "Over", "forty", "years", "the", "log", "grew", "to", "eleven", "volumes,", "and", "historians", "now", "read", "it", "to", "learn", "how", "trade", "moved", "along", "the", "coast."]
+WORDS = [
+    "The", "lighthouse", "keeper", "kept", "a", "log", "of", "every", "ship", "that", "passed", "the", "northern",
+    "cape.", "Each", "entry", "named", "the", "vessel,", "its", "flag,", "the", "hour,", "the", "weather", "and", "the",
+    "state", "of", "the", "sea.", "Over", "forty", "years", "the", "log", "grew", "to", "eleven", "volumes,", "and",
+    "historians", "now", "read", "it", "to", "learn", "how", "trade", "moved", "along", "the", "coast.",
+]  # fmt: skip
 QUESTIONS = [
     "Which vessel passed first on day {n}, and what flag did she fly?",
     "What was the weather at that hour, and how high was the sea?",
@@ -179,7 +184,9 @@ def run_conversations(name: str, command: list[str], system: str, args: argparse
                 turn = Turn(round_, label, 0, first if first is not None else total, total)
                 after = server.cache_stats()
                 if before is not None and after is not None:  # sippcache: what the cache did, and the prompt's length
-                    did = {k: after[k] - before[k] for k in ("tokens_reused", "context_tokens_reused", "tokens_evaluated")}
+                    did = {
+                        k: after[k] - before[k] for k in ("tokens_reused", "context_tokens_reused", "tokens_evaluated")
+                    }
                     turn.tokens_reused, turn.tokens_evaluated = did["tokens_reused"], did["tokens_evaluated"]
                     turn.prompt_tokens = sum(did.values())
                 run.turns.append(turn)
@@ -223,7 +230,7 @@ def main() -> int:
 
 
 def report(runs: list[Run], args: argparse.Namespace) -> int:
-    upstream, ram, sipp = runs
+    _upstream, ram, sipp = runs
     after_restart = args.rounds + 1
     rounds = list(range(1, after_restart + 1))
     failures = []
@@ -244,7 +251,8 @@ def report(runs: list[Run], args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"gemma-3-270m over HTTP: {args.conversations} interleaved conversations on a "
-                        f"{args.system_tokens:,}-token system prompt, logits_all={args.logits_all}; mean per turn")  # fmt: skip
+                        f"{args.system_tokens:,}-token system prompt, logits_all={args.logits_all};"
+                        " mean per turn")  # fmt: skip
     table.add_column("round", justify="right")
     table.add_column("prompt tokens", justify="right")
     for run in runs:
@@ -264,7 +272,7 @@ def report(runs: list[Run], args: argparse.Namespace) -> int:
         )  # fmt: skip
     totals = [sum(t.total for t in run.turns) for run in runs]
     table.caption = "whole run (all turns, end to end): " + ", ".join(
-        f"{run.name} {total:,.1f} s" for run, total in zip(runs, totals)
+        f"{run.name} {total:,.1f} s" for run, total in zip(runs, totals, strict=True)
     )
     Console().print(table)
     for failure in failures:
