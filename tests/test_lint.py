@@ -1,0 +1,27 @@
+"""Typing and lint are part of the test command: `mypy --strict` and ruff (rule set in pyproject.toml)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+#: The installed code: the package and the Redis plugin's package.
+TYPED = ["sippcache", "plugins/sippcache-redis/sippcache_redis"]
+#: Everything of ours that is Python.
+LINTED = ["sippcache", "plugins", "tests", "benchmarks"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+
+
+def test_mypy_strict_finds_nothing() -> None:
+    done = _run("mypy", "--strict", *TYPED)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_ruff_finds_nothing() -> None:
+    done = _run("ruff", "check", "--no-cache", *LINTED)
+    assert done.returncode == 0, done.stdout + done.stderr
