@@ -25,7 +25,6 @@ import pytest
 import sippcache
 from sippcache import tokens
 from sippcache.catalog import SNAPSHOT_MAGIC, Catalog, EntryState
-from sippcache.engine.backend import INDEX_SNAPSHOT_MIN_ENTRIES
 from sippcache.engine.layout import (
     ENTRY_PREFIXES,
     KEY_INDEX_SNAPSHOT,
@@ -35,6 +34,7 @@ from sippcache.engine.layout import (
     entry_id,
     log_key,
 )
+from sippcache.engine.replica import INDEX_SNAPSHOT_MIN_ENTRIES
 from sippcache.index import IndexHit, PrefixIndex
 
 ENTRIES = INDEX_SNAPSHOT_MIN_ENTRIES + 200

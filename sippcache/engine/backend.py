@@ -48,13 +48,6 @@ from .storage import KVTxn
 
 log = logging.getLogger("sippcache")
 
-#: Stores with fewer entries get no snapshot: reading their records at open takes
-#: less than 40 ms, and checks every one of them.
-INDEX_SNAPSHOT_MIN_ENTRIES = 1_000
-#: On close, a snapshot this many log records behind the store is written again
-#: (replaying that many records at open costs about what loading the snapshot does).
-INDEX_SNAPSHOT_LAG = 1_000
-
 #: Log records a write transaction appends (see `sippcache.engine.layout`).
 Records = list[list[Any]]
 #: In-memory updates to run once a write transaction commits.
@@ -319,7 +312,7 @@ class KVBackend(BaseBackend):
             except Exception as exc:  # closing must not fail over lost recency data
                 log.warning("sippcache: could not save recency updates on close: %s", exc)
             else:
-                self._save_index_snapshot_if_stale()
+                self._save_index_snapshot(if_stale=True)
             self._close_store()
 
     # -- writing -----------------------------------------------------------------
@@ -386,50 +379,32 @@ class KVBackend(BaseBackend):
                 txn.delete(log_key(old))
             txn.put(KEY_TRIMMED, pack_u64(seq - LOG_KEEP))
 
-    # -- the snapshot (see `sippcache.engine.replica`) --------------------------------
+    # -- the index snapshot (see `sippcache.engine.replica`) ----------------------------
 
-    def _save_index_snapshot_if_stale(self) -> None:
-        """On close: save a snapshot if the store's is missing, or older than the
-        trimmed log (useless), or `INDEX_SNAPSHOT_LAG` log records behind the store."""
-        if not self._index_snapshot_wanted():
-            return
-        try:
-            txn, end = self._reader()
-            try:
-                newest, trimmed = read_u64(txn.get(KEY_NEWEST)), read_u64(txn.get(KEY_TRIMMED))
-                saved = txn.get(KEY_INDEX_SNAPSHOT_SEQ)
-            finally:
-                end()
-        except Exception as exc:  # the snapshot only saves time: never fail over it
-            log.info("sippcache: could not read %s's index snapshot position: %s", self.location, exc)
-            return
-        at = read_u64(saved)
-        if self._replica.read_every_entry or saved is None or at < trimmed or newest - at >= INDEX_SNAPSHOT_LAG:
-            self._save_index_snapshot()
-
-    def _index_snapshot_wanted(self) -> bool:
-        return (
-            type(self).persistent and not self.read_only
-            and len(self._replica.catalog) >= INDEX_SNAPSHOT_MIN_ENTRIES
-        )  # fmt: skip
-
-    def _save_index_snapshot(self) -> None:
-        """Write the catalog's snapshot, as of the store's newest log record, in a
-        write transaction of its own. Written rarely (on close, and once after this
-        process had to read every entry), so stores never wait for it; a snapshot
-        that cannot be written (a full disk) is skipped: it only saves time."""
+    def _save_index_snapshot(self, *, if_stale: bool = False) -> None:
+        """Write the catalog's snapshot in a write transaction of its own (with
+        `if_stale`, only if `Replica.snapshot_stale` says so). Written rarely (on
+        close, and once after this process had to read every entry), so stores
+        never wait for it; one that cannot be written (a full disk) is skipped:
+        it only saves time."""
         replica = self._replica
-        replica.read_every_entry = False  # tried once, whatever happens
-        if not self._index_snapshot_wanted():
-            return
         try:
+            if self.read_only or not type(self).persistent or not replica.snapshot_wanted():
+                return
+            if if_stale:
+                txn, end = self._reader()
+                try:
+                    stale = replica.snapshot_stale(txn)
+                finally:
+                    end()
+                if not stale:
+                    return
             with self._transaction() as txn:
-                replica.sync(txn)
-                if not replica.uses.items and not replica.damaged:  # memory is exactly the store
-                    txn.put(KEY_INDEX_SNAPSHOT, replica.catalog.snapshot(replica.seq))
-                    txn.put(KEY_INDEX_SNAPSHOT_SEQ, pack_u64(replica.seq))
+                replica.save_snapshot(txn)
         except Exception as exc:
             log.info("sippcache: could not save %s's index snapshot: %s", self.location, exc)
+        finally:
+            replica.read_every_entry = False  # tried once, whatever happened
 
     def _evict_to_half(self, txn: KVTxn, records: Records, after: AfterCommit) -> None:
         """Evict (by the eviction order, never pinned entries) down to half the stored bytes."""

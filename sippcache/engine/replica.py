@@ -23,6 +23,7 @@ from ..protocol import Blob
 from .layout import (
     KEY_CLOCK,
     KEY_INDEX_SNAPSHOT,
+    KEY_INDEX_SNAPSHOT_SEQ,
     KEY_NEWEST,
     KEY_TRIMMED,
     OP_CLEAR,
@@ -35,10 +36,17 @@ from .layout import (
     PREFIX_VALUES,
     log_key,
 )
-from .records import read_f64, read_meta, read_record, read_u64, read_values
+from .records import pack_u64, read_f64, read_meta, read_record, read_u64, read_values
 from .storage import KVTxn
 
 log = logging.getLogger("sippcache")
+
+#: Stores with fewer entries get no snapshot: reading their records at open takes
+#: less than 40 ms, and checks every one of them.
+INDEX_SNAPSHOT_MIN_ENTRIES = 1_000
+#: On close, a snapshot this many log records behind the store is written again
+#: (replaying that many records at open costs about what loading the snapshot does).
+INDEX_SNAPSHOT_LAG = 1_000
 
 
 class Replica:
@@ -95,6 +103,28 @@ class Replica:
         self.catalog.remove(eid)
         self.uses.items.pop(eid, None)
         return False
+
+    def snapshot_wanted(self) -> bool:
+        """Whether this store is big enough for an index snapshot to pay."""
+        return len(self.catalog) >= INDEX_SNAPSHOT_MIN_ENTRIES
+
+    def snapshot_stale(self, txn: KVTxn) -> bool:
+        """Whether the store's snapshot should be written again: this process had
+        to read every entry, or it is missing, older than the trimmed log
+        (useless), or `INDEX_SNAPSHOT_LAG` log records behind the store."""
+        saved = txn.get(KEY_INDEX_SNAPSHOT_SEQ)
+        if self.read_every_entry or saved is None:
+            return True
+        at = read_u64(saved)
+        return at < read_u64(txn.get(KEY_TRIMMED)) or read_u64(txn.get(KEY_NEWEST)) - at >= INDEX_SNAPSHOT_LAG
+
+    def save_snapshot(self, txn: KVTxn) -> None:
+        """Write the catalog's snapshot as of the store's newest log record (in
+        `txn`, a write transaction), if memory is exactly the store then."""
+        self.sync(txn)
+        if not self.uses.items and not self.damaged:
+            txn.put(KEY_INDEX_SNAPSHOT, self.catalog.snapshot(self.seq))
+            txn.put(KEY_INDEX_SNAPSHOT_SEQ, pack_u64(self.seq))
 
     def _replay(self, txn: KVTxn, seq: int) -> bool:
         """Apply the log records after `self.seq` up to `seq`; False if one is
