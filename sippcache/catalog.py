@@ -41,9 +41,10 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
 import xxhash
 
+from . import tokens as _tokens
 from .errors import CacheFull
 from .index import PrefixIndex
-from .protocol import Blob, Peek, Stats, StoreOptions
+from .protocol import Blob, EntryInfo, Peek, Stats, StoreOptions
 
 log = logging.getLogger("sippcache")
 
@@ -265,6 +266,16 @@ class Catalog:
             max_entries=max_entries, namespaces=len(self.index.namespaces()), damaged=damaged,
             pinned=self.pinned_count, pinned_bytes=self.pinned_bytes, **counters,
         )  # fmt: skip
+
+    def entries(self, namespace: str | None = None) -> list[EntryInfo]:
+        """Every entry (of one namespace, if given) as `EntryInfo`, least recently used first."""
+        found = []
+        for eid in self.by_use(namespace):
+            e = self._entries[eid]
+            key = _tokens.decode(self.index.key_of(eid))
+            found.append(EntryInfo(e.namespace, key, e.size, e.created / 1e9, e.used / 1e9, e.priority, e.pinned,
+                                   e.generation))  # fmt: skip
+        return found
 
     def peek(self, namespace: str, key: bytes, partial: bool) -> Peek | None:
         """The index's answer to a lookup of `key` (token bytes), as `Peek`."""

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from .. import tokens as _tokens
 from ..base import BaseBackend
 from ..catalog import StorePlan, refuse
 from ..errors import CacheFull, ReadOnlyStore
@@ -268,18 +267,7 @@ class KVBackend(BaseBackend):
     def _entries(self, namespace: str | None) -> list[EntryInfo]:
         with self._lock:
             self._refresh()
-            catalog = self._replica.catalog
-            found = []
-            for eid in catalog.by_use(namespace):  # least recently used first
-                state = catalog.get(eid)
-                assert state is not None
-                found.append(
-                    EntryInfo(
-                        state.namespace, _tokens.decode(catalog.index.key_of(eid)), state.size,
-                        state.created / 1e9, state.used / 1e9, state.priority, state.pinned, state.generation,
-                    )
-                )
-            return found
+            return self._replica.catalog.entries(namespace)
 
     def _remove_damaged(self) -> int:
         """An index loaded from a snapshot is read again from every entry's records

@@ -46,7 +46,6 @@ import msgpack  # type: ignore[import-untyped]  # msgpack ships no type informat
 import xxhash
 
 from sippcache import BadOption, BaseBackend, EntryInfo, Match, MissingDependency, Peek, Stats, StoreOptions
-from sippcache import tokens as _tokens
 from sippcache.catalog import Catalog, EntryState, PendingUses, StorePlan, refuse
 from sippcache.engine import entry_id
 from sippcache.errors import CacheFull
@@ -1062,18 +1061,7 @@ class RedisBackend(BaseBackend):
     def _entries(self, namespace: str | None) -> list[EntryInfo]:
         with self._lock:
             self._refresh()
-            catalog = self._catalog
-            found = []
-            for eid in catalog.by_use(namespace):
-                state = catalog.get(eid)
-                assert state is not None
-                found.append(
-                    EntryInfo(
-                        state.namespace, _tokens.decode(catalog.index.key_of(eid)), state.size,
-                        state.created / 1e9, state.used / 1e9, state.priority, state.pinned, state.generation,
-                    )
-                )
-            return found
+            return self._catalog.entries(namespace)
 
     def _close(self) -> None:
         with self._lock:
