@@ -28,8 +28,8 @@ import time
 import llama_cpp
 import numpy as np
 
-from sippcache import states
 from sippcache.demo.model import gemma_model_path
+from sippcache.llama import states
 
 NEW_TOKENS = (30, 60)
 

@@ -33,7 +33,7 @@ from .errors import (
     UnsupportedEntry,
 )
 from .protocol import CacheBackend, EntryInfo, Match, Peek, Stats, StoreOptions
-from .registry import BackendInfo, backends, default_url, open, register_backend
+from .registry import BackendInfo, backends, default_url, open, redact_url, register_backend
 
 __version__ = "0.1.0"
 
@@ -64,5 +64,6 @@ __all__ = [
     "backends",
     "default_url",
     "open",
+    "redact_url",
     "register_backend",
 ]

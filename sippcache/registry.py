@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import cast
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 from .errors import BadOption, BrokenPlugin, MissingDependency, NoStore, UnknownBackend
 from .protocol import CacheBackend
@@ -184,6 +184,38 @@ def reset_backends() -> None:
     with _registered_lock:
         _registered.clear()
     _plugins.cache_clear()
+
+
+#: Query options whose values are secrets: `redact_url` hides them.
+SECRET_OPTIONS = frozenset({"password", "pass", "secret", "token"})
+
+
+def redact_url(url: str) -> str:
+    """`url` with passwords replaced by ``***`` (also inside percent-encoded inner URLs, as
+    tiered:// has): what every command and the server print or report of a store."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    head, sep, tail = url.partition("?")
+    if "@" in parts.netloc:
+        userinfo, _, host = parts.netloc.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        if colon:
+            head = head.replace(parts.netloc, f"{user}:***@{host}", 1)
+    if sep:
+        query, hash_, fragment = tail.partition("#")
+        try:
+            pairs = parse_qsl(query, keep_blank_values=True)
+        except ValueError:
+            pairs = []
+        if any("://" in value or name.lower() in SECRET_OPTIONS for name, value in pairs):
+            query = urlencode(
+                [(k, "***" if k.lower() in SECRET_OPTIONS else redact_url(v) if "://" in v else v) for k, v in pairs],
+                safe="/:*@", quote_via=quote,
+            )  # fmt: skip
+        tail = query + hash_ + fragment
+    return head + sep + tail
 
 
 def parse_url(url: str) -> tuple[str, str, dict[str, str]]:

@@ -10,8 +10,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from sippcache import states
-from sippcache.llama import CHECKPOINT_ALIGNMENT, LlamaCache, PrefixCache
+from sippcache.llama import CHECKPOINT_ALIGNMENT, LlamaCache, PrefixCache, states
 from sippcache.llama import Llama as SippLlama
 from tests.conftest import last_logits, prefill_in_new_process, reference_logits
 

@@ -28,8 +28,7 @@ import numpy as np
 import pytest
 
 import sippcache
-from sippcache import states
-from sippcache.llama import Llama, PrefixCache, SessionPool
+from sippcache.llama import Llama, PrefixCache, SessionPool, states
 
 GEMMA_TOLERANCE = 4.0  # logits; measured at most 2.79 (see the module docstring)
 TINY_TOLERANCE = 1e-3  # measured at most 2.8e-4

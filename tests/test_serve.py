@@ -48,7 +48,7 @@ def free_port() -> int:
 
 
 class Server:
-    """One `python -m sippcache.serve` process (or any command) on a free loopback port.
+    """One `python -m sippcache.server` process (or any command) on a free loopback port.
 
     Started in its own session so that `stop()` reaches its children too; stopped
     with SIGINT (uvicorn's graceful shutdown, after which pending cache writes are
@@ -56,7 +56,7 @@ class Server:
     """
 
     def __init__(
-        self, args: Sequence[str], log_path: Path, *, module: str = "sippcache.serve",
+        self, args: Sequence[str], log_path: Path, *, module: str = "sippcache.server",
         env: dict[str, str] | None = None, preexec_fn: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         self.port = free_port()

@@ -3,7 +3,7 @@ command line, start-up failures. Fast: no gemma here (the tiny generated model
 where a model is needed).
 
 `test_upstream_symbols_are_where_serve_expects_them` is the tripwire: if a
-llama-cpp-python upgrade moves anything `sippcache.serve` relies on, it fails
+llama-cpp-python upgrade moves anything `sippcache.server` relies on, it fails
 and says which symbol.
 """
 
@@ -31,7 +31,7 @@ def test_upstream_symbols_are_where_serve_expects_them() -> None:
 
     def need(condition: bool, symbol: str, why: str) -> None:
         assert condition, (
-            f"llama-cpp-python {llama_cpp.__version__} moved {symbol}: sippcache.serve relies on it ({why})"
+            f"llama-cpp-python {llama_cpp.__version__} moved {symbol}: sippcache.server relies on it ({why})"
         )
 
     need(callable(getattr(app, "create_app", None)), "llama_cpp.server.app.create_app", "it builds the app")
@@ -60,7 +60,7 @@ def test_upstream_symbols_are_where_serve_expects_them() -> None:
          "serve parses arguments with them")  # fmt: skip
     for name in ("Settings", "ServerSettings", "ModelSettings", "ConfigFileSettings"):
         need(hasattr(settings, name), f"llama_cpp.server.settings.{name}", "serve parses settings with it")
-    from sippcache.serve import STATE_SETTINGS, UPSTREAM_CACHE_SETTINGS
+    from sippcache.server.settings import STATE_SETTINGS, UPSTREAM_CACHE_SETTINGS
 
     fields = settings.ModelSettings.model_fields
     for name in ("model", "model_alias", "vocab_only", *UPSTREAM_CACHE_SETTINGS, *STATE_SETTINGS):
@@ -95,24 +95,28 @@ def test_the_app_uses_the_caching_proxy_and_every_model_gets_its_cache(tiny_mode
     import llama_cpp.server.app as app
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-    from sippcache import serve
+    from sippcache.llama import LlamaCache
+    from sippcache.server.app import create_server_app
+    from sippcache.server.model import ServedLlama
+    from sippcache.server.stores import CachePool
+    from sippcache.server.upstream import CachingLlamaProxy
 
     models = [
         ModelSettings(model=str(tiny_model), model_alias="a", n_ctx=512, verbose=False, logits_all=False),
         ModelSettings(model=str(tiny_model), model_alias="b", n_ctx=512, verbose=False, rope_freq_base=20000.0),
     ]
-    pool = serve.CachePool.open(models, {}, f"lmdb://{tmp_path}/store")
+    pool = CachePool.open(models, {}, f"lmdb://{tmp_path}/store")
     original = app.LlamaProxy
     try:
-        fastapi_app = serve.create_server_app(ServerSettings(), models, pool)
+        fastapi_app = create_server_app(ServerSettings(), models, pool)
         ours = {getattr(route, "path", None) for route in fastapi_app.routes}
         assert {"/metrics", "/v1/cache/stats"} <= ours
         assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(fastapi_app.openapi()["paths"])
         proxy = app._llama_proxy
-        assert isinstance(proxy, serve.CachingLlamaProxy)
+        assert isinstance(proxy, CachingLlamaProxy)
         prompt = " ".join(f"w{i}" for i in range(60))
         llm = proxy("a")
-        assert type(llm) is serve.ServedLlama and isinstance(llm.cache, serve.sippllama.LlamaCache)
+        assert type(llm) is ServedLlama and isinstance(llm.cache, LlamaCache)
         first = llm.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
         llm = proxy("b")  # frees "a"
         llm.create_completion(prompt, max_tokens=4, temperature=0)
@@ -143,17 +147,19 @@ def test_logprobs_are_upstream_s(tiny_model: Path, tmp_path: Path) -> None:
     prompt with logits for its last position only, and answers an exact repeat from
     stored logits: the logprobs a completion reports are still upstream's, from a
     cold cache and from a warm one, and prompt logprobs (echo) too."""
+    from llama_cpp.server.model import LlamaProxy
     from llama_cpp.server.settings import ModelSettings
 
-    from sippcache import serve
+    from sippcache.server.stores import CachePool
+    from sippcache.server.upstream import CachingLlamaProxy, install
 
     settings = ModelSettings(model=str(tiny_model), model_alias="t", n_ctx=512, verbose=False)
     assert settings.logits_all
     plain = llama_cpp.Llama(model_path=str(tiny_model), n_ctx=512, logits_all=True, verbose=False)
-    pool = serve.CachePool.open([settings], {}, f"lmdb://{tmp_path}/store")
-    serve.install(pool)
+    pool = CachePool.open([settings], {}, f"lmdb://{tmp_path}/store")
+    install(pool)
     try:
-        served = serve.CachingLlamaProxy.load_llama_from_model_settings(settings)
+        served = CachingLlamaProxy.load_llama_from_model_settings(settings)
         prompt = " ".join(f"w{i}" for i in range(50))
         for echo in (False, True):
             expected = plain.create_completion(prompt, max_tokens=4, temperature=0, logprobs=3, echo=echo)
@@ -174,13 +180,13 @@ def test_logprobs_are_upstream_s(tiny_model: Path, tmp_path: Path) -> None:
     finally:
         import llama_cpp.server.app as app
 
-        app.LlamaProxy = serve.LlamaProxy
+        app.LlamaProxy = LlamaProxy
         plain.close()
         pool.close()
 
 
 def test_config_file_cache_url_is_taken_out_before_upstream_validates(tmp_path: Path, monkeypatch) -> None:
-    from sippcache import serve
+    from sippcache.server.settings import build_parser, load_settings
 
     config = {
         "host": "127.0.0.1",
@@ -192,42 +198,44 @@ def test_config_file_cache_url_is_taken_out_before_upstream_validates(tmp_path: 
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    args = serve.build_parser().parse_args(["--config_file", str(path)])
-    server_settings, models, urls = serve.load_settings(args)
+    args = build_parser().parse_args(["--config_file", str(path)])
+    server_settings, models, urls = load_settings(args)
     assert server_settings.host == "127.0.0.1"
     assert [m.model_alias for m in models] == ["a", None, "c"] and models[1].n_ctx == 1024
     assert urls == {"a": "ram://", "b.gguf": None, "c": "false"}
     yaml_path = tmp_path / "config.yaml"
     yaml_path.write_text("models:\n  - model: a.gguf\n    cache_url: lmdb:///tmp/x\n")
     monkeypatch.setenv("CONFIG_FILE", str(yaml_path))  # as upstream: the variable wins over --config_file
-    _, models, urls = serve.load_settings(args)
+    _, models, urls = load_settings(args)
     assert urls == {"a.gguf": "lmdb:///tmp/x"}
 
 
 def test_cache_values_and_scopes() -> None:
     from llama_cpp.server.settings import ModelSettings
 
-    from sippcache import serve
+    from sippcache import default_url, redact_url
+    from sippcache.server.settings import scope_for
+    from sippcache.server.stores import CachePool
 
-    pool = serve.CachePool.open(
+    pool = CachePool.open(
         [ModelSettings(model="a"), ModelSettings(model="b"), ModelSettings(model="c")],
         {"a": "ram://", "b": "false", "c": "true"}, "ram://?max_bytes=1MiB",
     )  # fmt: skip
     try:
         rows = {row["model"]: row for row in pool.model_rows()}
         assert rows["a"]["store"] == "ram://" and rows["b"]["store"] is None
-        assert rows["c"]["store"] == serve.redact_url(serve.default_url())
+        assert rows["c"]["store"] == redact_url(default_url())
     finally:
         pool.close()
-    assert serve.scope_for(ModelSettings(model="m")) == "default"
-    assert serve.scope_for(ModelSettings(model="m", n_ctx=8192, type_k=8, chat_format="chatml")) == "default"
-    rope = serve.scope_for(ModelSettings(model="m", rope_freq_base=1e6))
-    assert rope.startswith("settings-") and rope == serve.scope_for(ModelSettings(model="m", rope_freq_base=1e6))
-    assert rope != serve.scope_for(ModelSettings(model="m", kv_overrides=["a.b=int:3"]))
+    assert scope_for(ModelSettings(model="m")) == "default"
+    assert scope_for(ModelSettings(model="m", n_ctx=8192, type_k=8, chat_format="chatml")) == "default"
+    rope = scope_for(ModelSettings(model="m", rope_freq_base=1e6))
+    assert rope.startswith("settings-") and rope == scope_for(ModelSettings(model="m", rope_freq_base=1e6))
+    assert rope != scope_for(ModelSettings(model="m", kv_overrides=["a.b=int:3"]))
 
 
 def test_redact_url() -> None:
-    from sippcache.serve import redact_url
+    from sippcache import redact_url
 
     assert redact_url("lmdb:///var/cache/sipp?max_bytes=2GiB") == "lmdb:///var/cache/sipp?max_bytes=2GiB"
     assert redact_url("redis://app:hunter2@cache:6379/0?prefix=p") == "redis://app:***@cache:6379/0?prefix=p"
@@ -238,7 +246,7 @@ def test_redact_url() -> None:
 
 def run_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "sippcache.serve", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "sippcache.server", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
         env={**os.environ, **(env or {})},
     )  # fmt: skip
 

@@ -1,7 +1,7 @@
 """Commands that run a model: demo, warm, serve.
 
 They need llama-cpp-python, an optional dependency, so their implementations
-(`sippcache.demo`, `sippcache.serve`) are imported only when they run; a
+(`sippcache.demo`, `sippcache.server`) are imported only when they run; a
 missing package is one ``error:`` line naming the extra to install.
 """
 
@@ -99,7 +99,7 @@ def serve(args: tuple[str, ...]) -> None:
     this cache (every option of `python -m llama_cpp.server`, plus --cache URL;
     see `sippcache serve --help`)."""
     try:
-        from ..serve import main as serve_main
+        from ..server import main as serve_main
     except ImportError as exc:
         raise CLIError(f'sippcache serve needs the server extra: pip install "sippcache[server]" ({exc})') from None
     sys.exit(serve_main(list(args), prog="sippcache serve"))

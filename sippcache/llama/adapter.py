@@ -17,7 +17,7 @@ caller's own sampler chain. A plain `llama_cpp.Llama` samples only from its
 context, so for it the last prompt token is always evaluated.
 
 What is stored is llama.cpp's per-sequence state (`llama_state_seq_get_data`),
-framed by `sippcache.states` / `sippcache.frame`, under a namespace made of the
+framed by `sippcache.llama.states` / `sippcache.frame`, under a namespace made of the
 model fingerprint and a scope. Never the whole context, never the scores,
 never a pickle.
 
@@ -44,17 +44,14 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama_cache import BaseLlamaCache
 
+from .. import tokens as _tokens
+from ..frame import Secret
+from ..protocol import CacheBackend
 from . import states
-from . import tokens as _tokens
 from .fingerprint import Fingerprint, llama_fingerprint
-from .frame import Secret
-from .pool import Completion, Sampling, SessionPool
-from .protocol import CacheBackend
 from .seqcache import (
-    CHECKPOINT_ALIGNMENT,
     DEFAULT_CHECKPOINT_INTERVAL,
     DEFAULT_MIN_TOKENS,
-    PrefixStats,
     Reuse,
     SequenceCache,
     check_options,
@@ -67,10 +64,7 @@ log = logging.getLogger("sippcache")
 #: The `kind` of entries holding one llama.cpp sequence's state.
 KIND = states.KIND
 
-__all__ = [
-    "CHECKPOINT_ALIGNMENT", "KIND", "Completion", "Llama", "LlamaCache", "PrefillResult", "PrefixCache",
-    "PrefixStats", "Sampling", "SessionPool",
-]  # fmt: skip
+__all__ = ["KIND", "Llama", "LlamaCache", "PrefillResult", "PrefixCache"]
 
 
 class PrefillResult(int):

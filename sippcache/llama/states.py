@@ -22,8 +22,8 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from . import frame
-from .errors import CorruptEntry
+from .. import frame
+from ..errors import CorruptEntry
 
 #: The `kind` of entries holding one llama.cpp sequence's state.
 KIND = "llama.seq"

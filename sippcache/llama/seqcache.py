@@ -7,7 +7,7 @@ follow the same rules and keep the same counters:
 - every call to the store is one that never fails a request: a backend error
   is logged, counted and answered as a miss;
 - candidates are peeked at first and only the entry restored is fetched;
-- a restored entry must check out (`sippcache.states.decode_entry`), hold
+- a restored entry must check out (`sippcache.llama.states.decode_entry`), hold
   exactly its key's positions, and is cut back only where llama.cpp can do so
   exactly (the sliding-window rule);
 - snapshots are copied on the thread that owns the context and written by one
@@ -28,12 +28,12 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import CorruptEntry, UnsupportedEntry
+from ..frame import Secret, secret_from_environment
+from ..protocol import CacheBackend, Match, Peek
+from ..registry import open as open_cache
 from . import states
-from .errors import CorruptEntry, UnsupportedEntry
 from .fingerprint import Fingerprint
-from .frame import Secret, secret_from_environment
-from .protocol import CacheBackend, Match, Peek
-from .registry import open as open_cache
 from .writer import BackgroundWriter
 
 log = logging.getLogger("sippcache")

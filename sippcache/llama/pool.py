@@ -22,7 +22,7 @@ one context, one llama.cpp sequence each, like llama.cpp's server with
   computing them again, as llama.cpp's server does with a common system prompt.
 
 Everything `PrefixCache` promises holds per slot, because both go through one
-`sippcache.seqcache.SequenceCache`: the model fingerprint's namespace, the
+`sippcache.llama.seqcache.SequenceCache`: the model fingerprint's namespace, the
 sliding-window rule, checkpoints, stored logits, generations, and backend
 errors that cost speed, never a wrong answer or an exception. The context
 copies the `Llama`'s own parameters with one unified KV buffer, so a slot's
@@ -44,11 +44,11 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from .. import tokens as _tokens
+from ..frame import Secret
+from ..protocol import CacheBackend
 from . import states
-from . import tokens as _tokens
 from .fingerprint import llama_fingerprint
-from .frame import Secret
-from .protocol import CacheBackend
 from .seqcache import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MIN_TOKENS, Reuse, SequenceCache, common_length
 
 log = logging.getLogger("sippcache")

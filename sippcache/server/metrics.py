@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .protocol import CacheBackend
+from ..protocol import CacheBackend
 
 __all__ = ["CONTENT_TYPE_LATEST", "MODEL_COUNTERS", "STORE_COUNTERS", "STORE_GAUGES", "ServeMetrics", "StoreReader"]
 
@@ -66,7 +66,7 @@ RESTORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 
 class StatsSource(Protocol):
-    """What the metrics read: `sippcache.serve.CachePool`."""
+    """What the metrics read: `sippcache.server.stores.CachePool`."""
 
     def model_rows(self) -> list[dict[str, Any]]:
         """One dict per model alias: model, store, scope, namespace, loaded, and the adapter's counters."""
