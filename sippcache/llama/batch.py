@@ -1,0 +1,539 @@
+"""Continuous batching over one llama.cpp context: slots, jobs, and one step at a time.
+
+A `BatchEngine` keeps `slots` llama.cpp sequences in one context (one unified
+KV buffer) and runs jobs on them: a prompt to prefill, then tokens to sample
+until the job stops. Each `step()` is one `llama_decode` holding the next
+token of every decoding job together with chunks of prompts being prefilled
+(at most `chunk` prompt tokens a step), so a long new prompt never holds the
+others' decoding back by more than one chunk. Jobs join between steps and
+leave when they finish or are cancelled; their slot keeps its sequence for
+whoever comes next.
+
+Where a job's prompt starts, cheapest first:
+
+- its slot: the slot of its session (`SessionPool`), else an empty slot, else
+  the idle slot whose sequence the prompt loses least of (a conversation
+  continued loses nothing), least recently used among equals, parked first
+  (a snapshot goes to the cache unless it is there already);
+- the cache (`SequenceCache.reuse`): a stored entry for the whole prompt with
+  its logits (nothing to evaluate), the longest stored prefix, or the entry
+  sharing the most with it where cutting it back is exact;
+- other slots: before each chunk, the longest prefix another slot holds is
+  shared (`llama_memory_seq_cp`) instead of evaluated again, and a job waits
+  a step for an earlier job still evaluating a prefix they share (a system
+  prompt many conversations start with is evaluated once).
+
+The engine is not thread-safe: one thread owns it (the server's scheduler
+thread, or the thread in a `SessionPool` call).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from . import states
+from .seqcache import CHECKPOINT_ALIGNMENT, SequenceCache, common_length
+
+log = logging.getLogger("sippcache")
+
+__all__ = ["BatchEngine", "Job", "StepReport"]
+
+#: Prompt tokens evaluated per step by default. Measured on gemma-3-270m, 2 cores
+#: (benchmarks/serve_parallel.py, docs/serve.md): see `BatchEngine`.
+DEFAULT_CHUNK = 256
+
+
+@dataclass(eq=False)
+class Job:
+    """One request in a `BatchEngine`: `prompt` to prefill, then tokens sampled with
+    `chain` (a llama.cpp sampler chain the caller owns) until one is an
+    end-of-generation token or in `stop` ("stop"), `max_new` tokens were sampled
+    ("length"), or the job is cancelled ("cancelled").
+
+    `on_token(job, token, logits)` is called on the engine's thread for every
+    token sampled, the last one included (`job.finish_reason` is then set);
+    `logits` is a copy of the row it was sampled from when `keep_logits`.
+    `on_finish(job)` is called once when the job leaves, whatever the reason
+    (`error` holds the exception when it is "error"). `session` ties the job
+    to a conversation (`SessionPool`); the server leaves it None and slots are
+    matched by content.
+    """
+
+    prompt: list[int]
+    chain: Any
+    max_new: int
+    session: Hashable | None = None
+    stop: frozenset[int] = frozenset()
+    keep_logits: bool = False
+    on_token: Callable[[Job, int, np.ndarray | None], None] | None = None
+    on_finish: Callable[[Job], None] | None = None
+
+    # -- set by the engine ----------------------------------------------------------
+    state: str = "queued"  # queued, prefill, decode, done
+    admitted: str = ""  # live, warm, shared or cold
+    reused: int = 0  # prompt tokens not evaluated
+    logits_from_store: bool = False
+    generated: list[int] = field(default_factory=list)
+    #: Tokens of prompt + generated the sequence holds (the last sampled token is
+    #: evaluated one step later, if the job goes on).
+    evaluated: int = 0
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    cancelled: bool = False  # set by anyone; the engine drops the job at its next step
+    submitted_at: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    _position: int = 0  # next prompt position to evaluate
+    _boundaries: list[int] = field(default_factory=list)
+    _branch: int = 0
+    _slot: _Slot | None = None
+
+    @property
+    def context(self) -> list[int]:
+        """The tokens the job's sequence holds now: what upstream's ``_input_ids`` means."""
+        return (self.prompt + self.generated)[: self.evaluated]
+
+
+@dataclass(eq=False)
+class _Slot:
+    seq: int
+    tokens: list[int] = field(default_factory=list)  # what the sequence holds
+    job: Job | None = None
+    session: Hashable | None = None
+    used: int = 0  # a clock, for least-recently-used choices
+
+
+@dataclass
+class StepReport:
+    """What one `step()` did: tokens in the batch (decoded, prompt), jobs that started
+    or finished, seconds in `llama_decode` and in sampling."""
+
+    decoded: int = 0
+    prompt_tokens: int = 0
+    started: int = 0
+    finished: int = 0
+    decode_seconds: float = 0.0
+    sample_seconds: float = 0.0
+
+    @property
+    def batch(self) -> int:
+        return self.decoded + self.prompt_tokens
+
+
+class BatchEngine:
+    """Up to `slots` jobs at once in one llama.cpp context of `n_ctx` cells, one
+    sequence each, decoded together.
+
+    `llm` lends its model (weights, vocabulary) and context parameters (K/V types,
+    flash attention, threads): the engine's context copies them with
+    ``n_seq_max = slots`` and one unified KV buffer, so a slot's states are those
+    of a single-sequence context and move between slots, `PrefixCache` users and
+    other processes. `cache` is where states are found and left. `chunk` bounds
+    the prompt tokens of a step (a multiple of 32, at most `n_batch`). With
+    `store_finished`, a finished job's sequence is stored at once (the server: a
+    conversation's next turn, in this process or another, finds it); otherwise
+    only when its slot is parked (`SessionPool`).
+    """
+
+    def __init__(
+        self,
+        llm: llama_cpp.Llama,
+        cache: SequenceCache,
+        *,
+        slots: int,
+        n_ctx: int,
+        n_batch: int = 512,
+        chunk: int = DEFAULT_CHUNK,
+        store_finished: bool = False,
+    ) -> None:
+        for name, value, lowest in (("slots", slots, 1), ("n_batch", n_batch, 1), ("n_ctx", n_ctx, 16)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+                raise ValueError(f"{name} must be an int >= {lowest}, got {value!r}")
+        if slots > llama_cpp.llama_max_parallel_sequences():
+            raise ValueError(f"slots must be at most {llama_cpp.llama_max_parallel_sequences()} (llama.cpp's limit)")
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < CHECKPOINT_ALIGNMENT:
+            raise ValueError(f"chunk must be an int >= {CHECKPOINT_ALIGNMENT}, got {chunk!r}")
+        if chunk % CHECKPOINT_ALIGNMENT:
+            raise ValueError(f"chunk must be a multiple of {CHECKPOINT_ALIGNMENT}, got {chunk}")
+        self.llm, self.cache = llm, cache
+        self._ctx = self._batch = None
+        try:
+            params = llama_cpp.llama_context_params.from_buffer_copy(llm.context_params)
+            params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx, slots, True
+            params.n_batch = params.n_ubatch = min(n_batch, n_ctx)
+            self._ctx = llama_cpp.llama_init_from_model(llm.model, params)
+            if self._ctx is None:
+                raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} tokens for {slots} sequences")
+            self.n_ctx, self.n_batch = int(llama_cpp.llama_n_ctx(self._ctx)), int(params.n_batch)
+            self._batch = llama_cpp.llama_batch_init(max(self.n_batch, slots), 0, 1)
+        except BaseException:
+            self.free()
+            raise
+        self.slots = slots
+        self.chunk = min(chunk, max(CHECKPOINT_ALIGNMENT, self.n_batch - self.n_batch % CHECKPOINT_ALIGNMENT))
+        self.store_finished = store_finished
+        self._vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        self._slots = [_Slot(seq) for seq in range(slots)]
+        self._queue: deque[Job] = deque()
+        self._running: list[Job] = []  # in admission order
+        self._clock = 0
+        self.counters = dict(
+            admitted_live=0, admitted_warm=0, admitted_shared=0, admitted_cold=0, parked=0, borrowed_tokens=0,
+            decode_calls=0, tokens_generated=0, prompt_tokens_evaluated=0,
+        )  # fmt: skip
+
+    @property
+    def ctx(self) -> Any:
+        return self._ctx
+
+    # -- jobs ---------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        """Queue `job`; it starts at a step when a slot is free for it."""
+        if job.state != "queued":
+            raise ValueError("a job runs once")
+        if not job.prompt:
+            raise ValueError("cannot run an empty prompt")
+        if job.max_new < 1:
+            raise ValueError(f"max_new must be at least 1, got {job.max_new}")
+        job.submitted_at = time.perf_counter()
+        self._queue.append(job)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step would do anything."""
+        return bool(self._queue or self._running)
+
+    def step(self) -> StepReport:
+        """Admit what fits, then one `llama_decode` of every decoding job's next token and
+        up to `chunk` prompt tokens, then sample. A decode that fails ends the jobs in it
+        with finish_reason "error"."""
+        report = StepReport()
+        self._drop_cancelled(report)
+        self._admit_queued(report)
+        items: list[tuple[int, int, int, bool]] = []
+        decoding = [job for job in self._running if job.state == "decode"]
+        for job in decoding:
+            assert job._slot is not None
+            items.append((job._slot.seq, job.evaluated, job.generated[-1], True))
+        segments = self._plan_prefill(len(items))
+        for job, end in segments:
+            assert job._slot is not None
+            last = len(job.prompt) - 1
+            items.extend((job._slot.seq, pos, job.prompt[pos], pos == last) for pos in range(job._position, end))
+        if not items:
+            return report
+        report.decoded, report.prompt_tokens = len(decoding), len(items) - len(decoding)
+        started = time.perf_counter()
+        try:
+            self._decode(items)
+        except Exception as exc:
+            for job in decoding + [job for job, _ in segments]:
+                self._fail(job, exc, report)
+            return report
+        report.decode_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        for index, job in enumerate(decoding):
+            job.evaluated += 1
+            assert job._slot is not None
+            job._slot.tokens = job.context
+            self._sample(job, index, report)
+        index = len(decoding) - 1
+        for job, end in segments:
+            index += end - job._position
+            self._prefilled(job, end, index, report)
+        report.sample_seconds = time.perf_counter() - started
+        return report
+
+    def cancel(self, job: Job) -> None:
+        """End `job` at the next step (any thread may call this)."""
+        job.cancelled = True
+
+    # -- admission ------------------------------------------------------------------------
+
+    def _admit_queued(self, report: StepReport) -> None:
+        waiting: deque[Job] = deque()
+        while self._queue:
+            job = self._queue.popleft()
+            if job.cancelled:
+                self._finish(job, "cancelled", report)
+                continue
+            slot = self._choose_slot(job)
+            if slot is None:
+                waiting.append(job)
+                continue
+            self._admit(job, slot, report)
+            report.started += 1
+        self._queue = waiting
+
+    def _choose_slot(self, job: Job) -> _Slot | None:
+        """The slot `job` runs in (None: wait): its session's; else an empty one; else the
+        idle one whose sequence the prompt loses least of, least recently used among
+        equals, parked (its KV kept for the newcomer)."""
+        if job.session is not None:
+            own = next((s for s in self._slots if s.session == job.session), None)
+            if own is not None:
+                return own if own.job is None else None  # a session runs one job at a time
+        reserved = {j.session for j in self._queue if j.session is not None} | {job.session}
+        idle = [s for s in self._slots if s.job is None and (s.session is None or s.session not in reserved)]
+        if not idle:
+            return None
+        empty = next((s for s in idle if not s.tokens and s.session is None), None)
+        if empty is not None:
+            return empty
+        slot = min(idle, key=lambda s: (len(s.tokens) - common_length(s.tokens, job.prompt), s.used))
+        self._park(slot, keep=True)
+        return slot
+
+    def _admit(self, job: Job, slot: _Slot, report: StepReport) -> None:
+        own = job.session is not None and slot.session == job.session
+        live = slot.tokens
+        slot.job, slot.session = job, job.session
+        self._clock += 1
+        slot.used = self._clock
+        reuse = self.cache.reuse(self._ctx, slot.seq, job.prompt, live, with_logits=True)
+        slot.tokens = job.prompt[: reuse.start]
+        job.admitted = "warm" if reuse.restored else ("live" if own else "shared") if reuse.start else "cold"
+        job.reused, job._position, job._branch = reuse.start, reuse.start, reuse.branch
+        job._boundaries = self.cache.boundaries(reuse.start, reuse.branch, len(job.prompt))
+        job.evaluated = reuse.start
+        job._slot = slot
+        self._running.append(job)
+        if reuse.logits is not None:  # an exact repeat: the first token from the stored logits
+            job.state = "decode"
+            job.logits_from_store = True
+            token = states.sample_from_logits(job.chain, reuse.logits)
+            self._accept(job, token, reuse.logits if job.keep_logits else None, report)
+        else:
+            job.state = "prefill"
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    def _plan_prefill(self, decoding: int) -> list[tuple[Job, int]]:
+        """(job, where its prompt segment ends) for this step: jobs in admission order,
+        each segment ending at a checkpoint boundary, the prompt's end or a multiple of
+        `chunk` (the splits a prefill alone makes); a segment the step's room cuts short
+        ends at a multiple of 32 tokens from its start (a split that changes no result)."""
+        room = min(self.chunk, self.n_batch - decoding)
+        segments: list[tuple[Job, int]] = []
+        prefilling = [job for job in self._running if job.state == "prefill"]
+        for order, job in enumerate(prefilling):
+            if room <= 0:
+                break
+            self._borrow(job)
+            if self._waits_for(job, prefilling[:order]):
+                continue
+            position, n = job._position, len(job.prompt)
+            end = min(next((b for b in job._boundaries if b > position), n), (position // self.chunk + 1) * self.chunk)
+            if end - position > room:
+                end = position + room - room % CHECKPOINT_ALIGNMENT
+                if end <= position:
+                    break
+            segments.append((job, end))
+            room -= end - position
+        return segments
+
+    def _borrow(self, job: Job) -> None:
+        """Share (`llama_memory_seq_cp`) the longest prefix of the prompt, minus its last
+        token, that another slot holds beyond what this job has, where cutting that
+        slot's sequence there is exact (the sliding-window rule)."""
+        slot = job._slot
+        assert slot is not None
+        target = job.prompt[:-1]
+        mem, n_swa = states.memory(self._ctx), self.cache.n_swa
+        best, donor = job._position, None
+        for other in self._slots:
+            if other is slot or not other.tokens:
+                continue
+            length = common_length(other.tokens, target)
+            if length > best and states.can_truncate(mem, other.seq, length, n_swa):
+                best, donor = length, other
+        if donor is None:
+            return
+        states.clear(mem, slot.seq)
+        llama_cpp.llama_memory_seq_cp(mem, donor.seq, slot.seq, 0, best)
+        self.counters["borrowed_tokens"] += best - job._position
+        if job.admitted == "cold":
+            job.admitted = "shared"
+        job.reused = job._position = job.evaluated = best
+        slot.tokens = job.prompt[:best]
+        job._boundaries = [b for b in job._boundaries if b > best]
+
+    @staticmethod
+    def _waits_for(job: Job, earlier: list[Job]) -> bool:
+        """Whether an earlier job is still evaluating a prefix this one shares beyond its
+        own position (it will borrow it once evaluated)."""
+        target = job.prompt[:-1]
+        for other in earlier:
+            shared = common_length(other.prompt, target)
+            if other._position < shared and shared > job._position:
+                return True
+        return False
+
+    def _prefilled(self, job: Job, end: int, index: int, report: StepReport) -> None:
+        """`job`'s prompt is evaluated up to `end` (its last token at batch `index`)."""
+        slot = job._slot
+        assert slot is not None
+        evaluated = end - job._position
+        self.cache.stats.tokens_evaluated += evaluated
+        self.counters["prompt_tokens_evaluated"] += evaluated
+        job._position = job.evaluated = end
+        slot.tokens = job.prompt[:end]
+        if end in job._boundaries:
+            self.cache.snapshot(self._ctx, slot.seq, job.prompt[:end], budget=self.cache.checkpoint_budget())
+        elif end == len(job.prompt):
+            job.state = "decode"
+            if len(job.prompt) >= self.cache.min_tokens:  # store it with its logits: an exact repeat evaluates nothing
+                logits = states.copy_logits(self._ctx, self.cache.n_vocab, index)
+                self.cache.snapshot(self._ctx, slot.seq, job.prompt, logits=logits, replace=True)
+            self._sample(job, index, report)
+
+    # -- decoding and sampling ----------------------------------------------------------------
+
+    def _sample(self, job: Job, index: int, report: StepReport) -> None:
+        logits = states.copy_logits(self._ctx, self.cache.n_vocab, index) if job.keep_logits else None
+        token = int(llama_cpp.llama_sampler_sample(job.chain, self._ctx, index))
+        self._accept(job, token, logits, report)
+
+    def _accept(self, job: Job, token: int, logits: np.ndarray | None, report: StepReport) -> None:
+        if job.first_token_at is None:
+            job.first_token_at = time.perf_counter()
+        job.generated.append(token)
+        self.counters["tokens_generated"] += 1
+        if token in job.stop or llama_cpp.llama_vocab_is_eog(self._vocab, token):
+            job.finish_reason = "stop"
+        elif len(job.generated) >= job.max_new:
+            job.finish_reason = "length"
+        if job.on_token is not None:
+            job.on_token(job, token, logits)
+        if job.finish_reason is not None:
+            self._leave(job, report)
+
+    def _decode(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
+        """One `llama_decode` of (sequence, position, token, wants logits) items."""
+        batch = self._batch
+        assert batch is not None and items
+        batch.n_tokens = len(items)
+        for i, (seq, pos, token, logits) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
+            batch.seq_id[i][0] = seq
+        status = llama_cpp.llama_decode(self._ctx, batch)
+        self.counters["decode_calls"] += 1
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with status {status} ({len(items)} tokens)")
+
+    # -- leaving --------------------------------------------------------------------------------
+
+    def _drop_cancelled(self, report: StepReport) -> None:
+        for job in [job for job in self._running if job.cancelled]:
+            self._finish(job, "cancelled", report)
+
+    def _leave(self, job: Job, report: StepReport) -> None:
+        """A job that finished by itself: its slot keeps the sequence (stored now with
+        `store_finished`)."""
+        slot = job._slot
+        assert slot is not None
+        self._release(job)
+        if self.store_finished and len(slot.tokens) >= self.cache.min_tokens:
+            self.cache.snapshot(self._ctx, slot.seq, list(slot.tokens))
+        self._done(job, report)
+
+    def _finish(self, job: Job, reason: str, report: StepReport) -> None:
+        job.finish_reason = reason
+        if job._slot is not None:
+            self._release(job)
+        self._done(job, report)
+
+    def _fail(self, job: Job, exc: BaseException, report: StepReport) -> None:
+        """A job whose decode failed: its sequence is not to be trusted, so it is cleared."""
+        slot = job._slot
+        job.error = exc
+        self._finish(job, "error", report)
+        if slot is not None:
+            self._forget(slot)
+
+    def _release(self, job: Job) -> None:
+        slot = job._slot
+        assert slot is not None
+        slot.tokens = job.context
+        slot.job = None
+        self._running.remove(job)
+        self.counters[f"admitted_{job.admitted}"] += 1
+
+    def _done(self, job: Job, report: StepReport) -> None:
+        job.state = "done"
+        job.finished_at = time.perf_counter()
+        report.finished += 1
+        if job.on_finish is not None:
+            job.on_finish(job)
+
+    # -- slots --------------------------------------------------------------------------------
+
+    def sessions(self) -> list[Hashable]:
+        """The sessions holding a slot, least recently used first."""
+        return [s.session for s in sorted(self._slots, key=lambda s: s.used) if s.session is not None]
+
+    def idle_tokens(self, sessions: set[Hashable]) -> list[tuple[Hashable | None, int]]:
+        """(session, tokens held) of every idle slot holding a sequence, but those of
+        `sessions`, least recently used first."""
+        return [(s.session, len(s.tokens)) for s in sorted(self._slots, key=lambda s: s.used)
+                if s.job is None and s.tokens and (s.session is None or s.session not in sessions)]  # fmt: skip
+
+    def park(self, session: Hashable) -> bool:
+        """Snapshot the idle slot of `session` into the cache and free it; False if no
+        idle slot holds that session."""
+        slot = next((s for s in self._slots if s.session == session and s.job is None), None)
+        if slot is not None:
+            self._park(slot)
+        return slot is not None
+
+    def park_all(self) -> None:
+        """Snapshot every idle slot's sequence into the cache (unless stored already) and
+        free the slots: what a process leaves for the next one."""
+        for slot in self._slots:
+            if slot.job is None and (slot.tokens or slot.session is not None):
+                self._park(slot)
+
+    def held_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self._slots)
+
+    def _park(self, slot: _Slot, *, keep: bool = False) -> None:
+        """Snapshot the slot's sequence into the cache (unless stored already) and free
+        the slot (with `keep`, its KV stays for the next job to reuse)."""
+        if len(slot.tokens) >= self.cache.min_tokens:
+            self.cache.snapshot(self._ctx, slot.seq, list(slot.tokens))
+        self.counters["parked"] += 1
+        if keep:
+            slot.session = None
+        else:
+            self._forget(slot)
+
+    def _forget(self, slot: _Slot) -> None:
+        states.clear(states.memory(self._ctx), slot.seq)
+        slot.session, slot.tokens = None, []
+
+    def free(self) -> None:
+        """Free the context (the jobs still in it end, unfinished)."""
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+
