@@ -98,6 +98,7 @@ def test_the_app_uses_the_caching_proxy_and_every_model_gets_its_cache(tiny_mode
     from sippcache.llama import LlamaCache
     from sippcache.server.app import create_server_app
     from sippcache.server.model import ServedLlama
+    from sippcache.server.settings import Settings
     from sippcache.server.stores import CachePool
     from sippcache.server.upstream import CachingLlamaProxy
 
@@ -105,7 +106,7 @@ def test_the_app_uses_the_caching_proxy_and_every_model_gets_its_cache(tiny_mode
         ModelSettings(model=str(tiny_model), model_alias="a", n_ctx=512, verbose=False, logits_all=False),
         ModelSettings(model=str(tiny_model), model_alias="b", n_ctx=512, verbose=False, rope_freq_base=20000.0),
     ]
-    pool = CachePool.open(models, {}, f"lmdb://{tmp_path}/store")
+    pool = CachePool.open(Settings(ServerSettings(), models, {}), f"lmdb://{tmp_path}/store")
     original = app.LlamaProxy
     try:
         fastapi_app = create_server_app(ServerSettings(), models, pool)
@@ -148,15 +149,16 @@ def test_logprobs_are_upstream_s(tiny_model: Path, tmp_path: Path) -> None:
     stored logits: the logprobs a completion reports are still upstream's, from a
     cold cache and from a warm one, and prompt logprobs (echo) too."""
     from llama_cpp.server.model import LlamaProxy
-    from llama_cpp.server.settings import ModelSettings
+    from llama_cpp.server.settings import ModelSettings, ServerSettings
 
+    from sippcache.server.settings import Settings
     from sippcache.server.stores import CachePool
     from sippcache.server.upstream import CachingLlamaProxy, install
 
     settings = ModelSettings(model=str(tiny_model), model_alias="t", n_ctx=512, verbose=False)
     assert settings.logits_all
     plain = llama_cpp.Llama(model_path=str(tiny_model), n_ctx=512, logits_all=True, verbose=False)
-    pool = CachePool.open([settings], {}, f"lmdb://{tmp_path}/store")
+    pool = CachePool.open(Settings(ServerSettings(), [settings], {}), f"lmdb://{tmp_path}/store")
     install(pool)
     try:
         served = CachingLlamaProxy.load_llama_from_model_settings(settings)
@@ -199,28 +201,30 @@ def test_config_file_cache_url_is_taken_out_before_upstream_validates(tmp_path: 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     args = build_parser().parse_args(["--config_file", str(path)])
-    server_settings, models, urls = load_settings(args)
+    loaded = load_settings(args)
+    server_settings, models = loaded.server, loaded.models
+    urls = {alias: options.cache_url for alias, options in loaded.options.items()}
     assert server_settings.host == "127.0.0.1"
     assert [m.model_alias for m in models] == ["a", None, "c"] and models[1].n_ctx == 1024
     assert urls == {"a": "ram://", "b.gguf": None, "c": "false"}
     yaml_path = tmp_path / "config.yaml"
     yaml_path.write_text("models:\n  - model: a.gguf\n    cache_url: lmdb:///tmp/x\n")
     monkeypatch.setenv("CONFIG_FILE", str(yaml_path))  # as upstream: the variable wins over --config_file
-    _, models, urls = load_settings(args)
-    assert urls == {"a.gguf": "lmdb:///tmp/x"}
+    loaded = load_settings(args)
+    assert {alias: options.cache_url for alias, options in loaded.options.items()} == {"a.gguf": "lmdb:///tmp/x"}
 
 
 def test_cache_values_and_scopes() -> None:
-    from llama_cpp.server.settings import ModelSettings
+    from llama_cpp.server.settings import ModelSettings, ServerSettings
 
     from sippcache import default_url, redact_url
-    from sippcache.server.settings import scope_for
+    from sippcache.server.settings import ModelOptions, Settings, scope_for
     from sippcache.server.stores import CachePool
 
-    pool = CachePool.open(
-        [ModelSettings(model="a"), ModelSettings(model="b"), ModelSettings(model="c")],
-        {"a": "ram://", "b": "false", "c": "true"}, "ram://?max_bytes=1MiB",
-    )  # fmt: skip
+    models = [ModelSettings(model="a"), ModelSettings(model="b"), ModelSettings(model="c")]
+    urls = {"a": "ram://", "b": "false", "c": "true"}
+    options = {alias: ModelOptions(cache_url=url) for alias, url in urls.items()}
+    pool = CachePool.open(Settings(ServerSettings(), models, options), "ram://?max_bytes=1MiB")
     try:
         rows = {row["model"]: row for row in pool.model_rows()}
         assert rows["a"]["store"] == "ram://" and rows["b"]["store"] is None

@@ -75,6 +75,8 @@ class Job:
     keep_logits: bool = False
     on_token: Callable[[Job, int, np.ndarray | None], None] | None = None
     on_finish: Callable[[Job], None] | None = None
+    #: Kept alive while the engine holds the job: the owner of `chain`, if it frees it.
+    keepalive: Any = None
 
     # -- set by the engine ----------------------------------------------------------
     state: str = "queued"  # queued, prefill, decode, done
@@ -90,6 +92,7 @@ class Job:
     cancelled: bool = False  # set by anyone; the engine drops the job at its next step
     submitted_at: float = 0.0
     first_token_at: float | None = None
+    last_token_at: float | None = None
     finished_at: float | None = None
     _position: int = 0  # next prompt position to evaluate
     _boundaries: list[int] = field(default_factory=list)
@@ -113,11 +116,12 @@ class _Slot:
 
 @dataclass
 class StepReport:
-    """What one `step()` did: tokens in the batch (decoded, prompt), jobs that started
-    or finished, seconds in `llama_decode` and in sampling."""
+    """What one `step()` did: tokens in the batch (decoded, prompt), tokens sampled,
+    jobs that started or finished, seconds in `llama_decode` and in sampling."""
 
     decoded: int = 0
     prompt_tokens: int = 0
+    sampled: int = 0
     started: int = 0
     finished: int = 0
     decode_seconds: float = 0.0
@@ -264,6 +268,19 @@ class BatchEngine:
     def cancel(self, job: Job) -> None:
         """End `job` at the next step (any thread may call this)."""
         job.cancelled = True
+
+    def abort(self, exc: BaseException) -> None:
+        """End every job with finish_reason "error" (`exc`) and empty every slot: after a
+        failure that leaves what the sequences hold unknown."""
+        report = StepReport()
+        for job in list(self._running):
+            self._fail(job, exc, report)
+        while self._queue:
+            job = self._queue.popleft()
+            job.error = exc
+            self._finish(job, "error", report)
+        for slot in self._slots:
+            self._forget(slot)
 
     # -- admission ------------------------------------------------------------------------
 
@@ -412,10 +429,12 @@ class BatchEngine:
         self._accept(job, token, logits, report)
 
     def _accept(self, job: Job, token: int, logits: np.ndarray | None, report: StepReport) -> None:
+        job.last_token_at = time.perf_counter()
         if job.first_token_at is None:
-            job.first_token_at = time.perf_counter()
+            job.first_token_at = job.last_token_at
         job.generated.append(token)
         self.counters["tokens_generated"] += 1
+        report.sampled += 1
         if token in job.stop or llama_cpp.llama_vocab_is_eog(self._vocab, token):
             job.finish_reason = "stop"
         elif len(job.generated) >= job.max_new:

@@ -1,6 +1,7 @@
-"""The FastAPI app: upstream's (`llama_cpp.server.app.create_app`), with sippcache's caches
-and two read-only endpoints, ``GET /metrics`` (Prometheus text) and ``GET /v1/cache/stats``
-(the same as JSON)."""
+"""The FastAPI app: upstream's (`llama_cpp.server.app.create_app`), with sippcache's caches,
+the door every request comes in by (`sippcache.server.door`), the gate in place of
+upstream's lock when a model runs ``--parallel``, and two read-only endpoints,
+``GET /metrics`` (Prometheus text) and ``GET /v1/cache/stats`` (the same as JSON)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from typing import Any
 
 from llama_cpp.server.settings import ModelSettings, ServerSettings
 
+from .door import Door
 from .metrics import CONTENT_TYPE_LATEST
 from .stores import CachePool
-from .upstream import install, upstream_app
+from .upstream import Gate, install, install_gate, upstream_app
 
 __all__ = ["create_server_app"]
 
@@ -22,7 +24,9 @@ def create_server_app(server_settings: ServerSettings, model_settings: list[Mode
     from starlette.concurrency import run_in_threadpool
 
     install(pool)
+    install_gate(Gate(pool.admission, pool.runs_parallel, pool.waiting_for_slot) if pool.parallel else None)
     app = upstream_app.create_app(server_settings=server_settings, model_settings=model_settings)
+    app.add_middleware(Door, admission=pool.admission)
     auth = [Depends(upstream_app.authenticate)]  # the API key, when one is set, as on upstream's endpoints
 
     # No return annotations: with postponed annotations FastAPI would try to resolve them for the schema.

@@ -24,11 +24,12 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
-        server_settings, model_settings, cache_urls = load_settings(args)
-        os.environ.pop("CONFIG_FILE", None)  # read above; create_app would read it again, without cache_url
-        pool = CachePool.open(model_settings, cache_urls, args.cache_url)
+        settings = load_settings(args)
+        os.environ.pop("CONFIG_FILE", None)  # read above; create_app would read it again, without our keys
+        pool = CachePool.open(settings, args.cache_url)
     except ServeError as exc:
         _fail(str(exc))
+    server_settings, model_settings = settings.server, settings.models
     ignored = sorted({name for s in model_settings for name in UPSTREAM_CACHE_SETTINGS if name in s.model_fields_set})
     if ignored:
         print(f"sippcache serve: ignoring llama-cpp-python's own cache settings ({', '.join(ignored)}): "

@@ -2,11 +2,13 @@
 
 Everything lives in a private `prometheus_client.CollectorRegistry` (never the
 global one), so embedding the server in a process that has its own metrics
-does not mix them. Counters are read at scrape time from the adapter's own
-counters (`PrefixCache.stats()`, one per loaded model, plus what models
-unloaded since the start had counted) and from each store's `stats()`; the
-only metric recorded as it happens is the histogram of restore times, fed by
-the adapter's `on_prefill` callback.
+does not mix them. Counters and gauges are read at scrape time from the
+adapter's own counters (`PrefixCache.stats()` and, with ``--parallel``, the
+scheduler's, one per loaded model, plus what models unloaded since the start
+had counted), the admission counts and each store's `stats()`. Recorded as
+they happen: histograms of restore times (the adapter's `on_prefill`
+callback), of tokens per batched step, of time to first token and of time per
+output token.
 
 A scrape never waits for the model (it does not take the server's llama lock)
 and never hangs on a store: a store's `stats()` runs on its own thread with a
@@ -27,7 +29,10 @@ from prometheus_client.registry import Collector
 
 from ..protocol import CacheBackend
 
-__all__ = ["CONTENT_TYPE_LATEST", "MODEL_COUNTERS", "STORE_COUNTERS", "STORE_GAUGES", "ServeMetrics", "StoreReader"]
+__all__ = [
+    "CONTENT_TYPE_LATEST", "MODEL_COUNTERS", "SERVING_COUNTERS", "SERVING_GAUGES", "STORE_COUNTERS", "STORE_GAUGES",
+    "ServeMetrics", "StoreReader",
+]  # fmt: skip
 
 #: (PrefixCache.stats() key, metric name without _total, help): one series per model alias.
 MODEL_COUNTERS: tuple[tuple[str, str, str], ...] = (
@@ -46,6 +51,32 @@ MODEL_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("rejected_entries", "sippcache_rejected_entries",
      "Entries llama.cpp refused or that could not be cut back exactly."),
 )
+#: (model row key, metric name, help): how each model is serving, read at scrape time.
+SERVING_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("parallel", "sippcache_slots", "Requests the model runs at once (--parallel)."),
+    ("running", "sippcache_requests_running", "Requests running now."),
+    ("queued", "sippcache_requests_queued", "Requests admitted and waiting to run."),
+    ("busy_slots", "sippcache_slots_busy", "Slots running a request now (slot occupancy: this / sippcache_slots)."),
+    ("prompt_tokens_per_second", "sippcache_prompt_tokens_per_second",
+     "Prompt tokens the batched path evaluated per second, over the last 10 s."),
+    ("generated_tokens_per_second", "sippcache_generated_tokens_per_second",
+     "Tokens the batched path generated per second, over the last 10 s."),
+)
+#: (model row key, metric name without _total, help), read at scrape time.
+SERVING_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("prompt_tokens_evaluated", "sippcache_batched_prompt_tokens", "Prompt tokens the batched path evaluated."),
+    ("tokens_generated", "sippcache_batched_generated_tokens", "Tokens the batched path generated."),
+    ("decode_calls", "sippcache_batched_steps", "Batched steps (llama_decode calls)."),
+    ("borrowed_tokens", "sippcache_borrowed_tokens",
+     "Prompt tokens shared from another slot's sequence (llama_memory_seq_cp) instead of evaluated."),
+    ("rejected", "sippcache_requests_rejected", "Requests turned away with 503: every slot busy and the queue full."),
+)
+#: Tokens per batched step (a decode token per running request plus prompt tokens).
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+#: Time to first token, from the request's arrival (queueing included).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Time per output token after the first.
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 #: Store failures seen by the adapter, by kind: (PrefixCache.stats() key, label value).
 BACKEND_ERRORS: tuple[tuple[str, str], ...] = (("backend_errors", "lookup"), ("write_failures", "write"))
 #: (Stats field, metric name, help): one series per store, read from `stats()` at scrape time.
@@ -127,9 +158,45 @@ class ServeMetrics:
             "Time to restore a prefix from the cache into the llama context, per prefill that restored one.",
             ["model"], registry=self.registry, buckets=RESTORE_BUCKETS,
         )  # fmt: skip
+        self.batch_tokens = Histogram(
+            "sippcache_batch_tokens", "Tokens in each batched step (llama_decode): decode tokens plus prompt tokens.",
+            ["model"], registry=self.registry, buckets=BATCH_BUCKETS,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "sippcache_time_to_first_token_seconds",
+            "From a completion request's arrival to its first token (path: batched or serialized).",
+            ["model", "path"], registry=self.registry, buckets=TTFT_BUCKETS,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "sippcache_time_per_output_token_seconds",
+            "Time per generated token after the first, per completion (path: batched or serialized).",
+            ["model", "path"], registry=self.registry, buckets=TPOT_BUCKETS,
+        )  # fmt: skip
+        self._serialized: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
         for alias in aliases:
             self.restore_seconds.labels(alias)  # every model's series exists from the start
-        self.registry.register(_Collector(source))
+        self.registry.register(_Collector(source, self))
+
+    def observe_step(self, alias: str, report: Any) -> None:
+        """A batched step of `alias`'s scheduler (a `StepReport`)."""
+        if report.batch:
+            self.batch_tokens.labels(alias).observe(report.batch)
+
+    def observe_request(self, alias: str, path: str, ttft: float, tpot: float | None) -> None:
+        """A completion of `alias` that generated tokens, on the `path` it ran."""
+        self.ttft.labels(alias, path).observe(ttft)
+        if tpot is not None:
+            self.tpot.labels(alias, path).observe(tpot)
+
+    def count_serialized(self, alias: str, reason: str) -> None:
+        """A request of a ``--parallel`` model that ran on the shared model (not counted by a scheduler)."""
+        with self._lock:
+            self._serialized[alias, reason] = self._serialized.get((alias, reason), 0) + 1
+
+    def serialized_counts(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return dict(self._serialized)
 
     def prefill_observer(self, alias: str) -> Callable[[Any], None]:
         """An `on_prefill` callback for the model `alias`."""
@@ -162,16 +229,37 @@ class ServeMetrics:
 
 
 class _Collector(Collector):
-    def __init__(self, source: StatsSource) -> None:
+    def __init__(self, source: StatsSource, metrics: ServeMetrics) -> None:
         self.source = source
+        self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
         rows = self.source.model_rows()
-        for key, name, documentation in MODEL_COUNTERS:
+        for key, name, documentation in MODEL_COUNTERS + SERVING_COUNTERS:
             family = CounterMetricFamily(name, documentation, labels=["model"])
             for row in rows:
                 family.add_metric([row["model"]], row.get(key, 0))
             yield family
+        for key, name, documentation in SERVING_GAUGES:
+            gauge = GaugeMetricFamily(name, documentation, labels=["model"])
+            for row in rows:
+                gauge.add_metric([row["model"]], row.get(key, 0))
+            yield gauge
+        serialized = CounterMetricFamily(
+            "sippcache_requests_serialized",
+            "Requests of a --parallel model run on the shared model, one at a time (reason: prompt_logprobs, "
+            "embedding, model: the model cannot run batched).",
+            labels=["model", "reason"],
+        )  # fmt: skip
+        counts = self.metrics.serialized_counts()
+        for row in rows:
+            for key, value in row.items():
+                if key.startswith("serialized_"):
+                    counts[row["model"], key.removeprefix("serialized_")] = counts.get(
+                        (row["model"], key.removeprefix("serialized_")), 0) + value  # fmt: skip
+        for (model, reason), value in sorted(counts.items()):
+            serialized.add_metric([model, reason], value)
+        yield serialized
         errors = CounterMetricFamily(
             "sippcache_backend_errors",
             "Store failures the adapter saw (kind=lookup: lookups, deletes, touches; kind=write: background "

@@ -1,8 +1,11 @@
-"""The class of every model the server loads: `ServedLlama`.
+"""The class of every model the server loads (`ServedLlama`), and what is decided per model.
 
 Upstream's loader makes a plain `llama_cpp.Llama`; `sippcache.server.stores`
 turns it into a `ServedLlama` (a ``__class__`` assignment: this class adds no
-state a constructor would set up) and gives it its cache.
+state a constructor would set up) and gives it its cache and, with
+``--parallel``, its scheduler. `chat_format_for` picks a chat format for a
+model file that carries no template; `batching_obstacle` says why a model
+cannot run batched.
 
 It relies on `llama_cpp.Llama`'s use of ``logits_all`` and ``scores`` (tests
 compare logprobs with a plain `llama_cpp.Llama`'s).
@@ -12,15 +15,29 @@ from __future__ import annotations
 
 import ctypes
 import inspect
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 import numpy as np
+from llama_cpp import llama_chat_format
+from llama_cpp.server.settings import ModelSettings
 
 from ..llama import Llama, LlamaCache
+from .door import CURRENT
 
-__all__ = ["ServedLlama"]
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+__all__ = ["ARCHITECTURE_CHAT_FORMATS", "ServedLlama", "batching_obstacle", "chat_format_for"]
+
+#: llama-cpp-python's chat format for a model architecture (GGUF ``general.architecture``),
+#: for files that carry no chat template: upstream would fall back to llama-2's format.
+ARCHITECTURE_CHAT_FORMATS = {
+    "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma",
+    "qwen": "qwen", "qwen2": "qwen", "chatglm": "chatglm3", "baichuan": "baichuan-2",
+}  # fmt: skip
 
 _COMPLETION_SIGNATURE = inspect.signature(llama_cpp.Llama.create_completion)
 
@@ -51,6 +68,10 @@ class ServedLlama(Llama):
     sippcache_cache: LlamaCache | None = None
     #: Called once by `close()` before the model is freed.
     on_close: Callable[[ServedLlama], None] | None = None
+    #: Runs the model's requests batched (``--parallel``); None: one at a time, here.
+    scheduler: Scheduler | None = None
+    #: Called when a completion generated here ends: (time to first token, time per output token).
+    on_generated: Callable[[float, float | None], None] | None = None
     #: True from the start of a completion until upstream's generate() runs: the cache's prefill.
     _sippcache_prefill: bool = False
 
@@ -69,7 +90,19 @@ class ServedLlama(Llama):
         stored = self._stored_logits
         if self._logits_all and stored is not None and stored[0] == self.n_tokens:
             self.scores[self.n_tokens - 1, :] = stored[1]  # an exact repeat: its logits came from the store
-        return (yield from super().generate(*args, **kwargs))
+        request = CURRENT.get()
+        started = request.arrived if request is not None else time.perf_counter()
+        first = last = None
+        count = 0
+        try:
+            for token in super().generate(*args, **kwargs):
+                last = time.perf_counter()
+                first = first or last
+                count += 1
+                yield token
+        finally:
+            if first is not None and last is not None and self.on_generated is not None:
+                self.on_generated(first - started, (last - first) / (count - 1) if count > 1 else None)
 
     def eval(self, tokens: Sequence[int]) -> None:
         if not (self._sippcache_prefill and self._logits_all and len(tokens)):
@@ -89,3 +122,27 @@ class ServedLlama(Llama):
         if on_close is not None:
             on_close(self)
         super().close()
+
+
+def chat_format_for(model: llama_cpp.Llama, settings: ModelSettings) -> str | None:
+    """The chat format to use for a model file with no chat template, from its
+    architecture, when none was asked for and llama-cpp-python has one (upstream
+    falls back to llama-2's, which Gemma answers with nothing); else None."""
+    if settings.chat_format is not None or model.chat_handler is not None:
+        return None
+    if "tokenizer.chat_template" in model.metadata:
+        return None
+    chosen = ARCHITECTURE_CHAT_FORMATS.get(model.metadata.get("general.architecture", ""))
+    return chosen if chosen is not None and chosen != model.chat_format else None
+
+
+def batching_obstacle(model: llama_cpp.Llama) -> str | None:
+    """Why `model` cannot run batched, or None: a chat handler that drives the context
+    itself (multimodal) or a draft model (speculative decoding) need the model's own
+    context, one request at a time."""
+    handler = model.chat_handler
+    if isinstance(handler, (llama_chat_format.Llava15ChatHandler, llama_chat_format.MTMDChatHandler)):
+        return f"its chat handler ({type(handler).__name__}) evaluates images in the model's own context"
+    if model.draft_model is not None:
+        return "speculative decoding (a draft model) runs in the model's own context"
+    return None

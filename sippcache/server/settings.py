@@ -11,17 +11,23 @@ import argparse
 import json
 import os
 from collections.abc import Callable
-from typing import TypeVar, cast
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import xxhash
 from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
-from llama_cpp.server.settings import ConfigFileSettings, ModelSettings, ServerSettings, Settings
+from llama_cpp.server.settings import ConfigFileSettings, ModelSettings, ServerSettings
+from llama_cpp.server.settings import Settings as UpstreamSettings
 
 __all__ = [
     "CACHE_URL_KEY",
+    "DEFAULT_MAX_QUEUE",
+    "DEFAULT_PREFILL_CHUNK",
     "STATE_SETTINGS",
     "UPSTREAM_CACHE_SETTINGS",
+    "ModelOptions",
     "ServeError",
+    "Settings",
     "build_parser",
     "load_settings",
     "resolve_cache_value",
@@ -30,6 +36,10 @@ __all__ = [
 
 #: The per-model config file key naming its cache (not an upstream setting).
 CACHE_URL_KEY = "cache_url"
+#: Requests per model that may wait for a slot beyond the ones running; past it, 503.
+DEFAULT_MAX_QUEUE = 64
+#: Prompt tokens a step of the batched path evaluates, at most (see docs/serve.md, "Tuning").
+DEFAULT_PREFILL_CHUNK = 256
 #: `--cache` / `cache_url` values that keep upstream's boolean meaning.
 TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
 FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no", "none"})
@@ -48,6 +58,41 @@ class ServeError(Exception):
     """A problem reported as one ``error: ...`` line, exit code 2."""
 
 
+@dataclass(frozen=True)
+class ModelOptions:
+    """A model's settings that are sippcache's, not upstream's: its store (`cache_url`:
+    None for the server's ``--cache``), how many requests it runs at once
+    (`parallel`; 1 is upstream's one request at a time), how many more may wait
+    (`max_queue`), and the prompt tokens a step evaluates (`prefill_chunk`)."""
+
+    cache_url: str | None = None
+    parallel: int = 1
+    max_queue: int = DEFAULT_MAX_QUEUE
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+
+    def __post_init__(self) -> None:
+        for name, lowest in (("parallel", 1), ("max_queue", 0), ("prefill_chunk", 32)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+                raise ServeError(f"{name} must be an integer >= {lowest}, not {value!r}")
+        if self.prefill_chunk % 32:
+            raise ServeError(f"prefill_chunk must be a multiple of 32, not {self.prefill_chunk}")
+
+
+#: ModelOptions fields a config file's model may set (taken out before upstream validates it).
+OPTION_KEYS = (CACHE_URL_KEY, "parallel", "max_queue", "prefill_chunk")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the server runs with: upstream's server and model settings, and each
+    model alias's `ModelOptions`."""
+
+    server: ServerSettings
+    models: list[ModelSettings]
+    options: dict[str, ModelOptions]
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """Upstream's parser (every `Settings` field and ``--config_file``), with ``--cache URL``."""
     parser = argparse.ArgumentParser(
@@ -56,7 +101,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "Every option of `python -m llama_cpp.server` works as there; --cache names the cache.",
         conflict_handler="resolve",  # our --cache URL replaces upstream's boolean --cache
     )
-    add_args_from_model(parser, Settings)
+    add_args_from_model(parser, UpstreamSettings)
     parser.add_argument("--config_file", type=str, help="Path to a config file to load.")
     parser.add_argument(
         "--cache", dest="cache_url", metavar="URL",
@@ -65,50 +110,81 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "(default: $SIPPCACHE_URL, else LMDB in the user cache folder). 'true' means the default; "
         "'false' serves without a cache. Upstream's cache_type and cache_size are ignored.",
     )  # fmt: skip
+    parser.add_argument(
+        "--parallel", type=int, metavar="N",
+        help="Requests each model runs at once, batched in one llama.cpp context (a model in --config_file may "
+        "set its own 'parallel'). Default 1: one at a time, as llama-cpp-python's server.",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max_queue", type=int, metavar="M",
+        help=f"Requests per model that may wait beyond the N running; more get 503 with Retry-After "
+        f"(default {DEFAULT_MAX_QUEUE}; 'max_queue' per model in --config_file).",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefill_chunk", type=int, metavar="K",
+        help=f"With --parallel > 1: prompt tokens evaluated per step, at most, so a long new prompt holds the "
+        f"others' decoding back by one chunk at most (a multiple of 32; default {DEFAULT_PREFILL_CHUNK}; "
+        "'prefill_chunk' per model in --config_file).",
+    )  # fmt: skip
     return parser
 
 
-def load_settings(args: argparse.Namespace) -> tuple[ServerSettings, list[ModelSettings], dict[str, str | None]]:
-    """(server settings, model settings, {model alias: its config file `cache_url`}), as upstream reads them.
+def load_settings(args: argparse.Namespace) -> Settings:
+    """The settings as upstream reads them, plus each model's `ModelOptions`.
 
     As upstream: ``$CONFIG_FILE`` wins over ``--config_file``; with a config file,
-    the other command-line settings are not used. ``cache_url`` keys are taken
-    out of the models before upstream's models (which forbid unknown keys)
-    validate them.
+    the other command-line settings are not used, except ours (``--cache``,
+    ``--parallel``, ``--max_queue``, ``--prefill_chunk``), which are the defaults
+    of the models that do not set their own. Our keys are taken out of the models
+    before upstream's models (which forbid unknown keys) validate them. Unlike
+    upstream, ``interrupt_requests`` is off unless set: on, a request waiting for
+    the model ends a stream in progress, without an error or a finish reason.
     """
+    defaults: dict[str, Any] = {
+        name: getattr(args, name) for name in ("parallel", "max_queue", "prefill_chunk")
+        if getattr(args, name, None) is not None
+    }  # fmt: skip
     config_file = os.environ.get("CONFIG_FILE", args.config_file)
     try:
         if not config_file:
             server_settings = _settings_from_args(ServerSettings, args)
             model_settings = [_settings_from_args(ModelSettings, args)]
-            return server_settings, model_settings, {}
-        if not os.path.exists(config_file):
-            raise ServeError(f"config file {config_file} not found")
-        with open(config_file, "rb") as f:
-            if config_file.endswith((".yaml", ".yml")):
-                import yaml
+            own: list[dict[str, Any]] = [{}]
+        else:
+            if not os.path.exists(config_file):
+                raise ServeError(f"config file {config_file} not found")
+            with open(config_file, "rb") as f:
+                if config_file.endswith((".yaml", ".yml")):
+                    import yaml
 
-                raw = yaml.safe_load(f)
-            else:
-                raw = json.loads(f.read())
-        cache_urls: list[str | None] = []
-        if isinstance(raw, dict) and isinstance(raw.get("models"), list):
-            for model in raw["models"]:
-                url = model.pop(CACHE_URL_KEY, None) if isinstance(model, dict) else None
-                if url is not None and not isinstance(url, (str, bool)):
-                    raise ServeError(f"{CACHE_URL_KEY} must be a cache URL, not {url!r}")
-                cache_urls.append(None if url is None else str(url).lower() if isinstance(url, bool) else url)
-        config = ConfigFileSettings.model_validate_json(json.dumps(raw))
-        server_settings = ServerSettings.model_validate(config)
-        model_settings = config.models
+                    raw = yaml.safe_load(f)
+                else:
+                    raw = json.loads(f.read())
+            own = []
+            if isinstance(raw, dict) and isinstance(raw.get("models"), list):
+                for model in raw["models"]:
+                    own.append({k: model.pop(k) for k in OPTION_KEYS if k in model} if isinstance(model, dict) else {})
+            config = ConfigFileSettings.model_validate_json(json.dumps(raw))
+            server_settings = ServerSettings.model_validate(config)
+            model_settings = config.models
     except ServeError:
         raise
     except Exception as exc:  # pydantic's ValidationError, JSON and YAML syntax errors, unreadable files
         raise ServeError(f"invalid settings: {_describe_settings_error(exc)}") from None
-    urls: dict[str, str | None] = {}
-    for settings, url in zip(model_settings, cache_urls, strict=False):
-        urls[settings.model_alias or settings.model] = url  # the key LlamaProxy files the model under
-    return server_settings, model_settings, urls
+    if "interrupt_requests" not in server_settings.model_fields_set:
+        server_settings.interrupt_requests = False  # upstream's default cuts streams short, silently
+    options: dict[str, ModelOptions] = {}
+    for settings, mine in zip(model_settings, own, strict=False):
+        alias = settings.model_alias or settings.model  # the key LlamaProxy files the model under
+        url = mine.pop(CACHE_URL_KEY, None)
+        if url is not None and not isinstance(url, (str, bool)):
+            raise ServeError(f"{CACHE_URL_KEY} must be a cache URL, not {url!r}")
+        url = None if url is None else str(url).lower() if isinstance(url, bool) else url
+        try:
+            options[alias] = ModelOptions(cache_url=url, **{**defaults, **mine})
+        except ServeError as exc:
+            raise ServeError(f"model {alias}: {exc}") from None
+    return Settings(server_settings, model_settings, options)
 
 
 _Settings = TypeVar("_Settings", ServerSettings, ModelSettings)

@@ -1,16 +1,17 @@
-"""The server's stores: one open store per URL, shared by every model and every reload.
+"""The server's stores and models: one open store per URL, shared by every model and reload.
 
 `CachePool` opens each store the models name before the server starts (a bad
-URL stops it there), gives every model upstream loads its cache
-(`CachePool.attach`) and keeps each model alias's counters across loads and
-unloads of its model, for the metrics.
+URL stops it there), gives every model upstream loads its cache and, with
+``--parallel``, its `Scheduler` (`CachePool.attach`), hands each request the
+model it runs on (`CachePool.for_request`), and keeps each model alias's
+counters across loads and unloads of its model, for the metrics.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,33 +19,43 @@ import llama_cpp
 from llama_cpp.server.settings import ModelSettings
 
 from ..llama import LlamaCache, PrefixStats
+from ..llama.batch import Job
+from ..llama.fingerprint import llama_fingerprint
+from ..llama.seqcache import SequenceCache
 from ..protocol import CacheBackend
 from ..registry import default_url, redact_url
 from ..registry import open as open_cache
+from .door import Admission, RequestContext
 from .metrics import ServeMetrics, StoreReader
-from .model import ServedLlama
-from .settings import ServeError, resolve_cache_value, scope_for
+from .model import ServedLlama, batching_obstacle, chat_format_for
+from .scheduler import Scheduler
+from .settings import ModelOptions, ServeError, Settings, resolve_cache_value, scope_for
 
 log = logging.getLogger("sippcache")
 
-__all__ = ["CachePool"]
+__all__ = ["NO_CACHE_STORE", "CachePool"]
+
+#: Where a ``--parallel`` model served without a cache keeps states between its slots.
+NO_CACHE_STORE = "ram://?max_bytes=256MiB"
 
 
 @dataclass
 class _Model:
-    """A model alias: its store (None: no cache), scope, and counters."""
+    """A model alias: its store (None: no cache), scope, options, and counters."""
 
     alias: str
     store: str | None  # the store's label (a redacted URL)
     scope: str
+    options: ModelOptions
     retired: dict[str, float] = field(default_factory=dict)  # counted by instances since closed
     live: ServedLlama | None = None
     namespace: str | None = None
+    obstacle: str | None = None  # why a --parallel model is served one request at a time
 
 
 class CachePool:
-    """The stores the server uses (opened once per URL, before the server starts) and
-    each model alias's counters, across loads and unloads of its model."""
+    """The stores the server uses (opened once per URL, before the server starts), each
+    model alias's options and counters, across loads and unloads of its model."""
 
     def __init__(self) -> None:
         self._stores: dict[str, CacheBackend] = {}  # label -> open backend
@@ -52,25 +63,27 @@ class CachePool:
         self._models: dict[str, _Model] = {}
         self._lock = threading.Lock()
         self.metrics = ServeMetrics(self, [])
+        self.admission = Admission({}, "")
 
     @classmethod
-    def open(
-        cls, model_settings: Sequence[ModelSettings], cache_urls: dict[str, str | None], cache: str | None
-    ) -> CachePool:
+    def open(cls, settings: Settings, cache: str | None) -> CachePool:
         """Open every store the models name. Raises `ServeError` (one line) for a bad URL."""
         pool = cls()
         try:
             default = resolve_cache_value(cache, default_url)
-            for settings in model_settings:
-                alias = settings.model_alias or settings.model
-                own = cache_urls.get(alias)
+            for model in settings.models:
+                alias = model.model_alias or model.model
+                options = settings.options.get(alias, ModelOptions())
+                own = options.cache_url
                 url = default if own is None else resolve_cache_value(own, default_url)
                 label = pool._open_store(url) if url is not None else None
-                pool._models[alias] = _Model(alias, label, scope_for(settings))
+                pool._models[alias] = _Model(alias, label, scope_for(model), options)
         except BaseException:
             pool.close()
             raise
         pool.metrics = ServeMetrics(pool, list(pool._models))
+        limits = {alias: (m.options.parallel, m.options.max_queue) for alias, m in pool._models.items()}
+        pool.admission = Admission(limits, next(iter(pool._models), ""))
         return pool
 
     def _open_store(self, url: str) -> str:
@@ -88,10 +101,26 @@ class CachePool:
             self._readers[label] = StoreReader(label, backend)
         return label
 
+    @property
+    def parallel(self) -> bool:
+        """Whether any model runs more than one request at once."""
+        return any(m.options.parallel > 1 for m in self._models.values())
+
+    def runs_parallel(self, alias: str) -> bool:
+        entry = self._models.get(alias)
+        return entry is not None and entry.options.parallel > 1 and entry.obstacle is None
+
+    def waiting_for_slot(self, alias: str) -> int:
+        """Requests of `alias` waiting for a slot of its scheduler."""
+        entry = self._models.get(alias)
+        live = entry.live if entry is not None else None
+        return live.scheduler.stats.queued if live is not None and live.scheduler is not None else 0
+
     # -- models coming and going ----------------------------------------------------------
 
     def attach(self, model: llama_cpp.Llama, settings: ModelSettings) -> ServedLlama:
-        """Turn a model upstream's loader made into a `ServedLlama` with its alias's cache."""
+        """Turn a model upstream's loader made into a `ServedLlama` with its alias's cache
+        (and, with ``parallel`` > 1, its scheduler)."""
         if type(model) is not llama_cpp.Llama:
             raise RuntimeError(
                 "sippcache serve: llama_cpp.server.model.LlamaProxy.load_llama_from_model_settings returned a "
@@ -103,13 +132,33 @@ class CachePool:
             entry = self._models.get(alias)
             if entry is None:  # a model added after the start (LlamaProxy.__setitem__): the default store
                 stores = list(self._stores)
-                entry = self._models[alias] = _Model(alias, stores[0] if stores else None, scope_for(settings))
+                entry = _Model(alias, stores[0] if stores else None, scope_for(settings), ModelOptions())
+                self._models[alias] = entry
         model.__class__ = ServedLlama  # it only overrides methods: see ServedLlama
         served: ServedLlama = model  # type: ignore[assignment]
         served.on_close = lambda closing: self.detach(closing, alias)
+        served.on_generated = lambda ttft, tpot: self.metrics.observe_request(alias, "serialized", ttft, tpot)
+        chosen = chat_format_for(served, settings)
+        if chosen is not None:
+            served.chat_format = chosen
+            print(f"sippcache serve: {alias} has no chat template; using chat_format '{chosen}' for its "
+                  f"architecture '{served.metadata.get('general.architecture')}' (--chat_format to choose)",
+                  file=sys.stderr)  # fmt: skip
         if entry.store is None or settings.vocab_only:
             served.set_cache(None)
-            return served
+        else:
+            self._give_cache(served, entry)
+        if entry.options.parallel > 1 and not settings.vocab_only:
+            entry.obstacle = batching_obstacle(served)
+            if entry.obstacle is not None:
+                print(f"sippcache serve: {alias} runs one request at a time: {entry.obstacle}", file=sys.stderr)
+            else:
+                served.scheduler = self._scheduler(served, entry)
+        with self._lock:
+            entry.live = served
+        return served
+
+    def _give_cache(self, served: ServedLlama, entry: _Model) -> None:
         logits_all = served._logits_all
         try:
             # The adapter keeps whole prompts with their logits (and answers exact repeats
@@ -118,46 +167,97 @@ class CachePool:
             # as for logits_all=False.
             served._logits_all = False
             cache = LlamaCache(
-                self._stores[entry.store], llm=served, scope=entry.scope,
-                on_prefill=self.metrics.prefill_observer(alias),
+                self._stores[entry.store or ""], llm=served, scope=entry.scope,
+                on_prefill=self.metrics.prefill_observer(entry.alias),
             )  # fmt: skip
             prefix_cache = cache.prefix_cache(served)
         except Exception as exc:  # a store that fails now costs speed only: serve uncached
-            log.warning("sippcache: serving %s without a cache: %s: %s", alias, type(exc).__name__, exc)
+            log.warning("sippcache: serving %s without a cache: %s: %s", entry.alias, type(exc).__name__, exc)
             with self._lock:
                 entry.retired["backend_errors"] = entry.retired.get("backend_errors", 0) + 1
             served.set_cache(None)
-            return served
+            return
         finally:
             served._logits_all = logits_all
         served.sippcache_cache = cache
         served.set_cache(cache)
+        entry.namespace = prefix_cache.namespace
+
+    def _scheduler(self, served: ServedLlama, entry: _Model) -> Scheduler:
+        """The model's scheduler: a `BatchEngine` on the store the model's cache uses (a
+        small `ram://` store of its own when it has none: `NO_CACHE_STORE`)."""
+        cache = served.sippcache_cache
+        store: str | CacheBackend = cache.cache if cache is not None else NO_CACHE_STORE
+        sequences = SequenceCache(
+            store, fingerprint=llama_fingerprint(served), scope=entry.scope,
+            n_swa=int(llama_cpp.llama_model_n_swa(served.model)), n_vocab=served.n_vocab(),
+        )  # fmt: skip
+        alias = entry.alias
+        try:
+            return Scheduler(
+                served, sequences, slots=entry.options.parallel, chunk=entry.options.prefill_chunk, name=alias,
+                on_step=lambda report: self.metrics.observe_step(alias, report),
+                on_done=lambda job, request: self._finished(alias, job, request),
+            )  # fmt: skip
+        except BaseException:
+            sequences.close()
+            raise
+
+    def _finished(self, alias: str, job: Job, request: RequestContext | None) -> None:
+        if job.first_token_at is None:
+            return
+        arrived = request.arrived if request is not None else job.submitted_at
+        n = len(job.generated)
+        tpot = (job.last_token_at - job.first_token_at) / (n - 1) if n > 1 and job.last_token_at else None
+        self.metrics.observe_request(alias, "batched", job.first_token_at - arrived, tpot)
+
+    def for_request(self, model: llama_cpp.Llama) -> llama_cpp.Llama:
+        """The `llama_cpp.Llama` a request runs on: its own from the model's scheduler with
+        ``--parallel``, else the shared model."""
+        if not isinstance(model, ServedLlama):
+            return model
+        if model.scheduler is not None:
+            return model.scheduler.new_request()
+        alias = self._alias_of(model)
+        entry = self._models.get(alias) if alias is not None else None
+        if entry is not None and entry.obstacle is not None:
+            self.metrics.count_serialized(entry.alias, "model")
+        return model
+
+    def _alias_of(self, model: ServedLlama) -> str | None:
         with self._lock:
-            entry.live, entry.namespace = served, prefix_cache.namespace
-        return served
+            return next((e.alias for e in self._models.values() if e.live is model), None)
 
     def detach(self, model: ServedLlama, alias: str) -> None:
-        """A model is being freed: write its pending entries, stop its writer, keep its counts."""
+        """A model is being freed: stop its scheduler (parking its slots), write its pending
+        entries, stop its writers, keep its counts."""
+        scheduler, model.scheduler = model.scheduler, None
         cache, model.sippcache_cache = model.sippcache_cache, None
         model.cache = None  # also breaks the model <-> cache reference cycle
         final: dict[str, int | float] = {}
         try:
+            if scheduler is not None:
+                try:
+                    scheduler.close()
+                finally:
+                    scheduler.sequences.close()
+                    final = _added(final, {**scheduler.sequences.counters(), **scheduler.engine.counters})
+                    final = _added(final, {f"serialized_{k}": v for k, v in scheduler.stats.serialized.items()})
             if cache is not None:
                 prefix_cache = cache.prefix_cache(model)
                 try:
                     cache.close()  # flushes and stops the model's writer; the shared store stays open
                 finally:
-                    final = prefix_cache.stats()
+                    final = _added(final, prefix_cache.stats())
         finally:
             with self._lock:
                 entry = self._models[alias]
-                for key, value in final.items():
-                    entry.retired[key] = entry.retired.get(key, 0) + value
+                entry.retired = _added(entry.retired, final)
                 if entry.live is model:
                     entry.live = None
 
     def close(self) -> None:
-        """Flush and close every loaded model's cache, then the stores."""
+        """Flush and close every loaded model's cache and scheduler, then the stores."""
         for entry in list(self._models.values()):
             if entry.live is not None:
                 self.detach(entry.live, entry.alias)
@@ -176,16 +276,35 @@ class CachePool:
             entries = [(e, e.live, dict(e.retired)) for e in self._models.values()]
         zeros = {**PrefixStats().as_dict(), "write_failures": 0}
         for entry, live, retired in entries:
-            totals = {**zeros, **retired}
+            totals: dict[str, Any] = {**zeros, **retired}
             cache = live.sippcache_cache if live is not None else None
             if cache is not None:
-                for key, value in cache.prefix_cache().stats().items():
-                    totals[key] = totals.get(key, 0) + value
+                totals = _added(totals, cache.prefix_cache().stats())
+            scheduler = live.scheduler if live is not None else None
+            inside = self.admission.inside(entry.alias)
+            running = scheduler.stats.running if scheduler is not None else min(inside, 1)
+            prompt_rate = generated_rate = 0.0
+            if scheduler is not None:
+                totals = _added(totals, {**scheduler.sequences.counters(), **scheduler.engine.counters})
+                totals = _added(totals, {f"serialized_{k}": v for k, v in scheduler.stats.serialized.items()})
+                prompt_rate, generated_rate = scheduler.stats.rates()
             rows.append({
                 "model": entry.alias, "store": entry.store, "scope": entry.scope, "namespace": entry.namespace,
-                "loaded": live is not None, **totals,
+                "loaded": live is not None, "parallel": entry.options.parallel if entry.obstacle is None else 1,
+                "running": running, "queued": max(0, inside - running),
+                "busy_slots": scheduler.stats.busy_slots if scheduler is not None else running,
+                "prompt_tokens_per_second": prompt_rate, "generated_tokens_per_second": generated_rate,
+                "rejected": self.admission.rejected.get(entry.alias, 0), **totals,
             })  # fmt: skip
         return rows
 
     def store_readers(self) -> list[StoreReader]:
         return list(self._readers.values())
+
+
+def _added(totals: dict[str, Any], more: dict[str, int | float]) -> dict[str, Any]:
+    out = dict(totals)
+    for key, value in more.items():
+        out[key] = out.get(key, 0) + value
+    return out
+

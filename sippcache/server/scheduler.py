@@ -1,0 +1,192 @@
+"""The ``--parallel`` scheduler: one model's `BatchEngine`, stepped on a thread of its own.
+
+Requests (each on its own worker thread, in upstream's code) get a
+`BatchedLlama` from `Scheduler.new_request` and hand their jobs to
+`Scheduler.submit`; the scheduler thread moves them into the engine between
+steps, ends the jobs of clients that hung up, runs `BatchEngine.step()` while
+there is work, and sleeps when there is none. Tokens go back to each request
+through the job's callbacks (see `sippcache.server.batched`). What cannot run
+batched runs on the shared model behind `Scheduler.serialized`'s lock.
+
+A step that fails in an unexpected way ends every job in the engine with that
+error and starts over with empty slots: requests fail, the server keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ..llama.batch import BatchEngine, Job, StepReport
+from ..llama.seqcache import SequenceCache
+from .batched import BatchedLlama
+from .door import RequestContext
+from .model import ServedLlama
+
+log = logging.getLogger("sippcache")
+
+__all__ = ["Scheduler", "SchedulerStats"]
+
+#: Seconds over which `SchedulerStats` reports tokens per second.
+RATE_WINDOW = 10.0
+
+_T = TypeVar("_T")
+
+
+@dataclass
+class SchedulerStats:
+    """What the metrics read of a scheduler: running and waiting jobs, busy slots,
+    recent steps (time, prompt tokens, generated tokens) for the rates, and the
+    requests that ran on the shared model instead, by reason."""
+
+    slots: int
+    running: int = 0
+    queued: int = 0
+    busy_slots: int = 0
+    recent: deque[tuple[float, int, int]] = field(default_factory=deque)
+    serialized: dict[str, int] = field(default_factory=dict)
+
+    def rates(self, now: float | None = None) -> tuple[float, float]:
+        """(prompt tokens, generated tokens) per second over the last `RATE_WINDOW` seconds."""
+        now = time.monotonic() if now is None else now
+        steps = [step for step in list(self.recent) if step[0] >= now - RATE_WINDOW]
+        return sum(s[1] for s in steps) / RATE_WINDOW, sum(s[2] for s in steps) / RATE_WINDOW
+
+
+class Scheduler:
+    """Runs `model`'s requests `slots` at a time in one context (`BatchEngine`), on the
+    store `sequences` uses. `on_step(report)` is called after every step and
+    `on_done(job, request)` when a job leaves (metrics)."""
+
+    def __init__(
+        self,
+        model: ServedLlama,
+        sequences: SequenceCache,
+        *,
+        slots: int,
+        chunk: int,
+        name: str,
+        on_step: Callable[[StepReport], None] | None = None,
+        on_done: Callable[[Job, RequestContext | None], None] | None = None,
+    ) -> None:
+        self.model, self.sequences = model, sequences
+        self.engine = BatchEngine(
+            model, sequences, slots=slots, n_ctx=slots * model.n_ctx(), n_batch=model.n_batch, chunk=chunk,
+            store_finished=True,
+        )  # fmt: skip
+        self.stats = SchedulerStats(slots)
+        self.on_step, self.on_done = on_step, on_done
+        self._incoming: list[tuple[Job, RequestContext | None]] = []
+        self._requests: dict[Job, RequestContext | None] = {}
+        self._serial = threading.Lock()  # the shared model's own context: one user at a time
+        self._seed_lock = threading.Lock()
+        self._wake = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=f"sippcache-scheduler-{name}", daemon=True)
+        self._thread.start()
+
+    def new_request(self) -> BatchedLlama:
+        """A `llama_cpp.Llama` for one request. Its seed is the next in the model's chain,
+        as upstream's requests take one after another from the shared model."""
+        with self._seed_lock:
+            seed = self.model._seed
+            self.model.set_seed(random.Random(seed).randint(0, 2**32))  # what the request sets itself to
+        return BatchedLlama(self.model, self, seed)
+
+    def submit(self, job: Job, request: RequestContext | None = None) -> None:
+        """Run `job` (from any thread); when `request`'s client disconnects, it ends at the
+        next step."""
+        with self._wake:
+            if self._closing:
+                raise RuntimeError("the model is being unloaded")
+            self._incoming.append((job, request))
+            self.stats.queued += 1
+            self._wake.notify()
+
+    def cancel(self, job: Job) -> None:
+        """End `job` at the next step (from any thread)."""
+        job.cancelled = True
+        with self._wake:
+            self._wake.notify()
+
+    def serialized(self, reason: str, call: Callable[[], _T]) -> _T:
+        """`call()` on the shared model, one at a time; a stream holds the model until it
+        ends. Counted by `reason`."""
+        with self._wake:
+            self.stats.serialized[reason] = self.stats.serialized.get(reason, 0) + 1
+        self._serial.acquire()
+        try:
+            result = call()
+        except BaseException:
+            self._serial.release()
+            raise
+        if isinstance(result, Iterator):
+            return _holding(result, self._serial)  # type: ignore[return-value]
+        self._serial.release()
+        return result
+
+    def close(self) -> None:
+        """Let the running jobs finish, park every idle slot in the store, free the context."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join()
+        try:
+            self.engine.park_all()
+        finally:
+            self.engine.free()
+
+    # -- the scheduler thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._incoming or self.engine.busy or self._closing):
+                    self._wake.wait()
+                if self._closing and not (self._incoming or self.engine.busy):
+                    return
+                incoming, self._incoming = self._incoming, []
+            for job, request in incoming:
+                self.engine.submit(job)
+                self._requests[job] = request
+            for job, request in self._requests.items():
+                if request is not None and request.disconnected.is_set():
+                    job.cancelled = True
+            try:
+                report = self.engine.step()
+            except Exception as exc:  # the engine's state cannot be trusted: every job fails, the server goes on
+                log.exception("sippcache: a batched step failed; ending its requests")
+                self.engine.abort(exc)
+                report = StepReport()
+            self._observe(report)
+
+    def _observe(self, report: StepReport) -> None:
+        stats, engine = self.stats, self.engine
+        stats.running, stats.busy_slots = engine.running, engine.running
+        with self._wake:
+            stats.queued = engine.queued + len(self._incoming)
+        if report.batch:
+            stats.recent.append((time.monotonic(), report.prompt_tokens, report.sampled))
+            while stats.recent and stats.recent[0][0] < time.monotonic() - RATE_WINDOW:
+                stats.recent.popleft()
+        if self.on_step is not None:
+            self.on_step(report)
+        for job in [job for job in self._requests if job.state == "done"]:
+            request = self._requests.pop(job)
+            if self.on_done is not None:
+                self.on_done(job, request)
+
+
+def _holding(stream: Iterator[Any], lock: threading.Lock) -> Iterator[Any]:
+    """`stream`, releasing `lock` when it ends or is closed."""
+    try:
+        yield from stream
+    finally:
+        lock.release()
