@@ -9,8 +9,9 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -121,3 +122,21 @@ def prefill_in_new_process(model: Path, url: str, tokens: list[int], n_ctx: int 
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         return int(result.stdout.strip().splitlines()[-1]), np.load(out)
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """Start `sippcache serve` processes (`start(args)`, see tests/servers.py); every one is
+    stopped at teardown."""
+    from tests.servers import Server
+
+    started: list[Server] = []
+
+    def start(args: Sequence[str], **kwargs: Any) -> Server:
+        server = Server(args, tmp_path / f"server-{len(started)}.log", **kwargs)
+        started.append(server)
+        return server.wait_ready()
+
+    yield start
+    for server in started:
+        server.stop()

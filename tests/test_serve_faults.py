@@ -17,11 +17,9 @@ from pathlib import Path
 import pytest
 
 import sippcache
-from tests import test_serve
-from tests.test_serve import QUESTIONS, Conversation, gemma_args
+from tests.servers import QUESTIONS, Conversation, gemma_args
 
 pytestmark = pytest.mark.gemma
-servers = test_serve.servers  # the fixture, shared with test_serve.py
 
 
 def file_size_limit(limit: int) -> Callable[[], None]:

@@ -10,11 +10,9 @@ from pathlib import Path
 import pytest
 
 import sippcache
-from tests import test_serve
-from tests.test_serve import SYSTEM, delta
+from tests.servers import SYSTEM, delta
 
 pytestmark = pytest.mark.gemma
-servers = test_serve.servers  # the fixture, shared with test_serve.py
 
 KEYS = ("lookups", "hits", "tokens_reused", "tokens_evaluated", "entries_written")
 
