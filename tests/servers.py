@@ -139,18 +139,27 @@ def delta(before: dict[str, Any], after: dict[str, Any], *keys: str) -> dict[str
     return {key: after[key] - before[key] for key in keys}
 
 
+def briefed(question: str, system: str = SYSTEM) -> dict[str, str]:
+    """A user message carrying the long instructions: gemma's chat format (the one the
+    server picks for the gemma-3-270m file) has no system role and drops system messages."""
+    return {"role": "user", "content": f"{system}\n\n{question}"}
+
+
 class Conversation:
-    """A chat whose turns go to whichever server is given (greedy, short answers)."""
+    """A chat whose turns go to whichever server is given (greedy, short answers); its
+    first question carries `system` (see `briefed`)."""
 
     def __init__(self, name: str, system: str = SYSTEM) -> None:
-        self.messages: list[dict[str, str]] = [{"role": "system", "content": f"{system}This is conversation {name}."}]
+        self.preamble = f"{system}This is conversation {name}."
+        self.messages: list[dict[str, str]] = []
         self.prompt_tokens: list[int] = []
         self.answers: list[str] = []
 
     def turn(self, server: Server, question: str, *, max_tokens: int = 12) -> tuple[str, dict[str, Any]]:
         """Ask `question`; (the answer, what the cache did for it: deltas of the model's counters)."""
         before = server.model_stats()
-        self.messages.append({"role": "user", "content": question})
+        first = not self.messages
+        self.messages.append(briefed(question, self.preamble) if first else {"role": "user", "content": question})
         reply = server.client().chat.completions.create(
             model="gemma", messages=self.messages, temperature=0, max_tokens=max_tokens
         )

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.servers import QUESTIONS, SYSTEM, Conversation, Server, assert_warm, delta, gemma_args
+from tests.servers import QUESTIONS, SYSTEM, Conversation, Server, assert_warm, briefed, delta, gemma_args
 
 pytestmark = pytest.mark.gemma
 
@@ -28,18 +28,18 @@ def requests_of_every_kind(server: Server) -> dict[str, Any]:
     """Chat (plain, streamed, seeded sampling), completion, and prompt logprobs; what each answered."""
     client = server.client()
     out: dict[str, Any] = {}
-    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name the first ship in the log."}]
+    chat = [briefed("Name the first ship in the log.")]
     reply = client.chat.completions.create(model="gemma", messages=chat, temperature=0, max_tokens=16)
     out["chat"] = reply.choices[0].message.content
-    streamed = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What was the weather on day 3?"}]
+    streamed = [briefed("What was the weather on day 3?")]
     chunks = client.chat.completions.create(model="gemma", messages=streamed, temperature=0, max_tokens=16, stream=True)
     out["chat_stream"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    sampled = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about the keeper."}]
+    sampled = [briefed("Tell me about the keeper.")]
     reply = client.chat.completions.create(
         model="gemma", messages=sampled, temperature=0.9, top_p=0.95, seed=1234, max_tokens=16
     )
     out["chat_seeded"] = reply.choices[0].message.content
-    asked = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which flags are in the log?"}]
+    asked = [briefed("Which flags are in the log?")]
     reply = client.chat.completions.create(
         model="gemma", messages=asked, temperature=0, max_tokens=6, logprobs=True, top_logprobs=2
     )

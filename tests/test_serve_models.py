@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import sippcache
-from tests.servers import SYSTEM, delta
+from tests.servers import briefed, delta
 
 pytestmark = pytest.mark.gemma
 
@@ -28,7 +28,7 @@ def test_two_models_and_alias_swapping(gemma_model: Path, tiny_model: Path, serv
     ]}))  # fmt: skip
     server = servers(["--config_file", str(config), "--cache", store])
     client = server.client()
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which ship passed at noon?"}]
+    messages = [briefed("Which ship passed at noon?")]
     tiny_prompt = " ".join(f"w{i}" for i in range(40))
 
     def ask(alias: str) -> tuple[str, dict[str, int]]:
