@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -380,3 +381,38 @@ def test_a_model_without_a_chat_template_gets_its_architecture_s_format(
         model="gemma", messages=[{"role": "user", "content": "Name three colors."}], max_tokens=12, temperature=0
     )
     assert reply.choices[0].message.content  # llama-2's format (upstream's fallback) gets "" here
+
+
+def test_a_client_gone_before_its_answer_gives_its_slot_back(gemma_model: Path, servers, tmp_path: Path) -> None:
+    """Upstream never notices a client of a request that is not streamed hanging up: the
+    answer is computed for nobody. Here the slot is freed at the next step."""
+    server = servers(parallel_args(gemma_model, f"lmdb://{tmp_path}/store", 2))
+    body = json.dumps({"model": "gemma", "prompt": turn(SYSTEM + "Write the log of day 9."), "max_tokens": 400,
+                       "temperature": 0, "logit_bias": NO_END}).encode()  # fmt: skip
+    with socket.create_connection(("127.0.0.1", server.port)) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        wait_for(lambda: gauge(server, "sippcache_batched_generated_tokens_total") >= 5, "the request generating")
+    wait_for(lambda: gauge(server, "sippcache_slots_busy") == 0, "the slot freed")
+    assert gauge(server, "sippcache_batched_generated_tokens_total") < 400 - 100
+
+
+def test_interrupt_requests_when_asked_ends_the_oldest_stream_for_a_waiting_one(
+    gemma_model: Path, servers, tmp_path: Path
+) -> None:
+    server = servers(parallel_args(gemma_model, f"lmdb://{tmp_path}/store", 2, "--interrupt_requests", "true"))
+    client = server.client()
+
+    def stream(n: int) -> Any:
+        return client.completions.create(model="gemma", prompt=turn(f"Count to {n}."), max_tokens=120,
+                                         temperature=0, stream=True, logit_bias=NO_END)  # fmt: skip
+
+    oldest, other = stream(100), stream(200)
+    oldest_chunks, other_chunks = [next(iter(oldest))], [next(iter(other))]
+    waiting = stream(300)  # no slot: it waits, and the oldest stream is ended for it
+    oldest_chunks += list(oldest)
+    other_chunks += list(other)
+    waiting_chunks = list(waiting)
+    assert oldest_chunks[-1].choices[0].finish_reason is None  # cut, as upstream cuts (no finish reason)
+    assert other_chunks[-1].choices[0].finish_reason == "length"
+    assert waiting_chunks[-1].choices[0].finish_reason == "length"

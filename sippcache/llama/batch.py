@@ -201,15 +201,22 @@ class BatchEngine:
     # -- jobs ---------------------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
-        """Queue `job`; it starts at a step when a slot is free for it."""
-        if job.state != "queued":
+        """Queue `job` (ValueError if it cannot run: see `check`); it starts at a step
+        when a slot is free for it."""
+        self.check(job)
+        job.submitted_at = time.perf_counter()
+        self._queue.append(job)
+
+    def check(self, job: Job) -> None:
+        """Raise ValueError if `job` cannot run here (any thread may call this)."""
+        if job.state != "queued" or job.submitted_at:
             raise ValueError("a job runs once")
         if not job.prompt:
             raise ValueError("cannot run an empty prompt")
         if job.max_new < 1:
             raise ValueError(f"max_new must be at least 1, got {job.max_new}")
-        job.submitted_at = time.perf_counter()
-        self._queue.append(job)
+        if len(job.prompt) + job.max_new > self.n_ctx:
+            raise ValueError(f"{len(job.prompt)} prompt tokens and {job.max_new} more do not fit in {self.n_ctx}")
 
     @property
     def queued(self) -> int:

@@ -24,7 +24,7 @@ def create_server_app(server_settings: ServerSettings, model_settings: list[Mode
     from starlette.concurrency import run_in_threadpool
 
     install(pool)
-    install_gate(Gate(pool.admission, pool.runs_parallel, pool.waiting_for_slot) if pool.parallel else None)
+    install_gate(Gate(pool.admission, pool.runs_parallel, pool.interrupted) if pool.parallel else None)
     app = upstream_app.create_app(server_settings=server_settings, model_settings=model_settings)
     app.add_middleware(Door, admission=pool.admission)
     auth = [Depends(upstream_app.authenticate)]  # the API key, when one is set, as on upstream's endpoints

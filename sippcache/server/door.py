@@ -40,9 +40,9 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/engines/copilot-codex/completions"})
 
 
-@dataclass
+@dataclass(eq=False)
 class RequestContext:
-    """One request, as the code under upstream's endpoints sees it."""
+    """One request, as the code under upstream's endpoints sees it (equal only to itself)."""
 
     model: str | None  # the "model" the body names (None: the default model)
     arrived: float = field(default_factory=time.perf_counter)

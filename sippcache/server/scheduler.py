@@ -63,7 +63,9 @@ class SchedulerStats:
 class Scheduler:
     """Runs `model`'s requests `slots` at a time in one context (`BatchEngine`), on the
     store `sequences` uses. `on_step(report)` is called after every step and
-    `on_done(job, request)` when a job leaves (metrics)."""
+    `on_done(job, request)` when a job leaves (metrics). With `interrupting`
+    (the server's ``interrupt_requests``), each job waiting for a slot picks the
+    oldest running request to be ended (`interrupted`)."""
 
     def __init__(
         self,
@@ -75,6 +77,7 @@ class Scheduler:
         name: str,
         on_step: Callable[[StepReport], None] | None = None,
         on_done: Callable[[Job, RequestContext | None], None] | None = None,
+        interrupting: bool = False,
     ) -> None:
         self.model, self.sequences = model, sequences
         self.engine = BatchEngine(
@@ -85,6 +88,8 @@ class Scheduler:
         self.on_step, self.on_done = on_step, on_done
         self._incoming: list[tuple[Job, RequestContext | None]] = []
         self._requests: dict[Job, RequestContext | None] = {}
+        self.interrupting = interrupting
+        self._interrupted: set[RequestContext] = set()
         self._serial = threading.Lock()  # the shared model's own context: one user at a time
         self._seed_lock = threading.Lock()
         self._wake = threading.Condition()
@@ -101,8 +106,9 @@ class Scheduler:
         return BatchedLlama(self.model, self, seed)
 
     def submit(self, job: Job, request: RequestContext | None = None) -> None:
-        """Run `job` (from any thread); when `request`'s client disconnects, it ends at the
-        next step."""
+        """Run `job` (from any thread; ValueError if it cannot run); when `request`'s client
+        disconnects, it ends at the next step."""
+        self.engine.check(job)
         with self._wake:
             if self._closing:
                 raise RuntimeError("the model is being unloaded")
@@ -115,6 +121,10 @@ class Scheduler:
         job.cancelled = True
         with self._wake:
             self._wake.notify()
+
+    def interrupted(self, request: RequestContext) -> bool:
+        """Whether `request`'s stream is to end for a request waiting for a slot."""
+        return request in self._interrupted
 
     def serialized(self, reason: str, call: Callable[[], _T]) -> _T:
         """`call()` on the shared model, one at a time; a stream holds the model until it
@@ -153,19 +163,21 @@ class Scheduler:
                 if self._closing and not (self._incoming or self.engine.busy):
                     return
                 incoming, self._incoming = self._incoming, []
-            for job, request in incoming:
-                self.engine.submit(job)
-                self._requests[job] = request
-            for job, request in self._requests.items():
-                if request is not None and request.disconnected.is_set():
-                    job.cancelled = True
             try:
-                report = self.engine.step()
+                self._step(incoming)
             except Exception as exc:  # the engine's state cannot be trusted: every job fails, the server goes on
                 log.exception("sippcache: a batched step failed; ending its requests")
                 self.engine.abort(exc)
-                report = StepReport()
-            self._observe(report)
+                self._observe(StepReport())
+
+    def _step(self, incoming: list[tuple[Job, RequestContext | None]]) -> None:
+        for job, request in incoming:
+            self._requests[job] = request
+            self.engine.submit(job)
+        for job, request in self._requests.items():
+            if request is not None and request.disconnected.is_set():
+                job.cancelled = True
+        self._observe(self.engine.step())
 
     def _observe(self, report: StepReport) -> None:
         stats, engine = self.stats, self.engine
@@ -180,8 +192,26 @@ class Scheduler:
             self.on_step(report)
         for job in [job for job in self._requests if job.state == "done"]:
             request = self._requests.pop(job)
+            if request is not None:
+                self._interrupted.discard(request)
             if self.on_done is not None:
                 self.on_done(job, request)
+        if self.interrupting:
+            self._pick_interrupted()
+
+    def _pick_interrupted(self) -> None:
+        """One running request to end per job waiting for a slot, oldest first."""
+        owed = self.engine.queued - len(self._interrupted)
+        running = sorted(
+            ((job, request) for job, request in self._requests.items() if job.state in ("prefill", "decode")),
+            key=lambda item: item[0].submitted_at,
+        )  # fmt: skip
+        for _, request in running:
+            if owed <= 0:
+                return
+            if request is not None and request not in self._interrupted:
+                self._interrupted.add(request)
+                owed -= 1
 
 
 def _holding(stream: Iterator[Any], lock: threading.Lock) -> Iterator[Any]:

@@ -64,6 +64,7 @@ class CachePool:
         self._lock = threading.Lock()
         self.metrics = ServeMetrics(self, [])
         self.admission = Admission({}, "")
+        self.interrupting = False  # the server's interrupt_requests
 
     @classmethod
     def open(cls, settings: Settings, cache: str | None) -> CachePool:
@@ -84,6 +85,7 @@ class CachePool:
         pool.metrics = ServeMetrics(pool, list(pool._models))
         limits = {alias: (m.options.parallel, m.options.max_queue) for alias, m in pool._models.items()}
         pool.admission = Admission(limits, next(iter(pool._models), ""))
+        pool.interrupting = settings.server.interrupt_requests
         return pool
 
     def _open_store(self, url: str) -> str:
@@ -110,11 +112,11 @@ class CachePool:
         entry = self._models.get(alias)
         return entry is not None and entry.options.parallel > 1 and entry.obstacle is None
 
-    def waiting_for_slot(self, alias: str) -> int:
-        """Requests of `alias` waiting for a slot of its scheduler."""
+    def interrupted(self, alias: str, request: RequestContext) -> bool:
+        """Whether `request`'s stream is to end for a request waiting for a slot of `alias`."""
         entry = self._models.get(alias)
         live = entry.live if entry is not None else None
-        return live.scheduler.stats.queued if live is not None and live.scheduler is not None else 0
+        return live is not None and live.scheduler is not None and live.scheduler.interrupted(request)
 
     # -- models coming and going ----------------------------------------------------------
 
@@ -197,7 +199,7 @@ class CachePool:
             return Scheduler(
                 served, sequences, slots=entry.options.parallel, chunk=entry.options.prefill_chunk, name=alias,
                 on_step=lambda report: self.metrics.observe_step(alias, report),
-                on_done=lambda job, request: self._finished(alias, job, request),
+                on_done=lambda job, request: self._finished(alias, job, request), interrupting=self.interrupting,
             )  # fmt: skip
         except BaseException:
             sequences.close()

@@ -95,15 +95,18 @@ class Gate:
     Waiting requests go in the order they came. `inner` and `outer` are what
     upstream's ``get_llama_proxy`` acquires and releases; ``outer.locked()`` is
     what upstream's stream publisher asks, with ``interrupt_requests``, to end a
-    stream another request is waiting behind: true for the oldest running
-    request of a model when a request is waiting for that model (for a slot or
-    at the gate).
+    stream another request is waiting behind: for every request waiting for a
+    slot of a model, its scheduler picks the oldest running request of that
+    model to end; a request waiting at the gate for another model ends them all.
     """
 
-    def __init__(self, admission: Admission, parallel: Callable[[str], bool], waiting_for_slot: Callable[[str], int]):
+    def __init__(
+        self, admission: Admission, parallel: Callable[[str], bool],
+        interrupted: Callable[[str, RequestContext], bool],
+    ) -> None:  # fmt: skip
         self._admission = admission
         self._parallel = parallel
-        self._waiting_for_slot = waiting_for_slot
+        self._interrupted = interrupted
         self._inside: list[_Grant] = []  # in the order they came in
         self._waiters: deque[_Waiter] = deque()
         self.inner = _Inner(self)
@@ -157,11 +160,9 @@ class Gate:
         mine = next((g for g in self._inside if g.request is request and request is not None), None)
         if mine is None:
             return bool(self._waiters)
-        waiting = any(w.alias != mine.alias or w.exclusive for w in self._waiters) or bool(
-            self._waiting_for_slot(mine.alias)
-        )
-        oldest = next(g for g in self._inside if g.alias == mine.alias)
-        return waiting and oldest is mine
+        if any(w.alias != mine.alias or w.exclusive for w in self._waiters):
+            return True  # a request for another model (or one at a time) waits for everyone to leave
+        return request is not None and self._interrupted(mine.alias, request)
 
 
 class _Inner:
