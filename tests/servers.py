@@ -122,8 +122,11 @@ class Server:
         return self.process.returncode
 
 
-def gemma_args(gemma: Path, cache: str, *extra: str) -> list[str]:
-    return ["--model", str(gemma), "--model_alias", "gemma", "--n_ctx", str(N_CTX), "--cache", cache, *extra]
+def gemma_args(gemma: Path, cache: str, *extra: str, parallel: int = 1) -> list[str]:
+    """A gemma server on `cache`; `parallel` 1 (upstream's code path, one request at a time)
+    unless a test is about batching."""
+    return ["--model", str(gemma), "--model_alias", "gemma", "--n_ctx", str(N_CTX), "--cache", cache,
+            "--parallel", str(parallel), *extra]  # fmt: skip
 
 
 def parse_metrics(text: str) -> dict[str, float]:

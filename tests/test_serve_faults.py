@@ -30,8 +30,10 @@ def file_size_limit(limit: int) -> Callable[[], None]:
     return apply
 
 
-def test_a_full_disk_costs_speed_only(gemma_model: Path, servers, tmp_path: Path) -> None:
-    server = servers(gemma_args(gemma_model, f"lmdb://{tmp_path}/store"), preexec_fn=file_size_limit(6_000_000))
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_a_full_disk_costs_speed_only(gemma_model: Path, servers, tmp_path: Path, parallel: int) -> None:
+    server = servers(gemma_args(gemma_model, f"lmdb://{tmp_path}/store", parallel=parallel),
+                     preexec_fn=file_size_limit(6_000_000))  # fmt: skip
     client = server.client()
     # A short prompt: its entries (under 2 MB each: state and logits) still fit.
     short = "The keeper's log, day 12, at dawn: the schooner Eider passed the cape under a grey sky, and"
@@ -59,7 +61,8 @@ def test_a_full_disk_costs_speed_only(gemma_model: Path, servers, tmp_path: Path
     assert server.stats()["backend_errors"] >= 2
 
 
-def test_redis_going_down_costs_speed_only(gemma_model: Path, servers, tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_redis_going_down_costs_speed_only(gemma_model: Path, servers, tmp_path: Path, parallel: int) -> None:
     info = sippcache.backends().get("redis")
     assert info is not None and info.usable, (
         "the sippcache-redis plugin is not installed (the test command installs it)"
@@ -68,7 +71,7 @@ def test_redis_going_down_costs_speed_only(gemma_model: Path, servers, tmp_path:
 
     with ValkeyServer(tmp_path / "valkey") as valkey:
         url = valkey.url + "?prefix=serve-faults"
-        server = servers(gemma_args(gemma_model, url))
+        server = servers(gemma_args(gemma_model, url, parallel=parallel))
         conversation = Conversation("redis")
         conversation.turn(server, QUESTIONS[0])
         server.settle()

@@ -17,7 +17,10 @@ pytestmark = pytest.mark.gemma
 KEYS = ("lookups", "hits", "tokens_reused", "tokens_evaluated", "entries_written")
 
 
-def test_two_models_and_alias_swapping(gemma_model: Path, tiny_model: Path, servers, tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["1", "4"])  # one at a time, and batched (swaps wait for the others)
+def test_two_models_and_alias_swapping(
+    gemma_model: Path, tiny_model: Path, servers, tmp_path: Path, parallel: str
+) -> None:
     store, tiny_store = f"lmdb://{tmp_path}/store", f"lmdb://{tmp_path}/tiny-store"
     config = tmp_path / "models.json"
     config.write_text(json.dumps({"models": [
@@ -26,7 +29,7 @@ def test_two_models_and_alias_swapping(gemma_model: Path, tiny_model: Path, serv
         {"model": str(gemma_model), "model_alias": "gemma-q8k", "n_ctx": 1024, "type_k": 8, "verbose": False},
         {"model": str(tiny_model), "model_alias": "tiny", "n_ctx": 512, "verbose": False, "cache_url": tiny_store},
     ]}))  # fmt: skip
-    server = servers(["--config_file", str(config), "--cache", store])
+    server = servers(["--config_file", str(config), "--cache", store, "--parallel", parallel])
     client = server.client()
     messages = [briefed("Which ship passed at noon?")]
     tiny_prompt = " ".join(f"w{i}" for i in range(40))

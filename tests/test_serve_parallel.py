@@ -44,7 +44,7 @@ SYSTEM = "You are the archivist of a lighthouse on the northern cape. Answer bri
 
 
 def parallel_args(gemma: Path, cache: str, n: int, *extra: str) -> list[str]:
-    return [*gemma_args(gemma, cache), "--n_ctx", SLOT_CTX, "--parallel", str(n), *extra]
+    return [*gemma_args(gemma, cache, parallel=n), "--n_ctx", SLOT_CTX, *extra]
 
 
 def turn(text: str) -> str:

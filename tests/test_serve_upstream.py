@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import pytest
@@ -98,7 +99,7 @@ def test_the_app_uses_the_caching_proxy_and_every_model_gets_its_cache(tiny_mode
     from sippcache.llama import LlamaCache
     from sippcache.server.app import create_server_app
     from sippcache.server.model import ServedLlama
-    from sippcache.server.settings import Settings
+    from sippcache.server.settings import ModelOptions, Settings
     from sippcache.server.stores import CachePool
     from sippcache.server.upstream import CachingLlamaProxy
 
@@ -106,7 +107,8 @@ def test_the_app_uses_the_caching_proxy_and_every_model_gets_its_cache(tiny_mode
         ModelSettings(model=str(tiny_model), model_alias="a", n_ctx=512, verbose=False, logits_all=False),
         ModelSettings(model=str(tiny_model), model_alias="b", n_ctx=512, verbose=False, rope_freq_base=20000.0),
     ]
-    pool = CachePool.open(Settings(ServerSettings(), models, {}), f"lmdb://{tmp_path}/store")
+    one_at_a_time = {m.model_alias or m.model: ModelOptions(parallel=1) for m in models}
+    pool = CachePool.open(Settings(ServerSettings(), models, one_at_a_time), f"lmdb://{tmp_path}/store")
     original = app.LlamaProxy
     try:
         fastapi_app = create_server_app(ServerSettings(), models, pool)
@@ -151,14 +153,15 @@ def test_logprobs_are_upstream_s(tiny_model: Path, tmp_path: Path) -> None:
     from llama_cpp.server.model import LlamaProxy
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-    from sippcache.server.settings import Settings
+    from sippcache.server.settings import ModelOptions, Settings
     from sippcache.server.stores import CachePool
     from sippcache.server.upstream import CachingLlamaProxy, install
 
     settings = ModelSettings(model=str(tiny_model), model_alias="t", n_ctx=512, verbose=False)
     assert settings.logits_all
     plain = llama_cpp.Llama(model_path=str(tiny_model), n_ctx=512, logits_all=True, verbose=False)
-    pool = CachePool.open(Settings(ServerSettings(), [settings], {}), f"lmdb://{tmp_path}/store")
+    pool = CachePool.open(Settings(ServerSettings(), [settings], {"t": ModelOptions(parallel=1)}),
+                          f"lmdb://{tmp_path}/store")  # fmt: skip
     install(pool)
     try:
         served = CachingLlamaProxy.load_llama_from_model_settings(settings)
@@ -332,3 +335,65 @@ def test_metrics_need_the_api_key_when_one_is_set(tiny_model: Path, tmp_path: Pa
             assert get(path, "k3y") == 200, path
     finally:
         server.stop()
+
+
+def test_a_batched_request_answers_as_upstream_s_llama(tiny_model: Path, tmp_path: Path) -> None:
+    """With --parallel, a request runs upstream's own completion code on a `BatchedLlama`
+    whose tokens come from the scheduler: on the tiny model (float32) every answer is a
+    plain `llama_cpp.Llama`'s, field for field (logprobs to float rounding)."""
+    from llama_cpp.server.settings import ModelSettings, ServerSettings
+
+    from sippcache.server.batched import BatchedLlama
+    from sippcache.server.settings import ModelOptions, Settings
+    from sippcache.server.stores import CachePool
+    from sippcache.server.upstream import CachingLlamaProxy, LlamaProxy, install
+
+    settings = ModelSettings(model=str(tiny_model), model_alias="t", n_ctx=512, verbose=False, chat_format="chatml")
+    pool = CachePool.open(Settings(ServerSettings(), [settings], {"t": ModelOptions(parallel=2)}),
+                          f"lmdb://{tmp_path}/store")  # fmt: skip
+    install(pool)
+    plain = llama_cpp.Llama(model_path=str(tiny_model), n_ctx=512, logits_all=True, verbose=False, chat_format="chatml")
+    proxy = CachingLlamaProxy([settings])
+    try:
+        prompt = " ".join(f"w{i}" for i in range(50))
+        cases: list[dict[str, Any]] = [
+            {"max_tokens": 8, "temperature": 0},
+            {"max_tokens": 8, "temperature": 0, "logprobs": 3},
+            {"max_tokens": 8, "temperature": 0.9, "seed": 11, "top_k": 20, "repeat_penalty": 1.2},
+            {"max_tokens": 12, "temperature": 0, "stop": ["w"]},
+            {"max_tokens": 8, "temperature": 0, "logit_bias": {"100": -100.0, "101": 5.0}},
+            {"max_tokens": 8, "temperature": 0, "echo": True, "logprobs": 2},  # the serialized path
+            {"max_tokens": 6, "temperature": 0, "grammar": llama_cpp.LlamaGrammar.from_string('root ::= "ab"+')},
+        ]
+        for case in cases:
+            request = proxy("t")
+            assert type(request) is BatchedLlama
+            want = plain.create_completion(prompt, **case)
+            got = request.create_completion(prompt, **case)
+            assert_same_completion(got, want, case)
+            streamed = list(proxy("t").create_completion(prompt, stream=True, **case))
+            expected = list(plain.create_completion(prompt, stream=True, **case))
+            assert [c["choices"][0]["text"] for c in streamed] == [c["choices"][0]["text"] for c in expected], case
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
+        got = proxy("t").create_chat_completion(messages=messages, max_tokens=8, temperature=0)
+        want = plain.create_chat_completion(messages=messages, max_tokens=8, temperature=0)
+        assert got["choices"][0]["message"] == want["choices"][0]["message"] and got["usage"] == want["usage"]
+        row = pool.model_rows()[0]
+        assert row["parallel"] == 2 and row["serialized_prompt_logprobs"] == 2
+    finally:
+        import llama_cpp.server.app as app
+
+        app.LlamaProxy = LlamaProxy
+        proxy.free()
+        plain.close()
+        pool.close()
+
+
+def assert_same_completion(got: dict[str, Any], want: dict[str, Any], case: dict[str, Any]) -> None:
+    mine, theirs = got["choices"][0], want["choices"][0]
+    assert mine["text"] == theirs["text"] and mine["finish_reason"] == theirs["finish_reason"], case
+    assert got["usage"] == want["usage"], case
+    if theirs["logprobs"] is not None:
+        assert mine["logprobs"]["tokens"] == theirs["logprobs"]["tokens"], case
+        for a, b in zip(mine["logprobs"]["token_logprobs"], theirs["logprobs"]["token_logprobs"], strict=True):
+            assert (a is None and b is None) or abs(a - b) < 1e-3, case
