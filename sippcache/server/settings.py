@@ -19,6 +19,8 @@ from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
 from llama_cpp.server.settings import ConfigFileSettings, ModelSettings, ServerSettings
 from llama_cpp.server.settings import Settings as UpstreamSettings
 
+from ..llama.batch import DEFAULT_CHUNK
+
 __all__ = [
     "CACHE_URL_KEY",
     "DEFAULT_MAX_QUEUE",
@@ -44,7 +46,7 @@ DEFAULT_PARALLEL = 4
 #: Requests per model that may wait for a slot beyond the ones running; past it, 503.
 DEFAULT_MAX_QUEUE = 64
 #: Prompt tokens a step of the batched path evaluates, at most (see docs/serve.md, "Tuning").
-DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_PREFILL_CHUNK = DEFAULT_CHUNK
 #: `--cache` / `cache_url` values that keep upstream's boolean meaning.
 TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
 FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no", "none"})
