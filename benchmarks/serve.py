@@ -14,7 +14,8 @@ Three servers, each started fresh, on the same model and settings:
 - upstream, ram cache: the same with ``--cache true --cache_type ram
   --cache_size 170000000`` (room for one state per conversation; see
   `RAM_CACHE_SIZE` for why not its default);
-- sippcache serve: ``python -m sippcache.server --cache lmdb://<new dir>``.
+- sippcache serve: ``python -m sippcache.server --cache lmdb://<new dir> --parallel 1`` (one request at
+  a time, like the two others; `benchmarks/serve_parallel.py` measures ``--parallel``).
 
 Goals (exit code 1 if one is missed): every round after the first, up to the
 restart, has a time to first token at least 10x shorter than upstream's ram
@@ -223,7 +224,8 @@ def main() -> int:
             ("upstream, no cache", [sys.executable, "-m", "llama_cpp.server", *common]),
             ("upstream, ram cache", [sys.executable, "-m", "llama_cpp.server", *common, "--cache", "true",
                                      "--cache_type", "ram", "--cache_size", str(RAM_CACHE_SIZE)]),
-            ("sippcache serve", [sys.executable, "-m", "sippcache.server", *common, "--cache", f"lmdb://{tmp}/store"]),
+            ("sippcache serve", [sys.executable, "-m", "sippcache.server", *common, "--cache", f"lmdb://{tmp}/store",
+                                 "--parallel", "1"]),  # one at a time, as the others: serve_parallel.py batches
         ]  # fmt: skip
         runs = [run_conversations(name, command, system, args, workdir) for name, command in configs]
     return report(runs, args)
