@@ -56,10 +56,10 @@ def serialized_reason(arguments: dict[str, Any]) -> str | None:
 class BatchedLlama(llama_cpp.Llama):
     """A `llama_cpp.Llama` for one request to `base`, generating through `scheduler`."""
 
-    def __init__(self, base: ServedLlama, scheduler: Scheduler, seed: int) -> None:  # no super(): nothing to load
+    def __init__(self, base: ServedLlama, scheduler: Scheduler) -> None:  # no super(): nothing to load
         self.__dict__["_base"] = base  # before any attribute: `__getattr__` reads it
         self._scheduler = scheduler
-        self._seed = seed
+        self._own_seed: int | None = None
         self.cache = None  # the engine looks prompts up and stores states itself
         self.verbose = False  # upstream's verbose paths time the shared context
         self.scores = np.empty((0, 0), dtype=np.single)  # rows only for logprobs: see `generate`
@@ -170,8 +170,20 @@ class BatchedLlama(llama_cpp.Llama):
 
     # -- what a request must not do to the shared model -----------------------------------------
 
+    @property
+    def _seed(self) -> int:
+        """This request's seed: its own once set, else its turn in the model's chain."""
+        if self._own_seed is None:
+            self._own_seed = self._scheduler.take_seed()
+        return self._own_seed
+
+    @_seed.setter
+    def _seed(self, seed: int) -> None:
+        self._own_seed = seed
+
     def set_seed(self, seed: int) -> None:
-        self._seed = seed
+        self._own_seed = seed
+        self._scheduler.give_seed(seed)
 
     def reset(self) -> None:
         pass  # nothing of this request's lives in a context until the scheduler runs it

@@ -98,12 +98,23 @@ class Scheduler:
         self._thread.start()
 
     def new_request(self) -> BatchedLlama:
-        """A `llama_cpp.Llama` for one request. Its seed is the next in the model's chain,
-        as upstream's requests take one after another from the shared model."""
+        """A `llama_cpp.Llama` for one request."""
+        return BatchedLlama(self.model, self)
+
+    def take_seed(self) -> int:
+        """The model's seed for a request that reads it, and the model's next: upstream's
+        unseeded request sets the shared model's seed to ``Random(seed).randint(0, 2**32)``
+        and seeds itself with that; here the request takes its turn in that chain at once,
+        so two requests reading at the same moment do not get the same seed."""
         with self._seed_lock:
             seed = self.model._seed
-            self.model.set_seed(random.Random(seed).randint(0, 2**32))  # what the request sets itself to
-        return BatchedLlama(self.model, self, seed)
+            self.model.set_seed(random.Random(seed).randint(0, 2**32))
+            return seed
+
+    def give_seed(self, seed: int) -> None:
+        """A request set its seed: as upstream's, it is the shared model's from now on."""
+        with self._seed_lock:
+            self.model.set_seed(seed)
 
     def submit(self, job: Job, request: RequestContext | None = None) -> None:
         """Run `job` (from any thread; ValueError if it cannot run); when `request`'s client
