@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .backend import KVBackend
 from .directory import directory_path, prepare_directory
-from .forking import fork_safe_lock
+from .forking import fork_safe_lock, hold_across_forks
 from .layout import LOG_KEEP, entry_id
 from .snapshots import SnapshotMatch
 from .storage import KVTxn
@@ -31,5 +31,6 @@ __all__ = [
     "directory_path",
     "entry_id",
     "fork_safe_lock",
+    "hold_across_forks",
     "prepare_directory",
 ]

@@ -70,7 +70,7 @@ class KVBackend(BaseBackend):
             location, max_bytes=max_bytes, max_entries=max_entries, default=Budget(self.default_max_bytes),
             policy=eviction, claim=not read_only,
         )  # fmt: skip
-        forking.track(self)
+        forking.hold_across_forks(self)
 
     @property
     def max_bytes(self) -> int | None:

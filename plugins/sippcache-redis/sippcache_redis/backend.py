@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 import secrets
 import ssl
 import threading
 import time
-import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar, NamedTuple
@@ -44,7 +42,7 @@ import xxhash
 
 from sippcache import BadOption, BaseBackend, EntryInfo, Match, MissingDependency, Peek, Stats, StoreOptions
 from sippcache.catalog import UNSET, Budget, Catalog, Change, Clear, Mark, Put, Remove, StorePlan
-from sippcache.engine import entry_id
+from sippcache.engine import entry_id, hold_across_forks
 from sippcache.mirror import Limit, Mirror, OutOfStep, check_limits
 from sippcache.options import Size, coerce_options
 
@@ -150,27 +148,6 @@ class Chunks(NamedTuple):
     ref: BlobRef
 
 
-_open_backends: weakref.WeakSet[RedisBackend] = weakref.WeakSet()
-
-
-def _before_fork() -> None:  # never copy a handle in the middle of an operation
-    for backend in sorted(_open_backends, key=id):
-        backend._lock.acquire()
-
-
-def _after_fork_in_parent() -> None:
-    for backend in sorted(_open_backends, key=id):
-        backend._lock.release()
-
-
-def _after_fork_in_child() -> None:  # the mirror stays valid; redis-py reconnects in the child by itself
-    for backend in list(_open_backends):
-        backend._lock = threading.RLock()
-
-
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
-
-
 class RedisBackend(BaseBackend):
     """A sippcache store on a Redis or Valkey server (or cluster), shared by every process
     that opens the same URL and prefix. See the module docstring and docs/redis.md."""
@@ -245,16 +222,26 @@ class RedisBackend(BaseBackend):
         self._retry_at = 0.0
         self._backoff = BACKOFF_FIRST
         self._warned: set[str] = set()
-        _open_backends.add(self)
+        hold_across_forks(self)
         try:
             self._open()
         except BaseException:
-            _open_backends.discard(self)
             if self._redis is not None:
                 self._redis.close()
             raise
         finally:
             self._opening = False
+
+    # -- fork handlers (`sippcache.engine.hold_across_forks`) ----------------------------
+
+    def _hold_for_fork(self) -> None:  # never copy a handle in the middle of an operation
+        self._lock.acquire()
+
+    def _resume_after_fork(self) -> None:
+        self._lock.release()
+
+    def _renew_after_fork(self) -> None:  # the mirror stays valid; redis-py reconnects in the child by itself
+        self._lock = threading.RLock()
 
     @property
     def max_bytes(self) -> int | None:
@@ -973,7 +960,6 @@ class RedisBackend(BaseBackend):
                 except Exception:  # closing must not fail
                     pass
                 self._redis = None
-            _open_backends.discard(self)
 
 
 
