@@ -133,7 +133,8 @@ class Mirror:
             raise OutOfStep(f"log record {seq} after {self.seq}")
         if change is not None:
             self.apply(change)
-        self.seq = seq
+        if seq is not None:
+            self.seq = seq
 
     def apply(self, change: Change) -> None:
         """Make memory match `change`, which the store holds."""
@@ -144,8 +145,9 @@ class Mirror:
             self.uses.items.clear()
             self.damaged.clear()
 
-    def committed(self, changes: Iterable[Change], seq: int) -> None:
-        """This handle's own `changes` are in the store, its log now ending at record `seq`."""
+    def committed(self, changes: Iterable[Change], seq: int | None = None) -> None:
+        """This handle's own `changes` are in the store, its log (if it keeps one) now
+        ending at record `seq`."""
         for change in changes:
             if isinstance(change, Uses):
                 continue  # applied when they happened
@@ -154,7 +156,8 @@ class Mirror:
             if isinstance(change, Budget):
                 self._claim_pending = False
             self.apply(change)
-        self.seq = seq
+        if seq is not None:
+            self.seq = seq
 
     # -- the budget ----------------------------------------------------------------------
 

@@ -513,7 +513,7 @@ class RedisBackend(BaseBackend):
             reply = self._script("budget", [pack_limit(claim.max_bytes), pack_limit(claim.max_entries)])
             if self._absorb(reply) == "rebuild":
                 self._mirror.invalidate()
-            self._mirror.committed([claim], self._mirror.seq)
+            self._mirror.committed([claim])
 
     def _lost_metadata(self, reply: list[Any]) -> bool:
         """Whether `cat` holds fewer entries than the mirror (at the same log position): the
