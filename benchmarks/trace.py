@@ -85,8 +85,8 @@ def mooncake(path: Path) -> Iterator[bytes]:
             yield ids[: request["input_length"]].tobytes()
 
 
-def conversations(seed: int) -> list[bytes]:
-    """The conversation workload's prompts (token bytes) in arrival order."""
+def conversations(seed: int, count: int = CONVERSATIONS) -> list[bytes]:
+    """The conversation workload's prompts (token bytes) in arrival order (`count` conversations)."""
     rng = random.Random(seed)
 
     def tokens(count: int) -> array[int]:
@@ -95,7 +95,7 @@ def conversations(seed: int) -> list[bytes]:
     systems = [tokens(length) for length in SYSTEM_PROMPTS]
     requests: list[tuple[float, int, bytes]] = []
     start = 0.0
-    for number in range(CONVERSATIONS):
+    for number in range(count):
         start += rng.expovariate(ARRIVALS_PER_SECOND)
         history = array("I", rng.choices(systems, SYSTEM_WEIGHTS)[0])
         turns = min(MAX_TURNS, 1 + int(rng.expovariate(1 / MEAN_EXTRA_TURNS)))
