@@ -80,6 +80,9 @@ class EntryState:
     superseded: bool = False
 
 
+#: An entry's retention state, as `EvictionPolicy.rank` takes it.
+_state = attrgetter("superseded", "value", "used")
+
 #: The `EntryState` fields a snapshot keeps, in constructor order: all but the
 #: namespace, which the index knows.
 _COLUMNS = tuple(f.name for f in fields(EntryState))[1:]
@@ -201,6 +204,7 @@ class Catalog:
 
     def __init__(self, policy: EvictionPolicy = DEFAULT_POLICY) -> None:
         self.policy = policy
+        self._rank = policy.rank
         self.index = PrefixIndex()
         #: The GreedyDual clock (see `sippcache.eviction.GreedyDual`), saved with the store.
         self.clock = 0.0
@@ -448,7 +452,7 @@ class Catalog:
             item = heapq.heappop(heap)
             rank, eid = item
             entry = self._entries.get(eid)
-            if entry is None or entry.pinned or eid in seen or rank != self._rank(entry):
+            if entry is None or entry.pinned or eid in seen or rank != self._rank(*_state(entry)):
                 continue  # stale (a newer item stands for this entry, or it is gone or pinned) or a duplicate
             seen.add(eid)
             popped.append(item)
@@ -463,13 +467,11 @@ class Catalog:
 
     # -- the order -------------------------------------------------------------------
 
-    def _rank(self, entry: EntryState) -> Rank:
-        return self.policy.rank(entry.superseded, entry.value, entry.used)
-
     def _order(self) -> list[tuple[Rank, bytes]]:
         """The eviction heap, built from the entries when there is none."""
         if self._heap is None:
-            self._heap = [(self._rank(e), i) for i, e in self._entries.items() if not e.pinned]
+            rank = self._rank
+            self._heap = [(rank(*_state(e)), i) for i, e in self._entries.items() if not e.pinned]
             heapq.heapify(self._heap)
         return self._heap
 
@@ -480,4 +482,4 @@ class Catalog:
             self._heap = None
             self._order()
         elif not entry.pinned:
-            heapq.heappush(self._heap, (self._rank(entry), eid))
+            heapq.heappush(self._heap, (self._rank(*_state(entry)), eid))

@@ -112,6 +112,8 @@ class Mirror:
         self.damaged: set[bytes] = set()
         self.counters = dict(hits=0, misses=0, stores=0, evictions=0, refused=0, stale=0)
         self._max_bytes, self._max_entries, self._default = max_bytes, max_entries, default
+        self._budget_from: Budget | None = None
+        self._budget = default
         self._claim_pending = claim and (max_bytes is not UNSET or max_entries is not UNSET)
 
     def invalidate(self) -> None:
@@ -133,8 +135,7 @@ class Mirror:
             raise OutOfStep(f"log record {seq} after {self.seq}")
         if change is not None:
             self.apply(change)
-        if seq is not None:
-            self.seq = seq
+        self.seq = seq
 
     def apply(self, change: Change) -> None:
         """Make memory match `change`, which the store holds."""
@@ -165,10 +166,13 @@ class Mirror:
     def budget(self) -> Budget:
         """The limits this handle enforces: its own, else the store's, else the defaults."""
         stored = self.catalog.budget or self._default
-        return Budget(
-            stored.max_bytes if self._max_bytes is UNSET else self._max_bytes,
-            stored.max_entries if self._max_entries is UNSET else self._max_entries,
-        )
+        if stored is not self._budget_from:  # worked out again only when the store's changes
+            self._budget_from = stored
+            self._budget = Budget(
+                stored.max_bytes if self._max_bytes is UNSET else self._max_bytes,
+                stored.max_entries if self._max_entries is UNSET else self._max_entries,
+            )
+        return self._budget
 
     def budget_claim(self) -> Budget | None:
         """The budget to save with the store (in sync with it): this handle's limits, once,
