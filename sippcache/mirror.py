@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Iterable
 
-from .catalog import UNSET, Budget, Catalog, Change, Clear, Mark, Remove, StorePlan, Unset, Use, Uses
+from .catalog import UNSET, Budget, Catalog, Change, Clear, Mark, Put, Remove, StorePlan, Unset, Use, Uses
 from .errors import CacheFull
 from .eviction import DEFAULT_POLICY, EvictionPolicy
 from .protocol import StoreOptions
@@ -124,6 +124,17 @@ class Mirror:
         """Take a catalog rebuilt from the store as of log record `seq`."""
         self.catalog, self.seq = catalog, seq
         self.uses.items.clear()
+
+    def reload(self, entries: Iterable[Put], seq: int, clock: float) -> None:
+        """Rebuild the catalog from every entry the store holds as of log record `seq`
+        (and its eviction clock), keeping the policy and the budget known so far.
+        Entries go in least recently used first, so that the index's recency ranks,
+        which decide ties between partial matches, follow their uses."""
+        catalog = Catalog(self.catalog.policy)
+        catalog.budget, catalog.clock = self.catalog.budget, clock
+        for put in sorted(entries, key=lambda put: (put.state.used, put.eid)):
+            catalog.apply(put)
+        self.replace(catalog, seq)
 
     # -- the log -----------------------------------------------------------------------
 

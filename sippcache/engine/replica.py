@@ -220,21 +220,13 @@ class Replica(Mirror):
 
     def _read_entries(self, txn: KVTxn, seq: int) -> None:
         """Load every entry from its records, as of log record `seq`."""
-        catalog = Catalog(self.catalog.policy)
         self.damaged.clear()
         self.unconfirmed.clear()
-        found = []
-        for key, raw in txn.scan(PREFIX_META):
-            loaded = self._load(txn, bytes(key[1:]), raw)
-            if loaded is not None:
-                found.append((loaded.state.used, loaded.eid, loaded))
+        found = [put for key, raw in txn.scan(PREFIX_META) if (put := self._load(txn, bytes(key[1:]), raw))]
         if self.damaged:
             log.warning("sippcache: %s has %d damaged entries; they are removed on the next write",
                         self.location, len(self.damaged))  # fmt: skip
-        for _, _, put in sorted(found):
-            catalog.apply(put)
-        catalog.clock = read_f64(txn.get(KEY_CLOCK))
-        self.replace(catalog, seq)
+        self.reload(found, seq, read_f64(txn.get(KEY_CLOCK)))
 
     def _load(self, txn: KVTxn, eid: bytes, raw: Blob | None = None) -> Put | None:
         """An entry as its M, U and V records hold it; None if it is gone or its M

@@ -41,7 +41,7 @@ from typing import Any, ClassVar, NamedTuple
 import xxhash
 
 from sippcache import BadOption, BaseBackend, EntryInfo, Match, MissingDependency, Peek, Stats, StoreOptions
-from sippcache.catalog import UNSET, Budget, Catalog, Change, Clear, Mark, Put, Remove, StorePlan
+from sippcache.catalog import UNSET, Budget, Change, Clear, Mark, Put, Remove, StorePlan
 from sippcache.engine import entry_id, hold_across_forks
 from sippcache.mirror import Limit, Mirror, OutOfStep, check_limits
 from sippcache.options import Size, coerce_options
@@ -544,23 +544,12 @@ class RedisBackend(BaseBackend):
                 raise _ServerError("the store's state is unreadable")
             metas = self._scan(self._keys[1])
             values = self._scan(self._keys[2])
-            catalog, refs, damaged = Catalog(mirror.catalog.policy), {}, set()
-            found = []
-            for eid, raw in metas.items():
-                entry = read_entry(eid, raw, values.get(eid))
-                if entry is None:
-                    damaged.add(eid)
-                else:
-                    found.append((entry.put.state.used, eid, entry))
-            for _, eid, entry in sorted(found, key=lambda item: item[:2]):
-                catalog.apply(entry.put)
-                refs[eid] = entry.ref
-            catalog.clock = read_clock(reply[2])
-            catalog.budget = mirror.catalog.budget
-            mirror.replace(catalog, seq)
-            mirror.damaged = damaged
+            entries = {eid: read_entry(eid, raw, values.get(eid)) for eid, raw in metas.items()}
+            found = [entry for entry in entries.values() if entry is not None]
+            mirror.reload([entry.put for entry in found], seq, read_clock(reply[2]))
+            damaged = mirror.damaged = {eid for eid, entry in entries.items() if entry is None}
             self._take_budget(reply)
-            self._refs, self._epoch = refs, epoch
+            self._refs, self._epoch = {entry.put.eid: entry.ref for entry in found}, epoch
             if damaged:
                 log.warning("sippcache: %s has %d damaged entries; they are invisible and removed now",
                             self.location, len(damaged))  # fmt: skip
