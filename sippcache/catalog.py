@@ -1,57 +1,67 @@
-"""What a store holds, kept in memory: the prefix index and the eviction order.
+"""What a store holds, kept in memory: the prefix index, sizes, pins, the retention
+state eviction orders by, and the budget saved with the store.
 
-Backends that index their entries themselves (the KV engine, the Redis
-plugin) mirror their store here and ask it two questions: which entry answers
-a lookup (`index`), and which entries make room for a new one (`victims`). So
-every such backend evicts by one policy:
+Backends that index their entries themselves (the KV engine, the Redis plugin)
+mirror their store here (through `sippcache.mirror.Mirror`) and ask it two
+questions: which entry answers a lookup (`index`), and what storing an entry
+takes (`plan_store`: which entries to evict, which one the new entry
+supersedes, or why it is refused), by the eviction policy of
+`sippcache.eviction`.
 
-1. Pinned entries are never evicted.
-2. Superseded entries go first. An entry is superseded when a newer entry is
-   stored that shares at least half of its tokens and goes on past them: the
-   next turn of a conversation supersedes the turn before, one user's question
-   after a shared document supersedes the previous user's. A use of the entry
-   clears the mark.
-3. Then GreedyDual-Size (Cao and Irani, 1997). An entry's retention value is
-   the store's clock at its last use plus its priority per token; the lowest
-   value goes first, least recently used among equals, and evicting an entry
-   moves the clock up to its value. With the default priority (the token count:
-   recomputing a prefix costs in proportion to its length, and so does storing
-   it) every entry has the same priority per token and the order is exactly
-   least recently used; a higher priority keeps an entry longer, and the clock
-   makes sure that an entry nobody uses any more still goes in the end.
-
-Replaying the Mooncake trace (benchmarks/trace.py) this reuses 15.8%, 21.5% and
-22.5% more prompt tokens than plain LRU at budgets of 1M, 3M and 10M tokens;
-ordering strictly by token count, oldest last, reuses less than half as many.
+Every change to a store is one of six `Change` values: an entry put, removed,
+re-marked (pin, supersession) or used, the store cleared, its budget set.
+They are what the store's change log records (`Op` names them there) and what
+a plan consists of. A backend persists a change its own way, then
+`Catalog.apply` makes memory match, whether the change is its own or one
+another process logged: there is one way for the catalog to change.
 """
 
 from __future__ import annotations
 
 import gc
 import heapq
-import logging
-import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
+from enum import Enum, StrEnum
 from itertools import compress, repeat
 from operator import attrgetter
-from typing import Any
+from typing import Any, ClassVar, Final, NamedTuple
 
 import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
 import xxhash
 
 from . import tokens as _tokens
-from .errors import CacheFull
+from .eviction import DEFAULT_POLICY, EvictionPolicy, Rank
 from .index import PrefixIndex
 from .protocol import Blob, EntryInfo, Peek, Stats, StoreOptions
-
-log = logging.getLogger("sippcache")
 
 _TOKEN = 4  # bytes per token in index keys
 #: Starts every `Catalog.snapshot`; a new layout gets a new one, and older snapshots are ignored.
 SNAPSHOT_MAGIC = b"sippcache-catalog-1\n"
 _DIGEST = 16  # xxh3_128 of the snapshot's body
+
+
+class Op(StrEnum):
+    """A change's name in a store's change log (the first field of an engine log
+    record, the kind of a Redis log entry). These strings are on-disk format."""
+
+    PUT = "p"
+    DELETE = "d"
+    TOUCH = "t"
+    VALUES = "v"
+    CLEAR = "c"
+    BUDGET = "b"
+
+
+class Unset(Enum):
+    """The type of `UNSET`."""
+
+    UNSET = "unset"
+
+
+#: A budget limit a handle was not given: it follows the one saved with the store.
+UNSET: Final = Unset.UNSET
 
 
 @dataclass(slots=True)
@@ -69,31 +79,105 @@ class EntryState:
     pinned: bool = False
     superseded: bool = False
 
-    def order(self) -> tuple[bool, float, int]:
-        """Eviction order: lowest first."""
-        return (not self.superseded, self.value, self.used)
 
+#: An entry's retention state, as `EvictionPolicy.rank` takes it.
+_state = attrgetter("superseded", "value", "used")
 
 #: The `EntryState` fields a snapshot keeps, in constructor order: all but the
 #: namespace, which the index knows.
 _COLUMNS = tuple(f.name for f in fields(EntryState))[1:]
 
 
-@dataclass
+# -- changes ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """Entry `eid` is stored under `key` (token bytes), replacing an entry with that
+    id. The catalog keeps `state` itself (and changes it as the entry is used)."""
+
+    op: ClassVar[Op] = Op.PUT
+    eid: bytes
+    key: bytes
+    state: EntryState
+
+
+@dataclass(frozen=True, slots=True)
+class Remove:
+    """Entry `eid` is gone; `evicted`: to make room (it moves the eviction clock)."""
+
+    op: ClassVar[Op] = Op.DELETE
+    eid: bytes
+    evicted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """Entry `eid`'s retention value, pin and superseded mark are now these."""
+
+    op: ClassVar[Op] = Op.VALUES
+    eid: bytes
+    value: float
+    pinned: bool
+    superseded: bool
+
+
+class Use(NamedTuple):
+    """One use of an entry: when (ns) and its retention value after it (None: worked
+    out from the clock, for records written before values were logged)."""
+
+    eid: bytes
+    used: int
+    value: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Uses:
+    """Entries were used (hits, touches), saved in a batch."""
+
+    op: ClassVar[Op] = Op.TOUCH
+    items: tuple[Use, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Clear:
+    """Every entry is gone (the budget stays)."""
+
+    op: ClassVar[Op] = Op.CLEAR
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """A store's limits (None: no limit): `max_bytes` counts blob bytes plus 4 per key
+    token. Saved with the store, so that handles opened without limits of their own,
+    other processes and `sippcache prune` all go by one budget; as a change: the
+    budget saved with the store is now this one."""
+
+    op: ClassVar[Op] = Op.BUDGET
+    max_bytes: int | None
+    max_entries: int | None = None
+
+    def __str__(self) -> str:
+        return f"max_bytes={self.max_bytes}, max_entries={self.max_entries}"
+
+
+Change = Put | Remove | Mark | Uses | Clear | Budget
+
+
+@dataclass(frozen=True)
 class StorePlan:
     """What storing an entry takes, decided by `Catalog.plan_store`.
 
     `state` is the new entry's state, or None if it is not stored: `reason` then
     says why ("stale": the stored entry has a newer generation; otherwise it does
-    not fit). To carry it out: delete `victims` (evictions), set the clock to
-    `clock`, mark `superseded` (if any) superseded, and write the entry.
+    not fit). To carry it out, persist `changes` (evictions, the entry it
+    supersedes, then the entry itself) and the eviction clock they lead to
+    (`Catalog.clock_after`), then apply them to the catalog.
     """
 
     state: EntryState | None
     reason: str = ""
-    victims: list[bytes] = field(default_factory=list)
-    clock: float = 0.0
-    superseded: bytes | None = None
+    changes: tuple[Change, ...] = ()
 
 
 @contextmanager
@@ -111,19 +195,25 @@ def paused_gc() -> Iterator[None]:
 
 
 class Catalog:
-    """Entries of one store: index, sizes, pins, and the eviction order.
+    """Entries of one store: index, sizes, pins, retention state and the store's budget.
 
     Ids are opaque bytes chosen by the backend. Nothing here touches storage:
-    the backend persists a change and then applies it here.
+    the backend persists a change and then `apply`s it here. `policy` orders the
+    entries for eviction.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, policy: EvictionPolicy = DEFAULT_POLICY) -> None:
+        self.policy = policy
+        self._rank = policy.rank
         self.index = PrefixIndex()
+        #: The GreedyDual clock (see `sippcache.eviction.GreedyDual`), saved with the store.
         self.clock = 0.0
+        #: The budget saved with the store; None: none is.
+        self.budget: Budget | None = None
         self._entries: dict[bytes, EntryState] = {}
-        #: The eviction order: (*order, id) items, some stale; None until first needed
+        #: The eviction order: (rank, id) items, some stale; None until first needed
         #: after a snapshot load (most processes that open a store never evict).
-        self._heap: list[tuple[bool, float, int, bytes]] | None = []
+        self._heap: list[tuple[Rank, bytes]] | None = []
         self.total = 0
         self.pinned_bytes = 0
         self.pinned_count = 0
@@ -151,9 +241,27 @@ class Catalog:
 
     # -- changes (already persisted by the backend) ---------------------------------
 
-    def put(self, eid: bytes, key: bytes, entry: EntryState) -> None:
-        """Add `entry` under `key` (token bytes), replacing one with the same id."""
-        self.remove(eid)
+    def apply(self, change: Change) -> None:
+        """Make memory match a change the store holds (this process's or another's)."""
+        match change:
+            case Put():
+                self._put(change.eid, change.key, change.state)
+            case Remove():
+                self._remove(change.eid, evicted=change.evicted)
+            case Mark():
+                self._mark(change.eid, value=change.value, pinned=change.pinned, superseded=change.superseded)
+            case Uses():
+                for use in change.items:
+                    self._use(*use)
+            case Clear():
+                policy, budget = self.policy, self.budget
+                self.__init__(policy)  # type: ignore[misc]
+                self.budget = budget
+            case Budget():
+                self.budget = change
+
+    def _put(self, eid: bytes, key: bytes, entry: EntryState) -> None:
+        self._remove(eid)
         self._entries[eid] = entry
         self.total += entry.size
         if entry.pinned:
@@ -162,11 +270,11 @@ class Catalog:
         self.index.insert(entry.namespace, key, eid, entry.used)
         self._push(eid, entry)
 
-    def remove(self, eid: bytes, *, evicted: bool = False) -> EntryState | None:
+    def _remove(self, eid: bytes, *, evicted: bool = False) -> None:
         """Forget `eid`; an eviction (of an entry not superseded) moves the clock up to its value."""
         entry = self._entries.pop(eid, None)
         if entry is None:
-            return None
+            return
         self.total -= entry.size
         if entry.pinned:
             self.pinned_bytes -= entry.size
@@ -174,18 +282,37 @@ class Catalog:
         self.index.remove(eid)
         if evicted and not entry.superseded:
             self.clock = max(self.clock, entry.value)
-        return entry
 
-    def clear(self) -> None:
-        self.__init__()  # type: ignore[misc]
+    def _use(self, eid: bytes, used: int, value: float | None) -> None:
+        """A use at `used` (ns): a new retention value, and no longer superseded."""
+        entry = self._entries.get(eid)
+        if entry is None:
+            return
+        entry.used = max(entry.used, used)
+        entry.value = self.value(entry.priority, entry.tokens) if value is None else value
+        entry.superseded = False
+        self.index.touch(eid, entry.used)
+        self._push(eid, entry)
+
+    def _mark(self, eid: bytes, *, value: float, pinned: bool, superseded: bool) -> None:
+        entry = self._entries.get(eid)
+        if entry is None:
+            return
+        if entry.pinned != pinned:
+            sign = 1 if pinned else -1
+            self.pinned_bytes += sign * entry.size
+            self.pinned_count += sign
+        entry.value, entry.pinned, entry.superseded = value, pinned, superseded
+        self._push(eid, entry)
 
     # -- snapshots -------------------------------------------------------------------
 
     def snapshot(self, position: int) -> bytes:
-        """The whole catalog as bytes that `from_snapshot` loads much faster than
-        putting every entry again (no key is inserted into the index one by one).
-        `position` is the backend's: what the snapshot reflects (a log sequence
-        number). Checksummed, so damage makes `from_snapshot` refuse it."""
+        """The whole catalog (but its budget, which the store keeps apart) as bytes that
+        `from_snapshot` loads much faster than putting every entry again (no key is
+        inserted into the index one by one). `position` is the backend's: what the
+        snapshot reflects (a log sequence number). Checksummed, so damage makes
+        `from_snapshot` refuse it."""
         trees = self.index.dump()
         states = [self._entries[eid] for tree in trees for eid in compress(tree[3], tree[3])]  # in the dump's order
         columns = [list(map(attrgetter(name), states)) for name in _COLUMNS]
@@ -193,7 +320,7 @@ class Catalog:
         return SNAPSHOT_MAGIC + xxhash.xxh3_128_digest(body) + body
 
     @classmethod
-    def from_snapshot(cls, raw: Blob) -> tuple[Catalog, int] | None:
+    def from_snapshot(cls, raw: Blob, policy: EvictionPolicy = DEFAULT_POLICY) -> tuple[Catalog, int] | None:
         """The catalog a `snapshot` holds and its position; None if `raw` is not an
         intact snapshot of this layout (damaged, cut short, another version)."""
         start = len(SNAPSHOT_MAGIC)
@@ -202,7 +329,7 @@ class Catalog:
         body = memoryview(raw)[start + _DIGEST :]
         if xxhash.xxh3_128_digest(body) != bytes(raw[start : start + _DIGEST]):
             return None
-        catalog = cls()
+        catalog = cls(policy)
         with paused_gc():
             try:
                 position, clock, trees, columns = msgpack.unpackb(body, raw=False)
@@ -231,39 +358,24 @@ class Catalog:
         self.pinned_bytes, self.pinned_count = sum(pinned_sizes), len(pinned_sizes)
         self._heap = None
 
-    def use(self, eid: bytes, used: int, value: float | None = None) -> None:
-        """Record a use at `used` (ns): a new retention value, and no longer superseded."""
-        entry = self._entries.get(eid)
-        if entry is None:
-            return
-        entry.used = max(entry.used, used)
-        entry.value = self.value(entry.priority, entry.tokens) if value is None else value
-        entry.superseded = False
-        self.index.touch(eid, entry.used)
-        self._push(eid, entry)
-
-    def update(self, eid: bytes, *, value: float, pinned: bool, superseded: bool) -> None:
-        """Set an entry's retention state (as read back from the store)."""
-        entry = self._entries.get(eid)
-        if entry is None:
-            return
-        if entry.pinned != pinned:
-            sign = 1 if pinned else -1
-            self.pinned_bytes += sign * entry.size
-            self.pinned_count += sign
-        entry.value, entry.pinned, entry.superseded = value, pinned, superseded
-        self._push(eid, entry)
-
     # -- questions -------------------------------------------------------------------
 
-    def stats(
-        self, *, backend: str, location: str, max_bytes: int | None, max_entries: int | None,
-        damaged: int = 0, **counters: int,
-    ) -> Stats:  # fmt: skip
-        """A backend's `Stats`: the store's sizes from here, its own counters added."""
+    def clock_after(self, changes: Iterable[Change]) -> float:
+        """The eviction clock once `changes` are applied: evicting an entry that is not
+        superseded moves it up to the entry's retention value."""
+        clock = self.clock
+        for change in changes:
+            if isinstance(change, Remove) and change.evicted:
+                state = self._entries.get(change.eid)
+                if state is not None and not state.superseded:
+                    clock = max(clock, state.value)
+        return clock
+
+    def stats(self, *, backend: str, location: str, budget: Budget, damaged: int = 0, **counters: int) -> Stats:
+        """A backend's `Stats` under `budget`: the store's sizes from here, its own counters added."""
         return Stats(
-            backend=backend, location=location, entries=len(self), bytes=self.total, max_bytes=max_bytes,
-            max_entries=max_entries, namespaces=len(self.index.namespaces()), damaged=damaged,
+            backend=backend, location=location, entries=len(self), bytes=self.total, max_bytes=budget.max_bytes,
+            max_entries=budget.max_entries, namespaces=len(self.index.namespaces()), damaged=damaged,
             pinned=self.pinned_count, pinned_bytes=self.pinned_bytes, **counters,
         )  # fmt: skip
 
@@ -274,7 +386,7 @@ class Catalog:
             e = self._entries[eid]
             key = _tokens.decode(self.index.key_of(eid))
             found.append(EntryInfo(e.namespace, key, e.size, e.created / 1e9, e.used / 1e9, e.priority, e.pinned,
-                                   e.generation))  # fmt: skip
+                                   e.generation, e.value, e.superseded))  # fmt: skip
         return found
 
     def peek(self, namespace: str, key: bytes, partial: bool) -> Peek | None:
@@ -283,78 +395,64 @@ class Catalog:
         return None if hit is None else Peek(hit.length, self._entries[hit.entry_id].tokens)
 
     def plan_store(
-        self, eid: bytes, key: bytes, namespace: str, size: int, options: StoreOptions, now: int,
-        *, max_bytes: int | None, max_entries: int | None,
-    ) -> StorePlan:  # fmt: skip
-        """Decide how to store an entry of `size` bytes under `key` (token bytes),
-        as of `now` (ns). A store over a pinned entry keeps the pin."""
+        self, eid: bytes, key: bytes, namespace: str, size: int, options: StoreOptions, now: int, budget: Budget
+    ) -> StorePlan:
+        """Decide how to store an entry of `size` bytes under `key` (token bytes), as of
+        `now` (ns), within `budget`. A store over a pinned entry keeps the pin."""
         tokens = len(key) // _TOKEN
         old = self._entries.get(eid)
         if old is not None and old.generation > options.generation:
             return StorePlan(None, "stale")
-        if max_bytes is not None and size > max_bytes:
+        if budget.max_bytes is not None and size > budget.max_bytes:
             return StorePlan(None, "larger than max_bytes")
         pinned = options.pinned or (old is not None and old.pinned)
-        victims = self.victims(max_bytes=max_bytes, max_entries=max_entries, size=size, count=1, keep=eid)
-        if victims is None or (pinned and not self.pins_fit(size, max_bytes, max_entries, replaced=old)):
+        victims = self.victims(budget, size=size, count=1, keep=eid)
+        if victims is None or (pinned and not self.pins_fit(size, budget, replaced=old)):
             return StorePlan(None, "more than the unpinned room left")
-        clock = self.clock
-        for victim in victims:
-            state = self._entries[victim]
-            if not state.superseded:
-                clock = max(clock, state.value)
-        superseded = self.superseded_by(namespace, key)
+        changes: list[Change] = [Remove(victim, evicted=True) for victim in victims]
+        clock = self.clock_after(changes)
+        superseded = self.policy.superseded_by(self, namespace, key)
+        if superseded is not None and superseded not in victims:
+            mark = self._entries[superseded]
+            changes.append(Mark(superseded, mark.value, mark.pinned, True))
         state = EntryState(
             namespace, tokens, size, options.priority, options.generation, now, now,
             clock + options.priority / max(tokens, 1), pinned,
         )  # fmt: skip
-        return StorePlan(state, "", victims, clock, None if superseded in victims else superseded)
+        changes.append(Put(eid, key, state))
+        return StorePlan(state, "", tuple(changes))
 
-    def pins_fit(
-        self, size: int, max_bytes: int | None, max_entries: int | None, *, replaced: EntryState | None = None
-    ) -> bool:
-        """Whether pinned entries plus one more of `size` bytes (replacing `replaced`) stay within the budgets."""
+    def pins_fit(self, size: int, budget: Budget, *, replaced: EntryState | None = None) -> bool:
+        """Whether pinned entries plus one more of `size` bytes (replacing `replaced`) stay within `budget`."""
         pinned_bytes, pinned_count = self.pinned_bytes, self.pinned_count
         if replaced is not None and replaced.pinned:
             pinned_bytes, pinned_count = pinned_bytes - replaced.size, pinned_count - 1
-        return (max_bytes is None or pinned_bytes + size <= max_bytes) and (
-            max_entries is None or pinned_count + 1 <= max_entries
+        return (budget.max_bytes is None or pinned_bytes + size <= budget.max_bytes) and (
+            budget.max_entries is None or pinned_count + 1 <= budget.max_entries
         )
 
-    def superseded_by(self, namespace: str, key: bytes) -> bytes | None:
-        """The entry that storing `key` supersedes, if any (see the module docstring)."""
-        hit = self.index.longest_common(namespace, key)
-        if hit is None:
-            return None
-        entry = self._entries[hit.entry_id]
-        shared = hit.length
-        if entry.superseded or entry.pinned or shared >= len(key) // _TOKEN or 2 * shared < entry.tokens:
-            return None
-        return hit.entry_id
-
-    def victims(
-        self, *, max_bytes: int | None, max_entries: int | None, size: int = 0, count: int = 0, keep: bytes = b""
-    ) -> list[bytes] | None:
-        """The entries to evict, in order, so that the rest (without `keep`, which
-        is about to be replaced) and `count` new entries of `size` bytes fit the
-        budgets; None if they cannot fit even with every unpinned entry gone.
-        Changes nothing: evict them, then `remove(..., evicted=True)`."""
+    def victims(self, budget: Budget, *, size: int = 0, count: int = 0, keep: bytes = b"") -> list[bytes] | None:
+        """The entries to evict, in the policy's order, so that the rest (without
+        `keep`, which is about to be replaced) and `count` new entries of `size`
+        bytes fit `budget`; None if they cannot fit even with every unpinned entry
+        gone. Changes nothing: evict them, then apply `Remove(..., evicted=True)`."""
         kept = self._entries.get(keep)
         total = self.total - (kept.size if kept else 0) + size
         number = len(self._entries) - (kept is not None) + count
+        max_bytes, max_entries = budget.max_bytes, budget.max_entries
 
         def over() -> bool:
             return (max_bytes is not None and total > max_bytes) or (max_entries is not None and number > max_entries)
 
         chosen: list[bytes] = []
-        popped: list[tuple[bool, float, int, bytes]] = []
+        popped: list[tuple[Rank, bytes]] = []
         seen: set[bytes] = set()
         heap = self._order()
         while over() and heap:
             item = heapq.heappop(heap)
-            eid = item[3]
+            rank, eid = item
             entry = self._entries.get(eid)
-            if entry is None or entry.pinned or eid in seen or item[:3] != entry.order():
+            if entry is None or entry.pinned or eid in seen or rank != self._rank(*_state(entry)):
                 continue  # stale (a newer item stands for this entry, or it is gone or pinned) or a duplicate
             seen.add(eid)
             popped.append(item)
@@ -369,67 +467,19 @@ class Catalog:
 
     # -- the order -------------------------------------------------------------------
 
-    def _order(self) -> list[tuple[bool, float, int, bytes]]:
+    def _order(self) -> list[tuple[Rank, bytes]]:
         """The eviction heap, built from the entries when there is none."""
         if self._heap is None:
-            self._heap = [(*e.order(), i) for i, e in self._entries.items() if not e.pinned]
+            rank = self._rank
+            self._heap = [(rank(*_state(e)), i) for i, e in self._entries.items() if not e.pinned]
             heapq.heapify(self._heap)
         return self._heap
 
     def _push(self, eid: bytes, entry: EntryState) -> None:
         if self._heap is None:
-            return  # `_order` builds it, with this entry's order, when it is needed
+            return  # `_order` builds it, with this entry's rank, when it is needed
         if len(self._heap) > 2 * len(self._entries) + 1024:  # mostly stale items: rebuild
             self._heap = None
             self._order()
         elif not entry.pinned:
-            heapq.heappush(self._heap, (*entry.order(), eid))
-
-
-#: Pending uses are saved once this many accumulate or this much time passes.
-TOUCH_BATCH = 256
-TOUCH_SECONDS = 1.0
-
-
-class PendingUses:
-    """Uses (hits, touches) applied to the catalog at once and saved to the store in
-    batches, so a hit never waits for a write. Use times are strictly increasing
-    nanoseconds, so two uses in one clock tick still have an order."""
-
-    def __init__(self) -> None:
-        #: entry id -> (use time, value), not yet saved.
-        self.items: dict[bytes, tuple[int, float]] = {}
-        self._since = 0.0
-        self._last_time = 0
-
-    def now(self) -> int:
-        """A use time: the wall clock in ns, later than every one given before."""
-        self._last_time = max(time.time_ns(), self._last_time + 1)
-        return self._last_time
-
-    def record(self, catalog: Catalog, eid: bytes) -> None:
-        """Entry `eid` was used now: in `catalog` at once, in the store later."""
-        state = catalog.get(eid)
-        if state is None:
-            return
-        used = self.now()
-        value = catalog.value(state.priority, state.tokens)
-        if not self.items:
-            self._since = time.monotonic()
-        self.items[eid] = (used, value)
-        catalog.use(eid, used, value)
-
-    def due(self) -> bool:
-        """Whether the pending uses should be saved now."""
-        return bool(self.items) and (len(self.items) >= TOUCH_BATCH or time.monotonic() - self._since >= TOUCH_SECONDS)
-
-
-def refuse(location: str, size: int, tokens: int, pinned: bool, why: str, budgets: str) -> bool:
-    """Refuse an entry that does not fit: a pinned one raises `CacheFull`, another
-    is dropped with a warning. Returns False (not stored)."""
-    if pinned:
-        raise CacheFull(f"{location}: cannot pin a {size}-byte entry ({tokens} tokens): {why} ({budgets})")
-    log.warning(
-        "sippcache: not storing a %d-byte entry (%d tokens): %s (%s) of %s", size, tokens, why, budgets, location
-    )
-    return False
+            heapq.heappush(self._heap, (self._rank(*_state(entry)), eid))

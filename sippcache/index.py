@@ -258,6 +258,33 @@ class PrefixIndex:
             return None
         return IndexHit(node.best, pos // _TOKEN)
 
+    def branch_of(self, namespace: str, key: bytes) -> IndexHit | None:
+        """The entry whose place in the tree `key` would take, with the tokens they share:
+        where `key` leaves the tree, if no other key leaves it there. Inside an edge,
+        that is the most recently used entry below the edge (every entry there shares
+        the same tokens with `key`); at a node, the entry whose key ends there, if no
+        other key extends it. None if `key` ends inside the tree (it is a prefix of a
+        stored key, or one) or leaves it at a node where other keys branch off."""
+        node = self._roots.get(namespace)
+        if node is None:
+            return None
+        pos = 0
+        while pos < len(key):
+            child = node.children.get(key[pos : pos + _TOKEN])
+            if child is None:
+                if node.entry is None or node.children:
+                    return None
+                return IndexHit(node.entry, pos // _TOKEN)
+            if key.startswith(child.edge, pos):
+                pos += len(child.edge)
+                node = child
+                continue
+            pos += common_prefix_bytes(memoryview(key)[pos:], child.edge) // _TOKEN * _TOKEN
+            if pos >= len(key) or child.best is None:
+                return None  # `key` ends inside the edge
+            return IndexHit(child.best, pos // _TOKEN)
+        return None
+
     def _raise_best(self, node: _Node | None, entry_id: bytes, rank: int) -> None:
         while node is not None and (rank >= node.best_rank or node.best == entry_id):
             node.best, node.best_rank = entry_id, max(rank, node.best_rank)

@@ -89,6 +89,10 @@ class EntryInfo:
     priority: float = 0.0  # retention priority (default: the token count)
     pinned: bool = False  # never evicted
     generation: int = 0  # the writer's generation: an older one never replaces it
+    #: The retention state eviction orders by (`sippcache.eviction`): what `sippcache prune`
+    #: orders entries by, so it deletes what the store itself would evict first.
+    retention: float = 0.0  # the GreedyDual retention value
+    superseded: bool = False  # a newer entry took this one's place (evicted first by default)
 
 
 @dataclass(frozen=True)

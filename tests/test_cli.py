@@ -314,16 +314,31 @@ def test_verify_finds_and_deletes_corrupt_entries(url: str) -> None:
 # -- prune ------------------------------------------------------------------------------
 
 
-def test_prune_max_bytes_deletes_least_recently_used(url: str) -> None:
+def test_prune_max_bytes_deletes_in_the_stores_eviction_order(url: str) -> None:
+    """As the store's own eviction: entries a later one took the place of go first (ENTRIES'
+    [1, 2, 3] in PLAIN_NS and [7] * 40, each extended by the entry stored after it), then the
+    least recently used."""
     stored = sizes(url)
+    superseded = [stored[0], stored[3]]
     total = sum(size for _, _, size in stored)
-    limit = total - stored[0][2] - stored[1][2]  # room for all but the two oldest
+    limit = total - sum(size for _, _, size in superseded)
     result = run_json("prune", url, "--max-bytes", str(limit))
     assert result == {
-        "deleted": 2, "bytes": stored[0][2] + stored[1][2],
-        "remaining_entries": len(stored) - 2, "remaining_bytes": limit,
+        "deleted": 2, "bytes": total - limit, "remaining_entries": len(stored) - 2, "remaining_bytes": limit,
     }  # fmt: skip
-    assert sizes(url) == stored[2:]
+    assert sizes(url) == [row for row in stored if row not in superseded]
+    assert run_json("prune", url, "--max-bytes", str(limit - stored[1][2]))["deleted"] == 1
+    assert sizes(url) == [stored[2], stored[4]]
+
+
+def test_prune_keeps_what_the_store_values_more(tmp_path: Path) -> None:
+    """A costly entry (a high priority) outlives a newer cheap one, as under the store's budget."""
+    url = f"lmdb://{tmp_path / 'valued'}"
+    with sippcache.open(url) as cache:
+        cache.store([9], b"costly" * 100, priority=1000)
+        cache.store([10], b"cheap" * 100)
+    assert run_json("prune", url, "--max-bytes", "700")["deleted"] == 1
+    assert [key for _, key, _ in sizes(url)] == [(9,)]
 
 
 def test_prune_max_bytes_in_one_namespace(url: str) -> None:

@@ -24,7 +24,7 @@ import pytest
 
 import sippcache
 from sippcache import tokens
-from sippcache.catalog import SNAPSHOT_MAGIC, Catalog, EntryState
+from sippcache.catalog import SNAPSHOT_MAGIC, Budget, Catalog, EntryState, Put
 from sippcache.engine.layout import (
     ENTRY_PREFIXES,
     KEY_INDEX_SNAPSHOT,
@@ -395,7 +395,7 @@ def _random_catalog(seed: int) -> Catalog:
         ns = rng.choice(["", "x"])
         state = EntryState(ns, len(tokens), 10 + len(raw), 1.0, n, n, rng.randrange(10**6), rng.random(),
                            rng.random() < 0.1, rng.random() < 0.2)  # fmt: skip
-        catalog.put(ns.encode() + raw, raw, state)
+        catalog.apply(Put(ns.encode() + raw, raw, state))
     catalog.clock = 1.5
     return catalog
 
@@ -418,9 +418,7 @@ def test_catalog_snapshot_round_trip_answers_the_same(seed: int) -> None:
         for ns in ("", "x"):
             assert copy.index.longest_prefix(ns, query) == catalog.index.longest_prefix(ns, query)
             assert copy.index.longest_common(ns, query) == catalog.index.longest_common(ns, query)
-    assert copy.victims(max_bytes=catalog.total // 2, max_entries=None) == catalog.victims(
-        max_bytes=catalog.total // 2, max_entries=None
-    )
+    assert copy.victims(Budget(catalog.total // 2)) == catalog.victims(Budget(catalog.total // 2))
 
 
 def test_catalog_snapshot_refuses_every_single_flipped_byte() -> None:

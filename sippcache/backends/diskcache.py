@@ -29,9 +29,11 @@ from urllib.parse import quote
 
 import diskcache  # type: ignore[import-untyped]  # diskcache ships no type information
 
+from ..catalog import UNSET
 from ..engine import KVBackend, KVTxn, directory_path, prepare_directory
 from ..engine.directory import check_store_files, missing_store
 from ..errors import CacheFull, CorruptStore, NoStore, ReadOnlyStore, SippcacheError, StoreError
+from ..mirror import Limit
 from ..options import Size
 from ..protocol import Blob
 
@@ -224,13 +226,14 @@ class DiskCacheBackend(KVBackend):
     damage_errors = (sqlite3.DatabaseError,)
     library_errors = (sqlite3.Error,)
     options: ClassVar[dict[str, type]] = {"max_bytes": Size, "max_entries": int, "timeout": float}
+    default_max_bytes: ClassVar[int | None] = DEFAULT_MAX_BYTES
 
     def __init__(
         self,
         location: str,
         *,
-        max_bytes: int | None = DEFAULT_MAX_BYTES,
-        max_entries: int | None = None,
+        max_bytes: Limit = UNSET,
+        max_entries: Limit = UNSET,
         timeout: float = 60.0,
         read_only: bool = False,
     ) -> None:

@@ -21,9 +21,11 @@ from typing import ClassVar, cast
 
 import lmdb
 
+from ..catalog import UNSET
 from ..engine import KVBackend, KVTxn, directory_path, fork_safe_lock, prepare_directory
 from ..engine.directory import check_store_files, missing_store
 from ..errors import CacheFull, CorruptStore, NoStore, ReadOnlyStore, SippcacheError, StoreError
+from ..mirror import Limit
 from ..options import Size
 from ..protocol import Blob
 
@@ -199,13 +201,14 @@ class LMDBBackend(KVBackend):
     options: ClassVar[dict[str, type]] = {
         "max_bytes": Size, "max_entries": int, "map_size": Size, "sync": bool, "max_readers": int,
     }  # fmt: skip
+    default_max_bytes: ClassVar[int | None] = DEFAULT_MAX_BYTES
 
     def __init__(
         self,
         location: str,
         *,
-        max_bytes: int | None = DEFAULT_MAX_BYTES,
-        max_entries: int | None = None,
+        max_bytes: Limit = UNSET,
+        max_entries: Limit = UNSET,
         map_size: int | None = None,
         sync: bool = True,
         max_readers: int = 126,
@@ -214,12 +217,13 @@ class LMDBBackend(KVBackend):
         if not 1 <= max_readers <= 65536:
             raise ValueError(f"max_readers must be in 1..65536, got {max_readers}")
         for name, value in (("max_bytes", max_bytes), ("map_size", map_size)):
-            if value is not None and not 0 < value <= MAX_MAP_SIZE:
+            if isinstance(value, int) and not 0 < value <= MAX_MAP_SIZE:
                 raise ValueError(f"{name} must be in 1..{MAX_MAP_SIZE} bytes (16 TiB), got {value}")
         path = directory_path("lmdb", location)
         super().__init__(max_bytes=max_bytes, max_entries=max_entries, location=f"lmdb://{path}", read_only=read_only)
         if map_size is None:
-            map_size = min(MAX_MAP_SIZE, (max_bytes or DEFAULT_MAX_BYTES) * 2 + MAP_HEADROOM)
+            map_size = min(MAX_MAP_SIZE, (max_bytes if isinstance(max_bytes, int) else DEFAULT_MAX_BYTES) * 2
+                           + MAP_HEADROOM)  # fmt: skip
         self.path = path
         self._env_args = (path, map_size, sync, max_readers, read_only)
         self._shared = _SharedEnv.acquire(*self._env_args)

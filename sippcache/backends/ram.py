@@ -9,7 +9,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import ClassVar
 
+from ..catalog import UNSET
 from ..engine import KVBackend, KVTxn
+from ..eviction import DEFAULT_POLICY, EvictionPolicy
+from ..mirror import Limit
 from ..options import Size
 from ..protocol import Blob
 
@@ -44,17 +47,20 @@ class _DictTxn:
 
 
 class RAMBackend(KVBackend):
-    """An in-process cache, bounded by `max_bytes` (default 1 GiB) and optionally `max_entries`."""
+    """An in-process cache, bounded by `max_bytes` (default 1 GiB) and optionally
+    `max_entries`, evicting by `eviction` (the benchmarks compare policies on it)."""
 
     persistent: ClassVar[bool] = False
     options: ClassVar[dict[str, type]] = {"max_bytes": Size, "max_entries": int}
+    default_max_bytes: ClassVar[int | None] = DEFAULT_MAX_BYTES
 
     def __init__(
-        self, location: str = "", *, max_bytes: int | None = DEFAULT_MAX_BYTES, max_entries: int | None = None
-    ) -> None:
+        self, location: str = "", *, max_bytes: Limit = UNSET, max_entries: Limit = UNSET,
+        eviction: EvictionPolicy = DEFAULT_POLICY,
+    ) -> None:  # fmt: skip
         if location:
             raise ValueError(f"ram:// takes no path, got {location!r}")
-        super().__init__(max_bytes=max_bytes, max_entries=max_entries, location="ram://")
+        super().__init__(max_bytes=max_bytes, max_entries=max_entries, location="ram://", eviction=eviction)
         self._data: dict[bytes, bytes] = {}
 
     @contextmanager

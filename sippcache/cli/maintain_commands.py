@@ -11,6 +11,7 @@ from rich.filesize import decimal as human_size
 from rich.progress import Progress
 
 from ..errors import CacheFull
+from ..eviction import DEFAULT_POLICY
 from ..protocol import CacheBackend, EntryInfo
 from .errors import CLIError, one_line_errors, open_store, same_store
 from .output import ID_LENGTH, byte_progress, echo_json, entries, entry_id
@@ -20,8 +21,9 @@ from .params import json_option, parse_age, parse_size, resolve_url, url_argumen
 @click.command()
 @url_argument
 @click.option(
-    "--max-bytes", metavar="SIZE", callback=parse_size, help="Delete least recently used entries down to SIZE (2GiB)."
-)
+    "--max-bytes", metavar="SIZE", callback=parse_size,
+    help="Delete entries down to SIZE (2GiB), in the order the store evicts them.",
+)  # fmt: skip
 @click.option(
     "--older-than", metavar="AGE", callback=parse_age, help="Delete entries unused for AGE (30s, 15m, 12h, 7d, 2w)."
 )
@@ -32,28 +34,28 @@ def prune(
     url: str | None, cache_option: str | None, max_bytes: int | None, older_than: float | None,
     namespace: str | None, as_json: bool,
 ) -> None:  # fmt: skip
-    """Delete old or least recently used entries; pinned entries stay.
+    """Delete old entries, or entries beyond a size; pinned entries stay.
 
     --older-than goes first, then --max-bytes; sizes count as in stats
     (blob plus 4 bytes per token; pinned entries count too). At least one of
-    the two is required.
+    the two is required. --max-bytes deletes in the order the store's own
+    eviction does (sippcache.eviction's default policy: entries a later one
+    took the place of first, then the least valuable, least recently used).
     """
     if max_bytes is None and older_than is None:
         raise click.UsageError("give --max-bytes, --older-than or both")
     url = resolve_url(url, cache_option)
     with open_store(url, read_only=False) as cache:
-        listed = list(cache.entries(namespace))  # least recently used first
-        unpinned = [e for e in listed if not e.pinned]
+        listed = list(cache.entries(namespace))
+        kept = [e for e in listed if not e.pinned]
         doomed: list[EntryInfo] = []
-        kept = unpinned
-        pinned_bytes = sum(e.size for e in listed if e.pinned)
         if older_than is not None:
             cutoff = time.time() - older_than
-            doomed = [e for e in unpinned if e.last_used < cutoff]
-            kept = [e for e in unpinned if e.last_used >= cutoff]
+            doomed = [e for e in kept if e.last_used < cutoff]
+            kept = [e for e in kept if e.last_used >= cutoff]
         if max_bytes is not None:
-            total = pinned_bytes + sum(e.size for e in kept)
-            for entry in kept:
+            total = sum(e.size for e in listed if e.pinned) + sum(e.size for e in kept)
+            for entry in DEFAULT_POLICY.order(kept):
                 if total <= max_bytes:
                     break
                 doomed.append(entry)

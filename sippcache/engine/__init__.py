@@ -3,9 +3,10 @@
 A backend supplies transactions on a byte-keyed map (`KVTxn`); `KVBackend`
 does the rest once. The parts, one concept each:
 
-- `layout`: which key holds what, and the change log's op codes (the on-disk format);
+- `layout`: which key holds what (the on-disk format);
 - `records`: packing and validating those records;
-- `replica`: this process's index of the store, kept in step with the change log;
+- `replica`: this process's index of the store (a `sippcache.mirror.Mirror`): how a change
+  is written to the byte map and read back from it, and rebuilding from the records;
 - `backend`: `KVBackend`, the operations, budgets and the write path;
 - `storage`: the `KVTxn` protocol a storage library implements;
 - `snapshots`: zero-copy matches, valid while their read snapshot is open;
@@ -15,21 +16,21 @@ does the rest once. The parts, one concept each:
 
 from __future__ import annotations
 
-from .backend import Change, KVBackend
+from .backend import KVBackend
 from .directory import directory_path, prepare_directory
-from .forking import fork_safe_lock
+from .forking import fork_safe_lock, hold_across_forks
 from .layout import LOG_KEEP, entry_id
 from .snapshots import SnapshotMatch
 from .storage import KVTxn
 
 __all__ = [
     "LOG_KEEP",
-    "Change",
     "KVBackend",
     "KVTxn",
     "SnapshotMatch",
     "directory_path",
     "entry_id",
     "fork_safe_lock",
+    "hold_across_forks",
     "prepare_directory",
 ]

@@ -11,53 +11,33 @@ from __future__ import annotations
 import logging
 import threading
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import ClassVar
 
 from ..base import BaseBackend
-from ..catalog import StorePlan, refuse
+from ..catalog import Budget, Change, Clear, Remove, StorePlan
 from ..errors import CacheFull, ReadOnlyStore
+from ..eviction import DEFAULT_POLICY, EvictionPolicy
+from ..mirror import Limit, check_limits
 from ..protocol import EntryInfo, Match, Peek, Stats, StoreOptions
 from . import forking
-from .layout import (
-    ENTRY_PREFIXES,
-    KEY_CLOCK,
-    KEY_INDEX_SNAPSHOT,
-    KEY_INDEX_SNAPSHOT_SEQ,
-    KEY_NEWEST,
-    KEY_TRIMMED,
-    LOG_KEEP,
-    OP_CLEAR,
-    OP_DELETE,
-    OP_PUT,
-    OP_TOUCH,
-    OP_VALUES,
-    PREFIX_BLOB,
-    PREFIX_META,
-    PREFIX_USED,
-    PREFIX_VALUES,
-    entry_id,
-    log_key,
-)
-from .records import pack_f64, pack_meta, pack_record, pack_u64, pack_values, read_u64
+from .layout import KEY_CLOCK, KEY_NEWEST, KEY_TRIMMED, LOG_KEEP, PREFIX_BLOB, PREFIX_META, entry_id, log_key
+from .records import pack_f64, pack_record, pack_u64, read_u64
 from .replica import Replica
 from .snapshots import SnapshotMatch, release_unreferenced_blobs
 from .storage import KVTxn
 
 log = logging.getLogger("sippcache")
 
-#: Log records a write transaction appends (see `sippcache.engine.layout`).
-Records = list[list[Any]]
-#: In-memory updates to run once a write transaction commits.
-AfterCommit = list[Callable[[], None]]
-#: A change made in a write transaction: it writes to the map, appends its log
-#: records, and appends the in-memory updates to run once the transaction commits.
-Change = Callable[[KVTxn, Records, AfterCommit], None]
+#: A write: given the write transaction (in sync with the store), it writes what no
+#: change stands for (a blob) and returns its changes, which the engine writes and logs.
+Write = Callable[[KVTxn], Iterable[Change]]
 
 
-def _nothing(txn: KVTxn, records: Records, after: AfterCommit) -> None:
-    """The empty change: a write that only saves pending uses and removes damaged entries."""
+def _nothing(txn: KVTxn) -> tuple[Change, ...]:
+    """The empty write: one that only saves pending uses and the budget, and removes damaged entries."""
+    return ()
 
 
 class KVBackend(BaseBackend):
@@ -67,23 +47,40 @@ class KVBackend(BaseBackend):
     everything else is here. All in-memory state is guarded by one lock, so an
     instance may be shared by threads. A `read_only` instance never starts a
     write transaction: uses are not recorded and damaged entries stay.
+
+    `max_bytes` and `max_entries` are the limits this handle enforces; `UNSET`
+    (what a subclass passes for a URL without them) follows the budget saved
+    with the store, else `default_max_bytes` and no entry limit. Limits that are
+    given are saved with the store at the handle's first use (see
+    `sippcache.mirror.Mirror`). `eviction` orders entries for eviction.
     """
 
+    #: The byte budget of a handle given none, on a store that saves none.
+    default_max_bytes: ClassVar[int | None] = 8 * 1024**3
+
     def __init__(
-        self, *, max_bytes: int | None, max_entries: int | None, location: str, read_only: bool = False
-    ) -> None:
+        self, *, max_bytes: Limit, max_entries: Limit, location: str, read_only: bool = False,
+        eviction: EvictionPolicy = DEFAULT_POLICY,
+    ) -> None:  # fmt: skip
         super().__init__(read_only=read_only)
-        if max_bytes is not None and max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
-        if max_entries is not None and max_entries <= 0:
-            raise ValueError(f"max_entries must be positive, got {max_entries}")
-        self.max_bytes = max_bytes
-        self.max_entries = max_entries
+        check_limits(max_bytes, max_entries)
         self.location = location
         self._lock = threading.RLock()
-        self._replica = Replica(location)
-        self._counters = dict(hits=0, misses=0, stores=0, evictions=0, refused=0, stale=0)
-        forking.track(self)
+        self._replica = Replica(
+            location, max_bytes=max_bytes, max_entries=max_entries, default=Budget(self.default_max_bytes),
+            policy=eviction, claim=not read_only,
+        )  # fmt: skip
+        forking.hold_across_forks(self)
+
+    @property
+    def max_bytes(self) -> int | None:
+        """The byte budget this handle enforces (as of its last use of the store)."""
+        return self._replica.budget.max_bytes
+
+    @property
+    def max_entries(self) -> int | None:
+        """The entry limit this handle enforces (as of its last use of the store)."""
+        return self._replica.budget.max_entries
 
     # -- storage hooks ---------------------------------------------------------
 
@@ -118,49 +115,28 @@ class KVBackend(BaseBackend):
     def _store(self, key: bytes, blob: memoryview, namespace: str, options: StoreOptions) -> bool:
         size = blob.nbytes + len(key)
         eid = entry_id(namespace, key)
+        replica = self._replica
         plans: list[StorePlan] = []
 
-        def put(txn: KVTxn, records: Records, after: AfterCommit) -> None:
-            catalog = self._replica.catalog
-            plan = catalog.plan_store(
-                eid, key, namespace, size, options, self._replica.uses.now(),
-                max_bytes=self.max_bytes, max_entries=self.max_entries,
-            )  # fmt: skip
+        def put(txn: KVTxn) -> tuple[Change, ...]:
+            plan = replica.plan_store(eid, key, namespace, size, options)
             plans[:] = [plan]  # a retried transaction plans again
-            state = plan.state
-            if state is None:
-                return
-            for victim in plan.victims:
-                self._remove_entry(txn, records, after, victim, evicted=True)
-            if plan.clock != catalog.clock:
-                txn.put(KEY_CLOCK, pack_f64(plan.clock))
-            if plan.superseded is not None:
-                self._write_values(txn, records, after, plan.superseded, superseded=True)
-            txn.put(PREFIX_BLOB + eid, blob)
-            txn.put(PREFIX_META + eid, pack_meta(namespace, key, size, state))
-            txn.put(PREFIX_USED + eid, pack_u64(state.used))
-            txn.put(PREFIX_VALUES + eid, pack_values(state.value, state.pinned, False))
-            records.append([OP_PUT, eid])
-            after.append(lambda: catalog.put(eid, key, state))
+            if plan.state is not None:
+                txn.put(PREFIX_BLOB + eid, blob)
+            return plan.changes
 
         with self._lock:
-            if self.max_bytes is not None and size > self.max_bytes:  # no transaction for what cannot fit
+            limit = replica.budget.max_bytes
+            if replica.seq >= 0 and limit is not None and size > limit:  # no transaction for what cannot fit
                 plans.append(StorePlan(None, "larger than max_bytes"))
             else:
                 self._write(put)
-            plan = plans[0]
-            if plan.state is not None:
-                self._counters["stores"] += 1
-                return True
-            if plan.reason == "stale":
-                self._counters["stale"] += 1
-                return False
-            self._counters["refused"] += 1
-            budgets = f"max_bytes={self.max_bytes}, max_entries={self.max_entries}"
-            return refuse(self.location, size, len(key) // 4, options.pinned, plan.reason, budgets)
+            return replica.settle_store(plans[0], size, len(key) // 4, options.pinned)
 
     def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Match | None:
         with self._lock:
+            if self._replica.seq < 0:
+                self._refresh()  # the first use: in step with the store, this handle's budget saved
             txn, end = self._reader()
             try:
                 self._replica.sync(txn)
@@ -175,14 +151,14 @@ class KVBackend(BaseBackend):
                 raise
             if hit is None or blob is None:
                 end()
-                self._counters["misses"] += 1
+                self._replica.counters["misses"] += 1
                 self._flush_touches_if_due()
                 return None
             if not isinstance(blob, memoryview):
                 end()
             if touch and not self.read_only:
                 self._replica.uses.record(self._replica.catalog, hit.entry_id)
-            self._counters["hits"] += 1
+            self._replica.counters["hits"] += 1
             stored_key = index.key_of(hit.entry_id)
             self._flush_touches_if_due()
         if isinstance(blob, memoryview):
@@ -208,60 +184,48 @@ class KVBackend(BaseBackend):
         eid = entry_id(namespace, key)
         found: list[bytes] = []
 
-        def remove(txn: KVTxn, records: Records, after: AfterCommit) -> None:
+        def remove(txn: KVTxn) -> tuple[Change, ...]:
             found.clear()  # a retried transaction starts over
-            if txn.get(PREFIX_META + eid) is not None:
-                self._remove_entry(txn, records, after, eid)
-                found.append(eid)
+            if txn.get(PREFIX_META + eid) is None:
+                return ()
+            found.append(eid)
+            return (Remove(eid),)
 
         self._write(remove)
         return bool(found)
 
     def _set_pinned(self, key: bytes, namespace: str, pinned: bool) -> bool:
         eid = entry_id(namespace, key)
-        outcome: list[str] = []
+        outcome: list[CacheFull | None] = []
 
-        def change(txn: KVTxn, records: Records, after: AfterCommit) -> None:
+        def change(txn: KVTxn) -> tuple[Change, ...]:
             outcome.clear()  # a retried transaction starts over
-            catalog = self._replica.catalog
-            state = catalog.get(eid)
-            if state is None:
-                return
-            if state.pinned != pinned:
-                if pinned and not catalog.pins_fit(state.size, self.max_bytes, self.max_entries):
-                    outcome.append("full")
-                    return
-                self._write_values(txn, records, after, eid, pinned=pinned)
-            outcome.append("done")
+            if eid not in self._replica.catalog:
+                return ()
+            try:
+                mark = self._replica.plan_pin(eid, pinned, len(key) // 4)
+            except CacheFull as exc:  # raised after the transaction: inside, it would mean "the store is full"
+                outcome.append(exc)
+                return ()
+            outcome.append(None)
+            return () if mark is None else (mark,)
 
         with self._lock:
             self._write(change)
-        if outcome == ["full"]:
-            raise CacheFull(
-                f"{self.location}: cannot pin {len(key) // 4} tokens: pinned entries would exceed "
-                f"max_bytes={self.max_bytes}, max_entries={self.max_entries}"
-            )
+        if outcome and outcome[0] is not None:
+            raise outcome[0]
         return bool(outcome)
 
     def _clear(self) -> None:
-        def clear(txn: KVTxn, records: Records, after: AfterCommit) -> None:
-            for key, _ in list(txn.scan(PREFIX_META)):
-                eid = key[1:]
-                for prefix in ENTRY_PREFIXES:
-                    txn.delete(prefix + eid)
-            for single in (KEY_CLOCK, KEY_INDEX_SNAPSHOT, KEY_INDEX_SNAPSHOT_SEQ):
-                txn.delete(single)
-            records.append([OP_CLEAR])
-            after.append(self._replica.catalog.clear)
-
-        self._write(clear)
+        self._write(lambda txn: (Clear(),))
 
     def _stats(self) -> Stats:
         with self._lock:
             self._refresh()
-            return self._replica.catalog.stats(
-                backend=type(self).__name__, location=self.location, max_bytes=self.max_bytes,
-                max_entries=self.max_entries, damaged=len(self._replica.damaged), **self._counters,
+            replica = self._replica
+            return replica.catalog.stats(
+                backend=type(self).__name__, location=self.location, budget=replica.budget,
+                damaged=len(replica.damaged), **replica.counters,
             )  # fmt: skip
 
     def _entries(self, namespace: str | None) -> list[EntryInfo]:
@@ -305,60 +269,54 @@ class KVBackend(BaseBackend):
 
     # -- writing -----------------------------------------------------------------
 
-    def _write(self, change: Change) -> None:
-        """Run `change` in a write transaction together with pending touches and its
-        log records, then apply its in-memory updates. On `CacheFull` (the store
-        itself has no room), retry once (the backend may have made room: LMDB grows
-        its map), then evict down to half the stored bytes and retry a last time."""
+    def _write(self, write: Write) -> None:
+        """Run `write` in a write transaction together with pending uses, the budget to
+        save and the removal of damaged entries, log its changes, then apply them. On
+        `CacheFull` (the store itself has no room), retry once (the backend may have
+        made room: LMDB grows its map), then evict down to half the stored bytes and
+        retry a last time."""
         if self.read_only:  # the public methods refuse first; this guards every other path
             raise ReadOnlyStore(f"{self.location} is open read-only")
         with self._lock:
             try:
-                self._write_once(change)
+                self._write_once(write)
             except CacheFull:
                 try:
-                    self._write_once(change)
+                    self._write_once(write)
                 except CacheFull:
                     if not self._replica.catalog.total:
                         raise
                     log.warning("sippcache: %s is full; evicting down to half its stored bytes", self.location)
                     self._write_once(self._evict_to_half)
-                    self._write_once(change)
+                    self._write_once(write)
             if self._replica.read_every_entry:
                 self._save_index_snapshot()
 
-    def _write_once(self, change: Change) -> None:
+    def _write_once(self, write: Write) -> None:
         replica = self._replica
-        records: Records = []
-        after: AfterCommit = []
         with self._transaction() as txn:
             replica.sync(txn)
-            if replica.uses.items:
-                touched = []
-                for eid, (used, value) in replica.uses.items.items():
-                    state = replica.catalog.get(eid)
-                    if state is not None and txn.get(PREFIX_META + eid) is not None:
-                        txn.put(PREFIX_USED + eid, pack_u64(used))
-                        txn.put(PREFIX_VALUES + eid, pack_values(value, state.pinned, False))
-                        touched.append([eid, used, value])
-                if touched:
-                    records.append([OP_TOUCH, touched])
-            for eid in replica.damaged:
-                self._remove_entry(txn, records, after, eid)
-            change(txn, records, after)
+            changes: list[Change] = [Remove(eid) for eid in replica.damaged]
+            for pending in (replica.uses.batch(), replica.budget_claim()):
+                if pending is not None:
+                    changes.append(pending)
+            changes.extend(write(txn))
+            clock = replica.catalog.clock_after(changes)
+            if clock != replica.catalog.clock:
+                txn.put(KEY_CLOCK, pack_f64(clock))
             seq = replica.seq
-            for record in records:
-                seq += 1
-                txn.put(log_key(seq), pack_record(record))
-            if records:
+            for change in changes:
+                record = replica.write(txn, change)
+                if record is not None:
+                    seq += 1
+                    txn.put(log_key(seq), pack_record(record))
+            if seq != replica.seq:
                 txn.put(KEY_NEWEST, pack_u64(seq))
                 self._trim_log(txn, seq)
-        # Committed: bring memory to the state after our records (touches are in memory already).
+        # Committed: bring memory to the state after our records (uses are in memory already).
         replica.uses.items.clear()
         replica.damaged.clear()
-        replica.seq = seq
-        for update in after:
-            update()
+        replica.committed(changes, seq)
 
     def _trim_log(self, txn: KVTxn, seq: int) -> None:
         trimmed = read_u64(txn.get(KEY_TRIMMED))
@@ -394,48 +352,22 @@ class KVBackend(BaseBackend):
         finally:
             replica.read_every_entry = False  # tried once, whatever happened
 
-    def _evict_to_half(self, txn: KVTxn, records: Records, after: AfterCommit) -> None:
+    def _evict_to_half(self, txn: KVTxn) -> list[Change]:
         """Evict (by the eviction order, never pinned entries) down to half the stored bytes."""
         catalog = self._replica.catalog
-        for victim in catalog.victims(max_bytes=catalog.total // 2, max_entries=None) or ():
-            self._remove_entry(txn, records, after, victim, evicted=True)
-
-    def _remove_entry(
-        self, txn: KVTxn, records: Records, after: AfterCommit, eid: bytes, *, evicted: bool = False
-    ) -> None:
-        for prefix in ENTRY_PREFIXES:
-            txn.delete(prefix + eid)
-        records.append([OP_DELETE, eid])
-        after.append(lambda: self._forget(eid, evicted))
-
-    def _forget(self, eid: bytes, evicted: bool) -> None:
-        if self._replica.catalog.remove(eid, evicted=evicted) is not None and evicted:
-            self._counters["evictions"] += 1
-        self._replica.uses.items.pop(eid, None)
-
-    def _write_values(
-        self, txn: KVTxn, records: Records, after: AfterCommit, eid: bytes,
-        *, pinned: bool | None = None, superseded: bool | None = None,
-    ) -> None:  # fmt: skip
-        """Change an entry's pinned or superseded flag (its V record)."""
-        catalog = self._replica.catalog
-        state = catalog.get(eid)
-        assert state is not None
-        value = state.value
-        new_pinned = state.pinned if pinned is None else pinned
-        new_superseded = state.superseded if superseded is None else superseded
-        txn.put(PREFIX_VALUES + eid, pack_values(value, new_pinned, new_superseded))
-        records.append([OP_VALUES, eid])
-        after.append(lambda: catalog.update(eid, value=value, pinned=new_pinned, superseded=new_superseded))
+        return [Remove(victim, evicted=True) for victim in catalog.victims(Budget(catalog.total // 2)) or ()]
 
     # -- reading the store ---------------------------------------------------------
 
     def _refresh(self) -> None:
+        """Bring memory up to the store; at the first use, save this handle's budget with it."""
         txn, end = self._reader()
         try:
             self._replica.sync(txn)
         finally:
             end()
+        if self._replica.budget_claim() is not None:
+            self._write(_nothing)
 
     # -- recency -------------------------------------------------------------------
 

@@ -35,8 +35,9 @@ _open_backends: weakref.WeakSet[ForkAware] = weakref.WeakSet()
 _inner_locks: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
 
 
-def track(backend: ForkAware) -> None:
-    """Hold `backend` still across every fork while it is alive."""
+def hold_across_forks(backend: ForkAware) -> None:
+    """Hold `backend` still across every fork while it is alive (any backend with a
+    lock around its operations: the KV engine's, the Redis plugin's)."""
     _open_backends.add(backend)
 
 

@@ -1,4 +1,4 @@
-"""Which key of the engine's byte map holds what, and the change log's op codes.
+"""Which key of the engine's byte map holds what, and what its change-log records look like.
 
 Entry ids are xxh3_128 of namespace + key, so LMDB's 511-byte key limit never
 matters. Each entry has up to four records, keyed by a one-byte prefix and its
@@ -9,10 +9,15 @@ id; a few single keys describe the whole store::
             (stores written before pins and priorities have the first four only)
     U<id>   u64 last-use time (ns), updated in batches
     V<id>   msgpack [retention value, pinned, superseded] (absent: the defaults)
-    L<seq>  the change log: msgpack [op, ...], op one of the OP_ codes below
+    L<seq>  the change log: msgpack [op, ...], op a `sippcache.catalog.Op` code:
+            ["p", id] an entry was stored (read its records), ["d", id] removed,
+            ["t", [[id, used_ns, value?], ...]] used, ["v", id] its V record
+            changed, ["c"] every entry removed, ["b"] the K record changed
     S       u64 sequence number of the newest log record
     T       u64 log records at or below this number were trimmed
-    G       f64 the eviction clock (see `sippcache.catalog`)
+    G       f64 the eviction clock (see `sippcache.eviction`)
+    K       msgpack [max_bytes, max_entries] (None: no limit): the budget saved with
+            the store (absent: none is; stores written before budgets were saved)
     I       the catalog's snapshot (`sippcache.catalog.Catalog.snapshot`): loading
             it and replaying the log after it replaces reading every entry at open
     J       u64 the log record the snapshot reflects
@@ -40,15 +45,9 @@ PREFIX_LOG = b"L"
 KEY_NEWEST = b"S"
 KEY_TRIMMED = b"T"
 KEY_CLOCK = b"G"
+KEY_BUDGET = b"K"
 KEY_INDEX_SNAPSHOT = b"I"
 KEY_INDEX_SNAPSHOT_SEQ = b"J"
-
-#: Change-log op codes: the first field of every log record.
-OP_PUT = "p"  # [OP_PUT, id]: an entry was stored; read its records
-OP_DELETE = "d"  # [OP_DELETE, id]: an entry was removed
-OP_TOUCH = "t"  # [OP_TOUCH, [[id, used_ns, value?], ...]]: entries were used
-OP_VALUES = "v"  # [OP_VALUES, id]: an entry's V record (pinned, superseded) changed
-OP_CLEAR = "c"  # [OP_CLEAR]: every entry was removed
 
 #: Log records kept for processes that fall behind; further behind means a rebuild.
 LOG_KEEP = 10_000

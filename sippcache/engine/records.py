@@ -9,19 +9,27 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
 
-from ..catalog import EntryState
+from ..catalog import Budget, EntryState, Op
 from ..protocol import Blob
-from .layout import OP_CLEAR, OP_DELETE, OP_PUT, OP_TOUCH, OP_VALUES, entry_id
+from .layout import entry_id
 
 _U64 = struct.Struct("<Q")
 _F64 = struct.Struct("<d")
 
-#: An M record's fields: (namespace, key, size, created_ns, priority, generation).
-Meta = tuple[str, bytes, int, int, float, int]
+
+class Meta(NamedTuple):
+    """An M record's fields."""
+
+    namespace: str
+    key: bytes
+    size: int
+    created: int  # ns since the epoch
+    priority: float
+    generation: int
 
 
 def pack_u64(number: int) -> bytes:
@@ -45,9 +53,9 @@ def read_f64(raw: Blob | None) -> float:
     return value if math.isfinite(value) else 0.0
 
 
-def pack_meta(namespace: str, key: bytes, size: int, state: EntryState) -> bytes:
+def pack_meta(key: bytes, state: EntryState) -> bytes:
     """An entry's M record."""
-    return _pack([namespace, key, size, state.created, state.priority, state.generation])
+    return _pack([state.namespace, key, state.size, state.created, state.priority, state.generation])
 
 
 def read_meta(eid: bytes, raw: Blob) -> Meta | None:
@@ -75,7 +83,7 @@ def read_meta(eid: bytes, raw: Blob) -> Meta | None:
         and entry_id(namespace, key) == eid
     ):  # fmt: skip
         return None
-    return namespace, key, size, created, float(priority), generation
+    return Meta(namespace, key, size, created, float(priority), generation)
 
 
 def pack_values(value: float, pinned: bool, superseded: bool) -> bytes:
@@ -97,6 +105,25 @@ def read_values(raw: Blob | None) -> tuple[float, bool, bool] | None:
     return value, pinned, superseded
 
 
+def pack_budget(budget: Budget) -> bytes:
+    """The K record."""
+    return _pack([budget.max_bytes, budget.max_entries])
+
+
+def read_budget(raw: Blob | None) -> Budget | None:
+    """The K record, or None if absent or damaged (then no budget is saved with the store)."""
+    if raw is None:
+        return None
+    try:
+        max_bytes, max_entries = msgpack.unpackb(raw, raw=False)
+    except Exception:
+        return None
+    limits = (max_bytes, max_entries)
+    if not all(limit is None or (type(limit) is int and limit > 0) for limit in limits):
+        return None
+    return Budget(max_bytes, max_entries)
+
+
 def pack_record(record: list[Any]) -> bytes:
     """A change-log record."""
     return _pack(record)
@@ -109,11 +136,11 @@ def read_record(raw: Blob) -> list[Any] | None:
     except Exception:
         return None
     valid = isinstance(record, list) and record and (
-        (record[0] in (OP_PUT, OP_DELETE, OP_VALUES) and len(record) == 2 and isinstance(record[1], bytes))
-        or (record[0] == OP_TOUCH and len(record) == 2 and isinstance(record[1], list)
+        (record[0] in (Op.PUT, Op.DELETE, Op.VALUES) and len(record) == 2 and isinstance(record[1], bytes))
+        or (record[0] == Op.TOUCH and len(record) == 2 and isinstance(record[1], list)
             and all(isinstance(t, list) and len(t) in (2, 3) and isinstance(t[0], bytes) and isinstance(t[1], int)
                     and (len(t) == 2 or isinstance(t[2], float)) for t in record[1]))
-        or record == [OP_CLEAR]
+        or record in ([Op.CLEAR], [Op.BUDGET])
     )  # fmt: skip
     return record if valid else None
 

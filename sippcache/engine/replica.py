@@ -1,12 +1,16 @@
-"""This process's copy of a store's index, kept in step with the store's change log.
+"""This process's copy of a KV store's index, kept in step with the store's change log.
 
-When a process opens a store it loads the catalog's snapshot (`I`, see
-`sippcache.engine.layout`) and replays the log records written after it; only
-without a usable snapshot (none, damaged, or older than the trimmed log) does
-it read every entry's records. Then it replays the log records newer than the
-last one it saw before each operation: a lookup costs one small read when
-nothing changed, and another process's store is visible at once without
-reopening.
+`Replica` is the engine's `sippcache.mirror.Mirror`: the catalog, the log
+position, pending uses and the budget are the mirror's; what is here is the
+engine's own format, how a change is written to the byte map and read back
+from it (see `sippcache.engine.layout`), and how a mirror is rebuilt from it.
+
+When a process opens a store it loads the catalog's snapshot (`I`) and replays
+the log records written after it; only without a usable snapshot (none,
+damaged, or older than the trimmed log) does it read every entry's records.
+Then it replays the log records newer than the last one it saw before each
+operation: a lookup costs one small read when nothing changed, and another
+process's store is visible at once without reopening.
 
 A snapshot is a copy of checked records, so an entry it lists is checked
 against its own M record the first time a lookup finds it (`confirm`): a record
@@ -18,25 +22,34 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..catalog import Catalog, EntryState, PendingUses, paused_gc
+from ..catalog import Budget, Catalog, Change, Clear, EntryState, Mark, Op, Put, Remove, Use, Uses, paused_gc
+from ..mirror import Mirror
 from ..protocol import Blob
 from .layout import (
+    ENTRY_PREFIXES,
+    KEY_BUDGET,
     KEY_CLOCK,
     KEY_INDEX_SNAPSHOT,
     KEY_INDEX_SNAPSHOT_SEQ,
     KEY_NEWEST,
     KEY_TRIMMED,
-    OP_CLEAR,
-    OP_DELETE,
-    OP_PUT,
-    OP_TOUCH,
-    OP_VALUES,
     PREFIX_META,
     PREFIX_USED,
     PREFIX_VALUES,
     log_key,
 )
-from .records import pack_u64, read_f64, read_meta, read_record, read_u64, read_values
+from .records import (
+    pack_budget,
+    pack_meta,
+    pack_u64,
+    pack_values,
+    read_budget,
+    read_f64,
+    read_meta,
+    read_record,
+    read_u64,
+    read_values,
+)
 from .storage import KVTxn
 
 log = logging.getLogger("sippcache")
@@ -49,22 +62,15 @@ INDEX_SNAPSHOT_MIN_ENTRIES = 1_000
 INDEX_SNAPSHOT_LAG = 1_000
 
 
-class Replica:
-    """The catalog of one store as of log record `seq`, with this process's
-    pending uses and the ids of damaged entries awaiting removal."""
+class Replica(Mirror):
+    """The catalog of one KV store as of log record `seq`, read from and written to its records."""
 
-    def __init__(self, location: str) -> None:
-        self.location = location
-        self.catalog = Catalog()
-        self.seq = -1  # newest log record applied; -1 forces a rebuild
-        self.uses = PendingUses()
-        self.damaged: set[bytes] = set()  # ids whose M record is damaged: removed on the next write
-        self.unconfirmed: set[bytes] = set()  # ids loaded from a snapshot whose M record is not read yet
-        self.read_every_entry = False  # the last rebuild found no usable snapshot
+    unconfirmed: set[bytes]  # ids loaded from a snapshot whose M record is not read yet
+    read_every_entry = False  # the last rebuild found no usable snapshot
 
-    def invalidate(self) -> None:
-        """Rebuild from the store on the next `sync`."""
-        self.seq = -1
+    def __init__(self, location: str, **options: Any) -> None:
+        super().__init__(location, **options)
+        self.unconfirmed = set()
 
     def sync(self, txn: KVTxn) -> None:
         """Bring memory up to the store's newest log record."""
@@ -77,13 +83,11 @@ class Replica:
     def rebuild(self, txn: KVTxn, seq: int, *, snapshot: bool = True) -> None:
         """Load the catalog as of log record `seq`: from the store's snapshot and the
         log after it if there is a usable one (and `snapshot`), else from every entry's records."""
-        self.uses.items.clear()
         with paused_gc():  # hundreds of thousands of objects at once (see `paused_gc`)
-            if snapshot and self._load_index_snapshot(txn, seq):
-                self.read_every_entry = False
-                return
-            self._read_entries(txn, seq)
-        self.read_every_entry = True
+            self.read_every_entry = not (snapshot and self._load_index_snapshot(txn, seq))
+            if self.read_every_entry:
+                self._read_entries(txn, seq)
+        self.catalog.budget = read_budget(txn.get(KEY_BUDGET))
 
     def confirm(self, txn: KVTxn, eid: bytes) -> bool:
         """Whether entry `eid`, found by a lookup, may be returned. An entry loaded from
@@ -96,13 +100,53 @@ class Replica:
         raw = txn.get(PREFIX_META + eid)
         meta = read_meta(eid, raw) if raw is not None else None
         index = self.catalog.index
-        if meta is not None and meta[:2] == (index.namespace_of(eid), index.key_of(eid)):
+        if meta is not None and (meta.namespace, meta.key) == (index.namespace_of(eid), index.key_of(eid)):
             return True
         if raw is not None and meta is None:
             self.damaged.add(eid)
-        self.catalog.remove(eid)
-        self.uses.items.pop(eid, None)
+        self.apply(Remove(eid))
         return False
+
+    # -- writing a change ----------------------------------------------------------------
+
+    def write(self, txn: KVTxn, change: Change) -> list[Any] | None:
+        """Write `change`'s records in `txn` (a write transaction, in sync with the store);
+        return its log record (None: nothing to log)."""
+        match change:
+            case Put(eid=eid, key=key, state=state):
+                txn.put(PREFIX_META + eid, pack_meta(key, state))
+                txn.put(PREFIX_USED + eid, pack_u64(state.used))
+                txn.put(PREFIX_VALUES + eid, pack_values(state.value, state.pinned, state.superseded))
+                return [change.op, eid]
+            case Remove(eid=eid):
+                for prefix in ENTRY_PREFIXES:
+                    txn.delete(prefix + eid)
+                return [change.op, eid]
+            case Mark(eid=eid):
+                txn.put(PREFIX_VALUES + eid, pack_values(change.value, change.pinned, change.superseded))
+                return [change.op, eid]
+            case Uses(items=items):
+                saved = []
+                for eid, used, value in items:
+                    used_entry = self.catalog.get(eid)
+                    if used_entry is not None and value is not None and txn.get(PREFIX_META + eid) is not None:
+                        txn.put(PREFIX_USED + eid, pack_u64(used))
+                        txn.put(PREFIX_VALUES + eid, pack_values(value, used_entry.pinned, False))
+                        saved.append([eid, used, value])
+                return [change.op, saved] if saved else None
+            case Clear():
+                for key, _ in list(txn.scan(PREFIX_META)):
+                    for prefix in ENTRY_PREFIXES:
+                        txn.delete(prefix + key[1:])
+                for single in (KEY_CLOCK, KEY_INDEX_SNAPSHOT, KEY_INDEX_SNAPSHOT_SEQ):
+                    txn.delete(single)
+                return [change.op]
+            case Budget():
+                txn.put(KEY_BUDGET, pack_budget(change))
+                return [change.op]
+        raise TypeError(f"not a change: {change!r}")
+
+    # -- the index snapshot ----------------------------------------------------------
 
     def snapshot_wanted(self) -> bool:
         """Whether this store is big enough for an index snapshot to pay."""
@@ -126,6 +170,8 @@ class Replica:
             txn.put(KEY_INDEX_SNAPSHOT, self.catalog.snapshot(self.seq))
             txn.put(KEY_INDEX_SNAPSHOT_SEQ, pack_u64(self.seq))
 
+    # -- reading the store -------------------------------------------------------------
+
     def _replay(self, txn: KVTxn, seq: int) -> bool:
         """Apply the log records after `self.seq` up to `seq`; False if one is
         missing (trimmed while we read) or damaged: then only a rebuild will do."""
@@ -134,10 +180,25 @@ class Replica:
             record = read_record(raw) if raw is not None else None
             if record is None:
                 return False
-            self._apply(txn, record)
+            self.follow(number, self._change(txn, record))
         self.catalog.clock = read_f64(txn.get(KEY_CLOCK))
-        self.seq = seq
         return True
+
+    def _change(self, txn: KVTxn, record: list[Any]) -> Change | None:
+        """The change a (valid) log record stands for, as the store holds it now."""
+        op, eid = record[0], record[1] if len(record) > 1 else b""
+        if op == Op.PUT:  # an entry gone (deleted by a later record) or damaged is removed
+            return self._load(txn, eid) or Remove(eid)
+        if op == Op.DELETE:
+            return Remove(eid)
+        if op == Op.TOUCH:
+            return Uses(tuple(Use(item[0], item[1], item[2] if len(item) == 3 else None) for item in record[1]))
+        if op == Op.VALUES:
+            values = read_values(txn.get(PREFIX_VALUES + eid))
+            return None if values is None else Mark(eid, *values)
+        if op == Op.CLEAR:
+            return Clear()
+        return read_budget(txn.get(KEY_BUDGET))  # Op.BUDGET; a damaged K record changes nothing
 
     def _load_index_snapshot(self, txn: KVTxn, seq: int) -> bool:
         """Load the store's snapshot and replay the log after it; False (memory to be
@@ -145,40 +206,31 @@ class Replica:
         raw = txn.get(KEY_INDEX_SNAPSHOT)
         if raw is None:
             return False
-        loaded = Catalog.from_snapshot(raw)
+        loaded = Catalog.from_snapshot(raw, self.catalog.policy)
         if loaded is None:
             log.warning("sippcache: %s: the index snapshot is damaged; reading every entry instead", self.location)
             return False
         catalog, position = loaded
         if not read_u64(txn.get(KEY_TRIMMED)) <= position <= seq:
             return False  # log records it would need are gone, or the store is older than the snapshot
-        self.catalog, self.seq = catalog, position
+        self.replace(catalog, position)
         self.damaged.clear()
         self.unconfirmed = set(catalog.ids())
         return self._replay(txn, seq)
 
     def _read_entries(self, txn: KVTxn, seq: int) -> None:
         """Load every entry from its records, as of log record `seq`."""
-        self.catalog = Catalog()
         self.damaged.clear()
         self.unconfirmed.clear()
-        found = []
-        for key, raw in txn.scan(PREFIX_META):
-            eid = bytes(key[1:])
-            loaded = self._load(txn, eid, raw)
-            if loaded is not None:
-                found.append((loaded[1].used, eid, loaded))
+        found = [put for key, raw in txn.scan(PREFIX_META) if (put := self._load(txn, bytes(key[1:]), raw))]
         if self.damaged:
             log.warning("sippcache: %s has %d damaged entries; they are removed on the next write",
                         self.location, len(self.damaged))  # fmt: skip
-        for _, eid, (key, state) in sorted(found):
-            self.catalog.put(eid, key, state)
-        self.catalog.clock = read_f64(txn.get(KEY_CLOCK))
-        self.seq = seq
+        self.reload(found, seq, read_f64(txn.get(KEY_CLOCK)))
 
-    def _load(self, txn: KVTxn, eid: bytes, raw: Blob | None = None) -> tuple[bytes, EntryState] | None:
-        """An entry's key and state from its M, U and V records; None if it is gone
-        or its M record is damaged (then it is marked for removal)."""
+    def _load(self, txn: KVTxn, eid: bytes, raw: Blob | None = None) -> Put | None:
+        """An entry as its M, U and V records hold it; None if it is gone or its M
+        record is damaged (then it is marked for removal)."""
         raw = txn.get(PREFIX_META + eid) if raw is None else raw
         if raw is None:
             return None
@@ -186,30 +238,10 @@ class Replica:
         if meta is None:
             self.damaged.add(eid)
             return None
-        namespace, key, size, created, priority, generation = meta
-        tokens = len(key) // 4
-        used = read_u64(txn.get(PREFIX_USED + eid)) or created
+        tokens = len(meta.key) // 4
+        used = read_u64(txn.get(PREFIX_USED + eid)) or meta.created
         values = read_values(txn.get(PREFIX_VALUES + eid))
-        value, pinned, superseded = values if values is not None else (priority / tokens, False, False)
-        return key, EntryState(namespace, tokens, size, priority, generation, created, used, value, pinned, superseded)
-
-    def _apply(self, txn: KVTxn, record: list[Any]) -> None:
-        op = record[0]
-        if op == OP_PUT:
-            loaded = self._load(txn, record[1])  # None: deleted by a later record, or damaged
-            if loaded is not None:
-                self.catalog.put(record[1], *loaded)
-        elif op == OP_DELETE:
-            self.catalog.remove(record[1])
-            self.uses.items.pop(record[1], None)
-        elif op == OP_TOUCH:
-            for eid, used, *value in record[1]:
-                self.catalog.use(eid, used, value[0] if value else None)
-        elif op == OP_VALUES:
-            values = read_values(txn.get(PREFIX_VALUES + record[1]))
-            if values is not None:
-                value, pinned, superseded = values
-                self.catalog.update(record[1], value=value, pinned=pinned, superseded=superseded)
-        elif op == OP_CLEAR:
-            self.catalog.clear()
-            self.uses.items.clear()
+        value, pinned, superseded = values if values is not None else (meta.priority / tokens, False, False)
+        state = EntryState(meta.namespace, tokens, meta.size, meta.priority, meta.generation, meta.created, used,
+                           value, pinned, superseded)  # fmt: skip
+        return Put(eid, meta.key, state)

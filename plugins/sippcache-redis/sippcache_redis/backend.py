@@ -29,26 +29,21 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 import secrets
 import ssl
-import struct
 import threading
 import time
-import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
-import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
 import xxhash
 
 from sippcache import BadOption, BaseBackend, EntryInfo, Match, MissingDependency, Peek, Stats, StoreOptions
-from sippcache.catalog import Catalog, EntryState, PendingUses, StorePlan, refuse
-from sippcache.engine import entry_id
-from sippcache.errors import CacheFull
+from sippcache.catalog import UNSET, Budget, Change, Clear, Mark, Put, Remove, StorePlan
+from sippcache.engine import entry_id, hold_across_forks
+from sippcache.mirror import Limit, Mirror, OutOfStep, check_limits
 from sippcache.options import Size, coerce_options
 
 try:
@@ -59,6 +54,21 @@ try:
 except ImportError as exc:  # reported by `sippcache backends` as unusable, with the fix
     raise MissingDependency('the "redis" backend needs the redis package: pip install sippcache-redis') from exc
 
+from .records import (
+    MAX_CHUNK_SIZE,
+    MIN_CHUNK_SIZE,
+    BadRecord,
+    BlobRef,
+    blob_of,
+    pack_limit,
+    pack_meta,
+    pack_uses,
+    pack_values,
+    read_budget,
+    read_clock,
+    read_entry,
+    read_record,
+)
 from .scripts import SCRIPTS
 from .url import RedisAddress, parse_location
 
@@ -68,7 +78,6 @@ DEFAULT_MAX_BYTES = 1024**3
 DEFAULT_TIMEOUT = 2.0
 DEFAULT_CHUNK_SIZE = 1024**2
 DEFAULT_PREFIX = "sippcache"
-MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 1024, 256 * 1024**2
 #: Bytes of chunks requested per round trip when fetching or uploading a blob.
 WINDOW_BYTES = 16 * 1024**2
 #: Chunks live this long until their entry is committed (a client that dies mid-store leaves nothing).
@@ -87,8 +96,6 @@ BACKOFF_FIRST, BACKOFF_MAX = 0.5, 5.0
 SCAN_COUNT = 1000
 
 _PREFIX = re.compile(r"[A-Za-z0-9._:-]{1,64}")
-_VALUES = struct.Struct(">Qd??")  # used (ns), retention value, pinned, superseded: 18 bytes
-_TOUCH = struct.Struct(">16sQd")  # id, used, value: 32 bytes
 _TLS_OPTIONS: dict[str, type] = {
     "ssl_ca_certs": str, "ssl_ca_path": str, "ssl_certfile": str, "ssl_keyfile": str, "ssl_password": str,
     "ssl_cert_reqs": str, "ssl_check_hostname": bool, "ssl_ciphers": str,
@@ -134,110 +141,11 @@ class _Rebuild(Exception):
     """What the server returned cannot be applied to the mirror: rebuild it."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Blob:
-    """Where an entry's bytes are: `count` chunks of `chunk_size` (the last shorter)."""
+class Chunks(NamedTuple):
+    """The chunks of one entry: its id (their hash tag) and where its bytes are."""
 
-    blob_id: bytes  # 8 random bytes, new for every store
-    length: int
-    chunk_size: int
-    checksum: int  # xxh3_64 of the blob
-
-    @property
-    def count(self) -> int:
-        return -(-self.length // self.chunk_size)
-
-    def sizes(self) -> list[int]:
-        count = self.count
-        return [self.chunk_size] * (count - 1) + [self.length - self.chunk_size * (count - 1)]
-
-
-def _pack_meta(namespace: str, key: bytes, size: int, state: EntryState, ref: _Blob) -> bytes:
-    body = [namespace, key, size, state.created, state.priority, state.generation, ref.chunk_size, ref.checksum]
-    packed: bytes = msgpack.packb(body, use_bin_type=True)
-    return ref.blob_id + packed
-
-
-def _meta(eid: bytes, raw: Any) -> tuple[str, bytes, int, int, float, int, _Blob] | None:
-    """A `cat` value as (namespace, key, size, created, priority, generation, blob), or
-    None unless it is well formed and belongs to `eid`."""
-    if not isinstance(raw, bytes) or len(raw) < 9:
-        return None
-    try:
-        fields = msgpack.unpackb(raw[8:], raw=False)
-        namespace, key, size, created, priority, generation, chunk_size, checksum = fields
-    except Exception:
-        return None
-    if not (
-        isinstance(namespace, str) and isinstance(key, bytes) and key and len(key) % 4 == 0
-        and len(namespace.encode("utf-8", "surrogatepass")) <= 1024
-        and type(size) is int and size > len(key) and type(created) is int and created >= 0
-        and isinstance(priority, (int, float)) and not isinstance(priority, bool)
-        and math.isfinite(priority) and priority >= 0
-        and type(generation) is int and 0 <= generation < 2**63
-        and type(chunk_size) is int and MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE
-        and type(checksum) is int and 0 <= checksum < 2**64
-    ):  # fmt: skip
-        return None
-    try:
-        if entry_id(namespace, key) != eid:
-            return None
-    except UnicodeEncodeError:
-        return None
-    blob = _Blob(raw[:8], size - len(key), chunk_size, checksum)
-    return namespace, key, size, created, float(priority), generation, blob
-
-
-def _pack_values(used: int, value: float, pinned: bool, superseded: bool) -> bytes:
-    return _VALUES.pack(used, value, pinned, superseded)
-
-
-def _values(raw: Any) -> tuple[int, float, bool, bool] | None:
-    """A `val` value as (used, value, pinned, superseded), or None if absent or damaged."""
-    if not isinstance(raw, bytes) or len(raw) != _VALUES.size or raw[16] > 1 or raw[17] > 1:
-        return None
-    used, value, pinned, superseded = _VALUES.unpack(raw)
-    return (used, value, pinned, superseded) if math.isfinite(value) else None
-
-
-def _clock(raw: Any) -> float:
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        return 0.0
-    return value if math.isfinite(value) else 0.0
-
-
-def _entry(
-    meta: tuple[str, bytes, int, int, float, int, _Blob], values: tuple[int, float, bool, bool] | None
-) -> EntryState:
-    namespace, key, size, created, priority, generation, _ = meta
-    tokens = len(key) // 4
-    used, value, pinned, superseded = values if values is not None else (created, priority / tokens, False, False)
-    return EntryState(
-        namespace, tokens, size, priority, generation, created, max(used, created), value, pinned, superseded
-    )
-
-
-_open_backends: weakref.WeakSet[RedisBackend] = weakref.WeakSet()
-
-
-def _before_fork() -> None:  # never copy a handle in the middle of an operation
-    for backend in sorted(_open_backends, key=id):
-        backend._lock.acquire()
-
-
-def _after_fork_in_parent() -> None:
-    for backend in sorted(_open_backends, key=id):
-        backend._lock.release()
-
-
-def _after_fork_in_child() -> None:  # the mirror stays valid; redis-py reconnects in the child by itself
-    for backend in list(_open_backends):
-        backend._lock = threading.RLock()
-
-
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+    eid: bytes
+    ref: BlobRef
 
 
 class RedisBackend(BaseBackend):
@@ -254,8 +162,8 @@ class RedisBackend(BaseBackend):
         self,
         location: str = "",
         *,
-        max_bytes: int | None = DEFAULT_MAX_BYTES,
-        max_entries: int | None = None,
+        max_bytes: Limit = UNSET,
+        max_entries: Limit = UNSET,
         prefix: str = DEFAULT_PREFIX,
         timeout: float = DEFAULT_TIMEOUT,
         cluster: bool | None = None,
@@ -264,10 +172,7 @@ class RedisBackend(BaseBackend):
         **tls_options: Any,
     ) -> None:
         super().__init__()
-        if max_bytes is not None and max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
-        if max_entries is not None and max_entries <= 0:
-            raise ValueError(f"max_entries must be positive, got {max_entries}")
+        check_limits(max_bytes, max_entries)
         if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
             raise ValueError(f"prefix must be 1 to 64 of A-Z a-z 0-9 . _ : - (got {prefix!r})")
         if not (math.isfinite(timeout) and 0 < timeout <= 3600):
@@ -285,8 +190,6 @@ class RedisBackend(BaseBackend):
         self.address: RedisAddress = parse_location(location, tls=tls)
         if cluster and self.address.db != 0:
             raise ValueError("a Redis Cluster has only database 0")
-        self.max_bytes = max_bytes
-        self.max_entries = max_entries
         self.prefix = prefix
         self.timeout = float(timeout)
         self.chunk_size = int(chunk_size)
@@ -302,14 +205,15 @@ class RedisBackend(BaseBackend):
         self._opening = True  # credentials and ACL problems raise AccessDenied only while opening
         self._redis: Any = None  # redis.Redis or redis.RedisCluster, made on first use
         self.cluster: bool | None = None  # known once connected
-        self._catalog = Catalog()
-        self._refs: dict[bytes, _Blob] = {}
+        #: The catalog as of the server's log record `seq` (-1: rebuild before use), with
+        #: pending uses, damaged entries to delete, the budget and the counters.
+        self._mirror = Mirror(
+            self.location, max_bytes=max_bytes, max_entries=max_entries, default=Budget(DEFAULT_MAX_BYTES)
+        )
+        self._mirror.counters["errors"] = 0
+        self._refs: dict[bytes, BlobRef] = {}  # where each entry of the mirror keeps its bytes
         self._epoch: bytes | None = None
-        self._seq = -1  # newest log record applied; -1: rebuild before use
-        self._uses = PendingUses()
-        self._damaged: set[bytes] = set()
-        self._unsure: list[tuple[bytes, _Blob]] = []  # uploads whose commit outcome is unknown
-        self._counters = dict(hits=0, misses=0, stores=0, evictions=0, refused=0, stale=0, errors=0)
+        self._unsure: list[Chunks] = []  # uploads whose commit outcome is unknown
         #: Network exchanges made (a script call, a pipeline, a scan page): a diagnostic.
         self.round_trips = 0
         # Outage state: warn once per outage, skip the server while backing off.
@@ -318,16 +222,36 @@ class RedisBackend(BaseBackend):
         self._retry_at = 0.0
         self._backoff = BACKOFF_FIRST
         self._warned: set[str] = set()
-        _open_backends.add(self)
+        hold_across_forks(self)
         try:
             self._open()
         except BaseException:
-            _open_backends.discard(self)
             if self._redis is not None:
                 self._redis.close()
             raise
         finally:
             self._opening = False
+
+    # -- fork handlers (`sippcache.engine.hold_across_forks`) ----------------------------
+
+    def _hold_for_fork(self) -> None:  # never copy a handle in the middle of an operation
+        self._lock.acquire()
+
+    def _resume_after_fork(self) -> None:
+        self._lock.release()
+
+    def _renew_after_fork(self) -> None:  # the mirror stays valid; redis-py reconnects in the child by itself
+        self._lock = threading.RLock()
+
+    @property
+    def max_bytes(self) -> int | None:
+        """The byte budget this handle enforces (as of its last use of the server)."""
+        return self._mirror.budget.max_bytes
+
+    @property
+    def max_entries(self) -> int | None:
+        """The entry limit this handle enforces (as of its last use of the server)."""
+        return self._mirror.budget.max_entries
 
     @classmethod
     def from_url(cls, location: str, options: Mapping[str, str]) -> RedisBackend:
@@ -474,7 +398,7 @@ class RedisBackend(BaseBackend):
         self._retry_at = time.monotonic() + self._backoff
 
     def _failed(self) -> None:
-        self._counters["errors"] += 1
+        self._mirror.counters["errors"] += 1
         if self._outage is not None:
             self._failed_operations += 1
 
@@ -493,160 +417,139 @@ class RedisBackend(BaseBackend):
 
     def _script(self, name: str, args: Sequence[Any], *, expected: int | None = None) -> list[Any]:
         """Call a store script with the common leading arguments; return its reply."""
-        seq = self._seq if expected is None else expected
+        seq = self._mirror.seq if expected is None else expected
         head = [self._epoch or b"", seq, secrets.token_hex(8), MAX_RECORDS]
         with self._server() as client:
             reply = self._eval(client, name, self._keys, [*head, *args])
-        if not (isinstance(reply, list) and len(reply) == 6):
+        if not (isinstance(reply, list) and len(reply) == 7):
             raise _Rebuild(f"unexpected reply from the {name} script")
         return reply
 
     def _absorb(self, reply: list[Any]) -> str:
-        """Apply a script's records to the mirror. Returns "ok" (the mirror is at the
-        server's seq), "more" (call again), or "rebuild"."""
+        """Apply a script's records (and the store's budget) to the mirror. Returns "ok"
+        (the mirror is at the server's seq), "more" (call again), or "rebuild"."""
         epoch, seq, clock, status, records = reply[:5]
         if not isinstance(epoch, bytes) or type(seq) is not int or seq < 0:
             return "rebuild"
         status = status.decode() if isinstance(status, bytes) else str(status)
-        if status == "rebuild" or epoch != self._epoch or self._seq < 0:
+        mirror = self._mirror
+        if status == "rebuild" or epoch != self._epoch or mirror.seq < 0:
             return "rebuild"
         if status not in ("ok", "more") or not isinstance(records, list):
             return "rebuild"
+        self._take_budget(reply)
         try:
             for record in records:
-                self._apply(record)
-        except _Rebuild:
+                logged = read_record(record)
+                mirror.follow(logged.seq, logged.change)
+                self._track(logged.change, logged.ref)
+                if logged.damaged and isinstance(logged.change, Remove):
+                    mirror.damaged.add(logged.change.eid)
+        except (BadRecord, OutOfStep):
             return "rebuild"
         if status == "ok":
-            if self._seq != seq:
+            if mirror.seq != seq:
                 return "rebuild"
-            self._catalog.clock = _clock(clock)
+            mirror.catalog.clock = read_clock(clock)
         return status
 
-    def _apply(self, record: Any) -> None:
-        if not (isinstance(record, list) and len(record) >= 2 and record[0] == self._seq + 1):
-            raise _Rebuild("log record out of order")
-        kind = record[1]
-        catalog = self._catalog
-        if kind in (b"p", b"v", b"d"):
-            eid = record[2] if len(record) > 2 else None
-            if not isinstance(eid, bytes) or len(eid) != 16:
-                raise _Rebuild("bad entry id in the log")
-            if kind == b"p":
-                raw_meta = record[3] if len(record) > 3 else None
-                meta = _meta(eid, raw_meta)
-                self._forget(eid)
-                if meta is not None:
-                    values = _values(record[4] if len(record) > 4 else None)
-                    catalog.put(eid, meta[1], _entry(meta, values))
-                    self._refs[eid] = meta[6]
-                elif raw_meta is not None:
-                    self._damaged.add(eid)
-            elif kind == b"v":
-                values = _values(record[4] if len(record) > 4 else None)
-                if values is not None:
-                    catalog.update(eid, value=values[1], pinned=values[2], superseded=values[3])
-            else:
-                self._forget(eid)
-                self._damaged.discard(eid)
-        elif kind == b"t":
-            data = record[2] if len(record) > 2 else None
-            if not isinstance(data, bytes) or len(data) % _TOUCH.size:
-                raise _Rebuild("bad touch record in the log")
-            for eid, used, value in _TOUCH.iter_unpack(data):
-                if math.isfinite(value):
-                    catalog.use(eid, used, value)
-        elif kind == b"c":
-            catalog.clear()
-            self._refs.clear()
-            self._uses.items.clear()
-            self._damaged.clear()
-        else:
-            raise _Rebuild("unknown log record")
-        self._seq += 1
+    def _take_budget(self, reply: list[Any]) -> None:
+        """The budget saved with the store, as every script reply brings it."""
+        budget = read_budget(reply[6])
+        if budget is not None and budget != self._mirror.catalog.budget:
+            self._mirror.apply(budget)
 
-    def _forget(self, eid: bytes, *, evicted: bool = False) -> _Blob | None:
-        self._catalog.remove(eid, evicted=evicted)
-        self._uses.items.pop(eid, None)
-        return self._refs.pop(eid, None)
+    def _track(self, change: Change | None, ref: BlobRef | None) -> BlobRef | None:
+        """Keep `_refs` in step with a change the mirror applied; returns the chunks it
+        made obsolete (an entry's that was removed or replaced)."""
+        if isinstance(change, Clear):
+            self._refs.clear()
+            return None
+        if not isinstance(change, (Put, Remove)):
+            return None
+        old = self._refs.pop(change.eid, None)
+        if isinstance(change, Put) and ref is not None:
+            self._refs[change.eid] = ref
+        return old
+
+    def _catch_up(self, reply: list[Any]) -> None:
+        """Apply what a refused script returned, and what followed it."""
+        status = self._absorb(reply)
+        while status == "more":
+            status = self._absorb(self._script("sync", []))
+        if status == "rebuild":
+            self._rebuild()
 
     def _sync(self) -> None:
         """Bring the mirror up to the server's newest record (one round trip when
         nothing is far behind), saving pending recency updates if they are due."""
-        if self._seq < 0:
+        if self._mirror.seq < 0:
             self._rebuild()
             return
         touches: list[bytes] = []
-        if self._uses.due():
+        if self._mirror.uses.due():
             touches = self._touch_args()
         for _ in range(64):
             reply = self._script("sync", touches)
             touches = []
-            try:
-                status = self._absorb(reply)
-            except _Rebuild:
-                status = "rebuild"
+            status = self._absorb(reply)
             if status == "ok" and self._lost_metadata(reply):
                 status = "rebuild"
             if status == "ok":
-                self._purge_damaged()
-                self._settle_uploads()
+                self._after_sync()
                 return
             if status == "rebuild":
                 self._rebuild()
                 return
         self._rebuild()
 
+    def _after_sync(self) -> None:
+        """Work that waits for a mirror in step: delete damaged entries, settle uploads
+        whose commit reply was lost, save this handle's budget (at its first use)."""
+        self._purge_damaged()
+        self._settle_uploads()
+        claim = self._mirror.budget_claim()
+        if claim is not None:
+            reply = self._script("budget", [pack_limit(claim.max_bytes), pack_limit(claim.max_entries)])
+            if self._absorb(reply) == "rebuild":
+                self._mirror.invalidate()
+            self._mirror.committed([claim])
+
     def _lost_metadata(self, reply: list[Any]) -> bool:
         """Whether `cat` holds fewer entries than the mirror (at the same log position): the
         server lost metadata without a log record (evicted `cat`, or someone deleted fields)."""
         count = reply[5]
-        return type(count) is int and count < len(self._catalog)
+        return type(count) is int and count < len(self._mirror.catalog)
 
     def _touch_args(self) -> list[bytes]:
-        args: list[bytes] = []
-        for eid, (used, value) in self._uses.items.items():
-            args += [eid, _TOUCH.pack(eid, used, value)[16:]]
-        self._uses.items.clear()
-        return args
+        uses = self._mirror.uses.batch()
+        self._mirror.uses.items.clear()
+        return [] if uses is None else pack_uses(uses)
 
     def _flush_touches(self) -> None:
-        if self._uses.items and self._seq >= 0:
+        if self._mirror.uses.items and self._mirror.seq >= 0:
             reply = self._script("sync", self._touch_args())
             if self._absorb(reply) == "rebuild":
-                self._seq = -1
+                self._mirror.invalidate()
 
     def _rebuild(self) -> None:
         """Read the whole catalog again (HSCAN, a page per round trip), then catch up
         through the log from where the scan began."""
+        mirror = self._mirror
         for _ in range(3):
-            self._seq = -1
+            mirror.invalidate()
             reply = self._script("sync", [], expected=-1)
             epoch, seq = reply[0], reply[1]
             if not isinstance(epoch, bytes) or type(seq) is not int or seq < 0:
                 raise _ServerError("the store's state is unreadable")
             metas = self._scan(self._keys[1])
             values = self._scan(self._keys[2])
-            catalog, refs, damaged = Catalog(), {}, set()
-            found = []
-            for eid, raw in metas.items():
-                meta = _meta(eid, raw)
-                if meta is None:
-                    damaged.add(eid)
-                    continue
-                found.append((meta, eid))
-            entries = []
-            for meta, eid in found:
-                state = _entry(meta, _values(values.get(eid)))
-                entries.append((state.used, eid, meta[1], state, meta[6]))
-            entries.sort(key=lambda item: (item[0], item[1]))
-            for _, eid, key, state, ref in entries:
-                catalog.put(eid, key, state)
-                refs[eid] = ref
-            catalog.clock = _clock(reply[2])
-            self._catalog, self._refs, self._damaged = catalog, refs, damaged
-            self._uses.items.clear()
-            self._epoch, self._seq = epoch, seq
+            entries = {eid: read_entry(eid, raw, values.get(eid)) for eid, raw in metas.items()}
+            found = [entry for entry in entries.values() if entry is not None]
+            mirror.reload([entry.put for entry in found], seq, read_clock(reply[2]))
+            damaged = mirror.damaged = {eid for eid, entry in entries.items() if entry is None}
+            self._take_budget(reply)
+            self._refs, self._epoch = {entry.put.eid: entry.ref for entry in found}, epoch
             if damaged:
                 log.warning("sippcache: %s has %d damaged entries; they are invisible and removed now",
                             self.location, len(damaged))  # fmt: skip
@@ -656,10 +559,9 @@ class RedisBackend(BaseBackend):
                 if status != "more":
                     break
             if status == "ok" and not self._lost_metadata(reply):
-                self._purge_damaged()
-                self._settle_uploads()
+                self._after_sync()
                 return
-        self._seq = -1
+        mirror.invalidate()
         raise _ServerError("the store changed too fast to be read")
 
     def _scan(self, key: str) -> dict[bytes, Any]:
@@ -683,54 +585,50 @@ class RedisBackend(BaseBackend):
 
     def _purge_damaged(self) -> None:
         """Delete entries whose metadata does not parse (their chunks are unknown: left to expire or be evicted)."""
-        if not self._damaged:
+        if not self._mirror.damaged:
             return
         args: list[bytes] = []
-        for eid in list(self._damaged)[:1000]:
+        for eid in list(self._mirror.damaged)[:1000]:
             args += [eid, b""]
         reply = self._script("delete", args)
-        self._damaged.clear()
+        self._mirror.damaged.clear()
         if self._absorb(reply) == "rebuild":
-            self._seq = -1
+            self._mirror.invalidate()
 
     def _settle_uploads(self) -> None:
         """Uploads whose commit reply was lost: keep the chunks if the entry is ours, else unlink them."""
         if not self._unsure:
             return
         unsure, self._unsure = self._unsure, []
-        keep: list[tuple[bytes, _Blob]] = []
-        drop: list[tuple[bytes, _Blob]] = []
-        for eid, ref in unsure:
-            (keep if self._refs.get(eid) == ref else drop).append((eid, ref))
+        keep = [chunks for chunks in unsure if self._refs.get(chunks.eid) == chunks.ref]
         try:
-            self._chunk_commands([("KEEP", e, r) for e, r in keep] + [("UNLINK", e, r) for e, r in drop])
+            self._chunk_commands(keep=keep, unlink=[chunks for chunks in unsure if chunks not in keep])
         except _ServerError:
             pass  # they expire by themselves
 
     # -- chunks --------------------------------------------------------------------------
 
-    def _chunk_keys(self, eid: bytes, ref: _Blob) -> list[str]:
+    def _chunk_keys(self, eid: bytes, ref: BlobRef) -> list[str]:
         base = f"{self._chunk_prefix}{{{eid.hex()}}}:{ref.blob_id.hex()}:"
         return [base + str(i) for i in range(ref.count)]
 
-    def _chunk_commands(self, work: Sequence[tuple[str, bytes, _Blob]]) -> None:
-        """KEEP (the committed chunks' long TTL) or UNLINK the chunks of several entries,
-        pipelined (each command stays in one slot)."""
-        if not work:
+    def _chunk_commands(self, *, keep: Iterable[Chunks] = (), unlink: Iterable[Chunks] = ()) -> None:
+        """Give committed chunks their long TTL (`keep`) and unlink obsolete ones, for
+        several entries, pipelined (each command stays in one slot)."""
+        keep, unlink = list(keep), list(unlink)
+        if not keep and not unlink:
             return
         with self._server() as client:
             pipe = client.pipeline(transaction=False)
-            for command, eid, ref in work:
-                keys = self._chunk_keys(eid, ref)
-                if command == "UNLINK":
-                    pipe.execute_command("UNLINK", *keys)
-                else:
-                    for key in keys:
-                        pipe.execute_command("PEXPIRE", key, KEEP_TTL_MS)
+            for eid, ref in keep:
+                for key in self._chunk_keys(eid, ref):
+                    pipe.execute_command("PEXPIRE", key, KEEP_TTL_MS)
+            for eid, ref in unlink:
+                pipe.execute_command("UNLINK", *self._chunk_keys(eid, ref))
             pipe.execute(raise_on_error=False)
         self.round_trips += 1
 
-    def _upload(self, eid: bytes, ref: _Blob, blob: memoryview) -> None:
+    def _upload(self, eid: bytes, ref: BlobRef, blob: memoryview) -> None:
         keys = self._chunk_keys(eid, ref)
         per_trip = max(1, WINDOW_BYTES // ref.chunk_size)
         for first in range(0, len(keys), per_trip):
@@ -742,7 +640,7 @@ class RedisBackend(BaseBackend):
                 pipe.execute()
             self.round_trips += 1
 
-    def _fetch(self, eid: bytes, ref: _Blob) -> bytes | None:
+    def _fetch(self, eid: bytes, ref: BlobRef) -> bytes | None:
         """The blob, or None if a chunk is missing, the wrong length, or the checksum fails (torn)."""
         keys = self._chunk_keys(eid, ref)
         sizes = ref.sizes()
@@ -769,161 +667,156 @@ class RedisBackend(BaseBackend):
     def _store(self, key: bytes, blob: memoryview, namespace: str, options: StoreOptions) -> bool:
         size = blob.nbytes + len(key)
         eid = entry_id(namespace, key)
-        budgets = f"max_bytes={self.max_bytes}, max_entries={self.max_entries}"
-        if self.max_bytes is not None and size > self.max_bytes:  # no round trip for what cannot fit
-            with self._lock:
-                self._counters["refused"] += 1
-            return refuse(self.location, size, len(key) // 4, options.pinned, "larger than max_bytes", budgets)
-        ref = _Blob(secrets.token_bytes(8), blob.nbytes, self.chunk_size, xxhash.xxh3_64_intdigest(blob))
+        mirror = self._mirror
+        tokens = len(key) // 4
+        with self._lock:
+            limit = mirror.budget.max_bytes
+            if mirror.seq >= 0 and limit is not None and size > limit:  # no round trip for what cannot fit
+                return mirror.settle_store(StorePlan(None, "larger than max_bytes"), size, tokens, options.pinned)
+        ref = BlobRef(secrets.token_bytes(8), blob.nbytes, self.chunk_size, xxhash.xxh3_64_intdigest(blob))
         phase = "plan"
         try:
             with self._lock:
                 self._sync()
-                plan = self._plan(eid, key, namespace, size, options)
+                plan = mirror.plan_store(eid, key, namespace, size, options)
             if plan.state is not None:
                 phase = "upload"
                 self._upload(eid, ref, blob)
                 phase = "commit"
                 with self._lock:
-                    plan, done = self._commit_store(eid, key, namespace, size, options, plan, ref)
-                if done is not None:
-                    self._finish_store(eid, ref, done)
-                    return True
+                    plan, obsolete = self._commit_store(eid, key, namespace, size, options, plan, ref)
+                if obsolete is not None:
+                    self._finish_store(Chunks(eid, ref), obsolete)
+                    with self._lock:
+                        return mirror.settle_store(plan, size, tokens, options.pinned)
                 if plan.state is not None:  # never committed: the store kept changing
                     log.warning(
                         "sippcache: %s changed %d times while storing; store dropped", self.location, COMMIT_ATTEMPTS
                     )
-                    self._discard(eid, ref)
+                    self._discard(Chunks(eid, ref))
                     with self._lock:
                         self._failed()
                     return False
-                self._discard(eid, ref)
+                self._discard(Chunks(eid, ref))
         except (_ServerError, _Rebuild) as exc:
             with self._lock:
                 self._failed()
                 if phase == "commit" and isinstance(exc, _Unavailable):
-                    self._unsure.append((eid, ref))  # the commit may have happened: settle at the next sync
+                    self._unsure.append(Chunks(eid, ref))  # the commit may have happened: settle at the next sync
             if phase != "plan" and not isinstance(exc, _Unavailable):
-                self._discard(eid, ref)  # refused (out of memory, say): free what was uploaded now
+                self._discard(Chunks(eid, ref))  # refused (out of memory, say): free what was uploaded now
             return False
         with self._lock:  # refused by the plan
-            if plan.reason == "stale":
-                self._counters["stale"] += 1
-                return False
-            self._counters["refused"] += 1
-        return refuse(self.location, size, len(key) // 4, options.pinned, plan.reason, budgets)
-
-    def _plan(self, eid: bytes, key: bytes, namespace: str, size: int, options: StoreOptions) -> StorePlan:
-        return self._catalog.plan_store(
-            eid, key, namespace, size, options, self._uses.now(), max_bytes=self.max_bytes, max_entries=self.max_entries
-        )
+            return mirror.settle_store(plan, size, tokens, options.pinned)
 
     def _commit_store(
-        self, eid: bytes, key: bytes, namespace: str, size: int, options: StoreOptions, plan: StorePlan, ref: _Blob
-    ) -> tuple[StorePlan, list[tuple[bytes, _Blob]] | None]:
+        self, eid: bytes, key: bytes, namespace: str, size: int, options: StoreOptions, plan: StorePlan, ref: BlobRef
+    ) -> tuple[StorePlan, list[Chunks] | None]:
         """Commit `plan` (planning again while other clients get there first). Returns the
         final plan and, if committed, the chunks the store made obsolete."""
         for attempt in range(COMMIT_ATTEMPTS):
             if attempt:
-                plan = self._plan(eid, key, namespace, size, options)
-            state = plan.state
-            if state is None:
+                plan = self._mirror.plan_store(eid, key, namespace, size, options)
+            if plan.state is None:
                 return plan, None
-            catalog = self._catalog
-            values: list[bytes] = []
-            if plan.superseded is not None:
-                old = catalog.get(plan.superseded)
-                assert old is not None
-                values = [plan.superseded, _pack_values(old.used, old.value, old.pinned, True)]
-            args: list[Any] = [repr(plan.clock), len(plan.victims), *plan.victims, len(values) // 2, *values, 1,
-                               eid, _pack_meta(namespace, key, size, state, ref),
-                               _pack_values(state.used, state.value, state.pinned, False)]  # fmt: skip
-            reply = self._script("commit", args)
-            if reply[5] == 1:
-                if reply[0] != self._epoch or reply[1] != self._seq + len(plan.victims) + len(values) // 2 + 1:
-                    self._seq = -1  # not what was planned: read everything again
-                    return plan, []
-                obsolete = []
-                for victim in plan.victims:
-                    old_ref = self._forget(victim, evicted=True)
-                    self._counters["evictions"] += 1
-                    if old_ref is not None:
-                        obsolete.append((victim, old_ref))
-                if plan.superseded is not None:
-                    old = catalog.get(plan.superseded)
-                    assert old is not None
-                    catalog.update(plan.superseded, value=old.value, pinned=old.pinned, superseded=True)
-                catalog.clock = plan.clock
-                replaced = self._refs.get(eid)
-                if replaced is not None:
-                    obsolete.append((eid, replaced))
-                catalog.put(eid, key, state)
-                self._refs[eid] = ref
-                self._seq = reply[1]
-                self._counters["stores"] += 1
+            obsolete = self._commit(plan.changes, ref)
+            if obsolete is not None:
                 return plan, obsolete
-            status = self._absorb(reply)
-            while status == "more":
-                status = self._absorb(self._script("sync", []))
-            if status == "rebuild":
-                self._rebuild()
         return plan, None
 
-    def _finish_store(self, eid: bytes, ref: _Blob, obsolete: list[tuple[bytes, _Blob]]) -> None:
+    def _commit(self, changes: Sequence[Change], ref: BlobRef | None) -> list[Chunks] | None:
+        """Apply `changes` (planned on the mirror as it is: evictions, marks, puts; `ref`
+        holds the put entry's chunks) on the server, if it is still where the mirror is,
+        then to the mirror. Returns the chunks the changes made obsolete, or None if
+        another client changed the store first (the mirror has caught up: plan again)."""
+        mirror = self._mirror
+        catalog = mirror.catalog
+        deletes = [change.eid for change in changes if isinstance(change, Remove)]
+        marks: list[bytes] = []
+        puts: list[bytes] = []
+        for change in changes:
+            if isinstance(change, Mark):
+                marked = catalog.get(change.eid)  # planned on this mirror: there
+                used = marked.used if marked is not None else 0
+                marks += [change.eid, pack_values(used, change.value, change.pinned, change.superseded)]
+            elif isinstance(change, Put) and ref is not None:
+                state = change.state
+                puts += [change.eid, pack_meta(change.key, state, ref),
+                         pack_values(state.used, state.value, state.pinned, state.superseded)]  # fmt: skip
+        args = [repr(catalog.clock_after(changes)), len(deletes), *deletes, len(marks) // 2, *marks, len(puts) // 3,
+                *puts]  # fmt: skip
+        reply = self._script("commit", args)
+        if reply[5] != 1:
+            self._catch_up(reply)
+            return None
+        self._take_budget(reply)
+        if reply[0] != self._epoch or reply[1] != mirror.seq + len(changes):
+            mirror.invalidate()  # not what was planned: read everything again
+            return []
+        mirror.committed(changes, reply[1])
+        obsolete = []
+        for change in changes:
+            old = self._track(change, ref)
+            if old is not None and isinstance(change, (Put, Remove)):
+                obsolete.append(Chunks(change.eid, old))
+        return obsolete
+
+    def _finish_store(self, chunks: Chunks, obsolete: list[Chunks]) -> None:
         """Keep the new chunks and unlink the ones the store replaced or evicted (one round trip)."""
         try:
-            self._chunk_commands([("KEEP", eid, ref)] + [("UNLINK", e, r) for e, r in obsolete])
+            self._chunk_commands(keep=[chunks], unlink=obsolete)
         except _ServerError:
             with self._lock:
                 self._failed()  # the entry stays until its chunks expire; then it is a miss and goes
 
-    def _discard(self, eid: bytes, ref: _Blob) -> None:
+    def _discard(self, chunks: Chunks) -> None:
         try:
-            self._chunk_commands([("UNLINK", eid, ref)])
+            self._chunk_commands(unlink=[chunks])
         except _ServerError:
             pass  # they expire
 
     def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Match | None:
+        mirror = self._mirror
         try:
             with self._lock:
                 self._sync()
-                index = self._catalog.index
+                index = mirror.catalog.index
                 hit = index.longest_common(namespace, key) if partial else index.longest_prefix(namespace, key)
                 if hit is None:
-                    self._counters["misses"] += 1
+                    mirror.counters["misses"] += 1
                     return None
                 ref = self._refs.get(hit.entry_id)
                 stored_key = index.key_of(hit.entry_id)
                 if ref is None:  # cannot happen: the index and the blob table change together
-                    self._counters["misses"] += 1
+                    mirror.counters["misses"] += 1
                     return None
             blob = self._fetch(hit.entry_id, ref)
             if blob is None:  # torn (server eviction, a lost chunk, a race with a replace): a miss, cleaned up
-                self._remove_torn(hit.entry_id, ref)
+                self._remove_torn(Chunks(hit.entry_id, ref))
                 with self._lock:
-                    self._counters["misses"] += 1
+                    mirror.counters["misses"] += 1
                 return None
         except (_ServerError, _Rebuild):
             with self._lock:
                 self._failed()
-                self._counters["misses"] += 1
+                mirror.counters["misses"] += 1
             return None
         with self._lock:
             if touch:
-                self._uses.record(self._catalog, hit.entry_id)
-            self._counters["hits"] += 1
+                mirror.uses.record(mirror.catalog, hit.entry_id)
+            mirror.counters["hits"] += 1
         return Match(hit.length, stored_key, blob, namespace)
 
-    def _remove_torn(self, eid: bytes, ref: _Blob) -> None:
+    def _remove_torn(self, chunks: Chunks) -> None:
         with self._lock:
-            reply = self._script("delete", [eid, ref.blob_id])
+            reply = self._script("delete", [chunks.eid, chunks.ref.blob_id])
             if self._absorb(reply) == "rebuild" or (
-                self._refs.get(eid) == ref and reply[4] == [] and reply[3] == b"ok"
+                self._refs.get(chunks.eid) == chunks.ref and reply[4] == [] and reply[3] == b"ok"
             ):
                 # Nothing to delete, yet the mirror (up to date) still holds it: the metadata
                 # was lost without a log record. Read everything again.
-                self._seq = -1
-        self._discard(eid, ref)
+                self._mirror.invalidate()
+        self._discard(chunks)
 
     def _peek(self, key: bytes, namespace: str, partial: bool) -> Peek | None:
         """From the mirror after one sync round trip; no blob is read."""
@@ -933,21 +826,22 @@ class RedisBackend(BaseBackend):
             except (_ServerError, _Rebuild):
                 self._failed()
                 return None
-            return self._catalog.peek(namespace, key, partial)
+            return self._mirror.catalog.peek(namespace, key, partial)
 
     def _touch_entry(self, key: bytes, namespace: str) -> bool:
         """Record a use from the mirror, saved with a later sync: no round trip of its own."""
         eid = entry_id(namespace, key)
+        mirror = self._mirror
         with self._lock:
-            if self._seq < 0:
+            if mirror.seq < 0:
                 try:
                     self._sync()
                 except (_ServerError, _Rebuild):
                     self._failed()
                     return False
-            found = eid in self._catalog
+            found = eid in mirror.catalog
             if found:
-                self._uses.record(self._catalog, eid)
+                mirror.uses.record(mirror.catalog, eid)
             return found
 
     def _delete(self, key: bytes, namespace: str) -> bool:
@@ -958,13 +852,14 @@ class RedisBackend(BaseBackend):
                 deleted = reply[5]
                 meta = deleted[0] if isinstance(deleted, list) and deleted else None
                 if self._absorb(reply) == "rebuild":
-                    self._seq = -1
+                    self._mirror.invalidate()
                 if not meta:
                     return False
-                parsed = _meta(eid, meta)
-                self._forget(eid)
-            if parsed is not None:
-                self._discard(eid, parsed[6])
+                self._mirror.apply(Remove(eid))
+                self._track(Remove(eid), None)
+            ref = blob_of(eid, meta)
+            if ref is not None:
+                self._discard(Chunks(eid, ref))
             return True
         except (_ServerError, _Rebuild):
             with self._lock:
@@ -973,34 +868,16 @@ class RedisBackend(BaseBackend):
 
     def _set_pinned(self, key: bytes, namespace: str, pinned: bool) -> bool:
         eid = entry_id(namespace, key)
+        mirror = self._mirror
         try:
             with self._lock:
                 self._sync()
                 for _ in range(COMMIT_ATTEMPTS):
-                    state = self._catalog.get(eid)
-                    if state is None:
+                    if eid not in mirror.catalog:
                         return False
-                    if state.pinned == pinned:
+                    mark = mirror.plan_pin(eid, pinned, len(key) // 4)
+                    if mark is None or self._commit([mark], None) is not None:
                         return True
-                    if pinned and not self._catalog.pins_fit(state.size, self.max_bytes, self.max_entries):
-                        raise CacheFull(
-                            f"{self.location}: cannot pin {state.tokens} tokens: pinned entries would exceed "
-                            f"max_bytes={self.max_bytes}, max_entries={self.max_entries}"
-                        )
-                    values = _pack_values(state.used, state.value, pinned, state.superseded)
-                    reply = self._script("commit", [repr(self._catalog.clock), 0, 1, eid, values, 0])
-                    if reply[5] == 1:
-                        if reply[1] != self._seq + 1:
-                            self._seq = -1
-                        else:
-                            self._catalog.update(eid, value=state.value, pinned=pinned, superseded=state.superseded)
-                            self._seq = reply[1]
-                        return True
-                    status = self._absorb(reply)
-                    while status == "more":
-                        status = self._absorb(self._script("sync", []))
-                    if status == "rebuild":
-                        self._rebuild()
                 self._failed()
                 return False
         except (_ServerError, _Rebuild):
@@ -1009,7 +886,8 @@ class RedisBackend(BaseBackend):
             return False
 
     def _clear(self) -> None:
-        obsolete: list[tuple[bytes, _Blob]] = []
+        obsolete: list[Chunks] = []
+        mirror = self._mirror
         try:
             with self._lock:
                 self._sync()
@@ -1017,23 +895,18 @@ class RedisBackend(BaseBackend):
                     force = attempt == COMMIT_ATTEMPTS  # the store kept changing: clear what we cannot list
                     reply = self._script("clear", ["1" if force else "0"])
                     if reply[5] == 1:
-                        obsolete = list(self._refs.items())
-                        self._catalog.clear()
-                        self._refs.clear()
-                        self._uses.items.clear()
-                        self._damaged.clear()
-                        if force or reply[0] != self._epoch or reply[1] != self._seq + 1:
-                            self._seq = -1
+                        obsolete = [Chunks(eid, ref) for eid, ref in self._refs.items()]
+                        self._take_budget(reply)
+                        if force or reply[0] != self._epoch or reply[1] != mirror.seq + 1:
+                            mirror.apply(Clear())
+                            mirror.invalidate()
                         else:
-                            self._seq = reply[1]
+                            mirror.committed([Clear()], reply[1])
+                        self._track(Clear(), None)
                         break
-                    status = self._absorb(reply)
-                    while status == "more":
-                        status = self._absorb(self._script("sync", []))
-                    if status == "rebuild":
-                        self._rebuild()
+                    self._catch_up(reply)
             for first in range(0, len(obsolete), 1000):
-                self._chunk_commands([("UNLINK", eid, ref) for eid, ref in obsolete[first : first + 1000]])
+                self._chunk_commands(unlink=obsolete[first : first + 1000])
         except (_ServerError, _Rebuild):
             with self._lock:
                 self._failed()
@@ -1048,20 +921,21 @@ class RedisBackend(BaseBackend):
     def _stats(self) -> Stats:
         with self._lock:
             self._refresh()
-            return self._catalog.stats(
-                backend=type(self).__name__, location=self.location, max_bytes=self.max_bytes,
-                max_entries=self.max_entries, damaged=len(self._damaged), **self._counters,
-            )
+            mirror = self._mirror
+            return mirror.catalog.stats(
+                backend=type(self).__name__, location=self.location, budget=mirror.budget,
+                damaged=len(mirror.damaged), **mirror.counters,
+            )  # fmt: skip
 
     def _len(self) -> int:
         with self._lock:
             self._refresh()
-            return len(self._catalog)
+            return len(self._mirror.catalog)
 
     def _entries(self, namespace: str | None) -> list[EntryInfo]:
         with self._lock:
             self._refresh()
-            return self._catalog.entries(namespace)
+            return self._mirror.catalog.entries(namespace)
 
     def _close(self) -> None:
         with self._lock:
@@ -1075,7 +949,6 @@ class RedisBackend(BaseBackend):
                 except Exception:  # closing must not fail
                     pass
                 self._redis = None
-            _open_backends.discard(self)
 
 
 

@@ -4,7 +4,9 @@ Every script gets the same four keys, all with the hash tag ``{<prefix>}`` so
 that a cluster keeps them on one node and a script may touch them together:
 
     KEYS[1] {p}:state  hash: epoch (random, set when the store is created),
-                       seq (newest log record), clock (the eviction clock)
+                       seq (newest log record), clock (the eviction clock),
+                       max_bytes and max_entries (the budget saved with the
+                       store: digits or "none"; absent until a handle saves one)
     KEYS[2] {p}:cat    hash: entry id -> blob id (8 bytes) + msgpack metadata
     KEYS[3] {p}:val    hash: entry id -> 18 bytes: used (u64 BE, ns), value (f64 BE),
                        pinned (1 byte), superseded (1 byte)
@@ -17,7 +19,7 @@ every client rebuild from ``cat``/``val``), then does its change, appending
 one log record per change, then returns what the caller needs to bring its
 mirror up to date::
 
-    {epoch, seq, clock, status, records, result}
+    {epoch, seq, clock, status, records, result, budget}
 
 `status` is "ok" (records bring the caller to `seq`), "more" (a bounded page:
 call again), or "rebuild" (the caller's epoch or position is unknown here, or
@@ -25,8 +27,11 @@ records are missing: rebuild from the hashes). Each record is
 ``{seq, kind, a, b, c}``: for a put, the entry's *current* metadata and
 values (false once it is gone); for a value change, its current values; for
 touches, the 32-byte items (id, used, value); nothing more for delete and clear.
+The kinds are `sippcache.catalog.Op`'s codes, spliced in below. `budget` is
+``{max_bytes, max_entries}`` as the state holds them (false when absent), so
+every reply brings the store's budget and no log record is needed for it.
 
-Scripts that only ever write a few bytes (sync, delete, clear) may run when
+Scripts that only ever write a few bytes (sync, delete, clear, budget) may run when
 the server is out of memory (``allow-oom``), so lookups and deletes keep
 working under ``maxmemory`` with ``noeviction``; ``commit`` may not, so a full
 server refuses a store before it changes anything.
@@ -37,13 +42,21 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from sippcache.catalog import Op
+
 #: Log records kept in the stream (approximately: XADD MAXLEN ~); a client further behind rebuilds.
 LOG_KEEP = 10_000
 
-_COMMON = """
+_COMMON = (
+    """
 local S, C, V, L = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local KEEP = """ + str(LOG_KEEP) + """
+local KEEP = """
+    + str(LOG_KEEP)
+    + "\nlocal PUT, DELETE, TOUCH, VALUES, CLEAR = "
+    + ", ".join(f"'{op}'" for op in (Op.PUT, Op.DELETE, Op.TOUCH, Op.VALUES, Op.CLEAR))
+    + """
 local epoch, seq, clock
+local budget = {false, false}
 local added = 0
 
 local function ty(k) return redis.call('TYPE', k)['ok'] end
@@ -60,8 +73,8 @@ local function open_store(candidate)
   if t ~= 'stream' and t ~= 'none' then redis.call('DEL', L) end
   t = ty(S)
   if t == 'hash' then
-    local v = redis.call('HMGET', S, 'epoch', 'seq', 'clock')
-    epoch, seq, clock = v[1], tonumber(v[2]), v[3]
+    local v = redis.call('HMGET', S, 'epoch', 'seq', 'clock', 'max_bytes', 'max_entries')
+    epoch, seq, clock, budget = v[1], tonumber(v[2]), v[3], {v[4], v[5]}
   elseif t ~= 'none' then
     redis.call('DEL', S)
   end
@@ -69,6 +82,7 @@ local function open_store(candidate)
     epoch, seq, clock = candidate, 0, '0'
     redis.call('DEL', S, L)
     redis.call('HSET', S, 'epoch', epoch, 'seq', '0', 'clock', '0')
+    if budget[1] and budget[2] then redis.call('HSET', S, 'max_bytes', budget[1], 'max_entries', budget[2]) end
   end
   if not clock then clock = '0' end
 end
@@ -105,13 +119,13 @@ local function records(client_epoch, client_seq, max)
     for i = 1, #e[2], 2 do f[e[2][i]] = e[2][i + 1] end
     local kind, eid = f['k'], f['e'] or ''
     local rec
-    if kind == 'p' then
+    if kind == PUT then
       rec = {expect, kind, eid, redis.call('HGET', C, eid), redis.call('HGET', V, eid)}
-    elseif kind == 'v' then
+    elseif kind == VALUES then
       rec = {expect, kind, eid, false, redis.call('HGET', V, eid)}
-    elseif kind == 'd' or kind == 'c' then
+    elseif kind == DELETE or kind == CLEAR then
       rec = {expect, kind, eid}
-    elseif kind == 't' then
+    elseif kind == TOUCH then
       rec = {expect, kind, f['d'] or ''}
     else
       return 'rebuild', {}
@@ -124,6 +138,7 @@ local function records(client_epoch, client_seq, max)
   return 'ok', out
 end
 """
+)
 
 # ARGV: client epoch, client seq, candidate epoch, max records, then (id, used+value) pairs to touch.
 # Result: the number of entries in `cat`; fewer than the caller's mirror holds means that
@@ -141,11 +156,11 @@ if epoch == ARGV[1] and #ARGV > 4 then
       applied[#applied + 1] = eid .. uv
     end
   end
-  if #applied > 0 then append('t', 'd', table.concat(applied)) end
+  if #applied > 0 then append(TOUCH, 'd', table.concat(applied)) end
 end
 finish()
 local status, recs = records(ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4]))
-return {epoch, seq, clock, status, recs, redis.call('HLEN', C)}
+return {epoch, seq, clock, status, recs, redis.call('HLEN', C), budget}
 """
 
 # ARGV: client epoch, expected seq, candidate epoch, max records, clock,
@@ -158,21 +173,21 @@ open_store(ARGV[3])
 local expected = tonumber(ARGV[2])
 if epoch ~= ARGV[1] or seq ~= expected then
   local status, recs = records(ARGV[1], expected, tonumber(ARGV[4]))
-  return {epoch, seq, clock, status, recs, 0}
+  return {epoch, seq, clock, status, recs, 0, budget}
 end
 local i = 6
 local n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
   local eid = ARGV[i]; i = i + 1
   redis.call('HDEL', C, eid); redis.call('HDEL', V, eid)
-  append('d', 'e', eid)
+  append(DELETE, 'e', eid)
 end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
   local eid, vals = ARGV[i], ARGV[i + 1]; i = i + 2
   if redis.call('HEXISTS', C, eid) == 1 then
     redis.call('HSET', V, eid, vals)
-    append('v', 'e', eid)
+    append(VALUES, 'e', eid)
   end
 end
 n = tonumber(ARGV[i]); i = i + 1
@@ -180,11 +195,11 @@ for _ = 1, n do
   local eid, meta, vals = ARGV[i], ARGV[i + 1], ARGV[i + 2]; i = i + 3
   redis.call('HSET', C, eid, meta)
   redis.call('HSET', V, eid, vals)
-  append('p', 'e', eid)
+  append(PUT, 'e', eid)
 end
 clock = ARGV[5]
 finish()
-return {epoch, seq, clock, 'ok', {}, 1}
+return {epoch, seq, clock, 'ok', {}, 1, budget}
 """
 
 # ARGV: client epoch, client seq, candidate epoch, max records, then (id, blob id or '') pairs.
@@ -199,7 +214,7 @@ for i = 5, #ARGV - 1, 2 do
   local meta = redis.call('HGET', C, eid)
   if meta and (blob == '' or string.sub(meta, 1, 8) == blob) then
     redis.call('HDEL', C, eid); redis.call('HDEL', V, eid)
-    append('d', 'e', eid)
+    append(DELETE, 'e', eid)
     deleted[#deleted + 1] = meta
   else
     deleted[#deleted + 1] = false
@@ -207,7 +222,7 @@ for i = 5, #ARGV - 1, 2 do
 end
 finish()
 local status, recs = records(ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4]))
-return {epoch, seq, clock, status, recs, deleted}
+return {epoch, seq, clock, status, recs, deleted, budget}
 """
 
 # ARGV: client epoch, expected seq, candidate epoch, max records, force ('1': clear whatever the seq).
@@ -219,13 +234,24 @@ open_store(ARGV[3])
 local expected = tonumber(ARGV[2])
 if ARGV[5] ~= '1' and (epoch ~= ARGV[1] or seq ~= expected) then
   local status, recs = records(ARGV[1], expected, tonumber(ARGV[4]))
-  return {epoch, seq, clock, status, recs, 0}
+  return {epoch, seq, clock, status, recs, 0, budget}
 end
 redis.call('UNLINK', C, V)
 clock = '0'
-append('c', 'e', '')
+append(CLEAR, 'e', '')
 finish()
-return {epoch, seq, clock, 'ok', {}, 1}
+return {epoch, seq, clock, 'ok', {}, 1, budget}
+"""
+
+# ARGV: client epoch, client seq, candidate epoch, max records, max_bytes, max_entries
+# (digits or "none"). Saves the budget with the store; every later reply returns it.
+BUDGET = """#!lua flags=allow-oom
+""" + _COMMON + """
+open_store(ARGV[3])
+budget = {ARGV[5], ARGV[6]}
+redis.call('HSET', S, 'max_bytes', budget[1], 'max_entries', budget[2])
+local status, recs = records(ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4]))
+return {epoch, seq, clock, status, recs, 1, budget}
 """
 
 # KEYS: a hash and a stream in the store's slot that nothing else uses. Runs every
@@ -263,5 +289,7 @@ def _script(name: str, source: str) -> Script:
 
 SCRIPTS = {
     name: _script(name, source)
-    for name, source in (("sync", SYNC), ("commit", COMMIT), ("delete", DELETE), ("clear", CLEAR), ("probe", PROBE))
+    for name, source in {
+        "sync": SYNC, "commit": COMMIT, "delete": DELETE, "clear": CLEAR, "budget": BUDGET, "probe": PROBE,
+    }.items()
 }

@@ -19,7 +19,7 @@ from sippcache import tokens as _tokens
 from sippcache.catalog import EntryState
 from sippcache.engine import entry_id
 
-from .backend import _Blob, _pack_meta, _pack_values
+from .records import BlobRef, pack_meta, pack_values
 
 
 def commandstats(clients: list[Any]) -> dict[str, int]:
@@ -54,10 +54,10 @@ def bulk_fill(client: Any, prefix: str, count: int, *, tokens: int = 8, blob: by
     for i in range(count):
         key = _tokens.encode([rng.randrange(2**31) for _ in range(tokens)])
         eid = entry_id("", key)
-        ref = _Blob(secrets.token_bytes(8), len(blob), 1024**2, checksum)
+        ref = BlobRef(secrets.token_bytes(8), len(blob), 1024**2, checksum)
         state = EntryState("", tokens, len(blob) + len(key), float(tokens), now, now, now + i, 1.0)
-        pipe.execute_command("HSET", f"{tag}:cat", eid, _pack_meta("", key, state.size, state, ref))
-        pipe.execute_command("HSET", f"{tag}:val", eid, _pack_values(state.used, state.value, False, False))
+        pipe.execute_command("HSET", f"{tag}:cat", eid, pack_meta(key, state, ref))
+        pipe.execute_command("HSET", f"{tag}:val", eid, pack_values(state.used, state.value, False, False))
         pipe.execute_command("SET", f"{prefix}:b:{{{eid.hex()}}}:{ref.blob_id.hex()}:0", blob)
         if i % 5000 == 4999:
             pipe.execute()
