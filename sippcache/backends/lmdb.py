@@ -346,7 +346,7 @@ class LMDBBackend(KVBackend):
             grown = shared.resize(size * 2)
             raise CacheFull(
                 f"{self.location}: the LMDB map ({size} bytes) is full"
-                + ("; doubled it" if grown else "; raise map_size")
+                + ("; doubled it" if grown else "; it cannot grow while a blob of a match is exported or read")
             ) from None
         except (lmdb.DiskError, lmdb.Error) as exc:
             if isinstance(exc, lmdb.DiskError) or "Input/output error" in str(exc) or "No space" in str(exc):
