@@ -17,21 +17,33 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import ClassVar, cast
+from typing import ClassVar, TypeVar, cast
 
 import lmdb
 
 from ..catalog import UNSET
 from ..engine import KVBackend, KVTxn, directory_path, fork_safe_lock, prepare_directory
 from ..engine.directory import check_store_files, missing_store
+from ..engine.snapshots import End, detach_snapshots
 from ..errors import CacheFull, CorruptStore, NoStore, ReadOnlyStore, SippcacheError, StoreError
 from ..mirror import Limit
 from ..options import Size
 from ..protocol import Blob
 
+_T = TypeVar("_T")
+
 DEFAULT_MAX_BYTES = 8 * 1024**3
-#: Room in the map beyond max_bytes: LMDB needs free pages for copy-on-write
-#: and for pages still pinned by readers.
+#: The default map: 4 x max_bytes, at least 64 GiB. The map is address space,
+#: not disk or memory (LMDB maps the file read-only and never extends it to the
+#: map's size on Linux), and growing it costs every process on the store a remap,
+#: which copies the bytes of its unreleased matches out of the map (see
+#: `_SharedEnv.resize`). So it is sized for growth to be rare: the data file
+#: outgrows it only if readers pin three budgets' worth of freed pages.
+DEFAULT_MAP_FACTOR = 4
+DEFAULT_MAP_FLOOR = 64 * 1024**3
+#: Room in the map beyond max_bytes, in the map used where the address space is
+#: limited (``ulimit -v``) and the default does not fit: LMDB needs free pages for
+#: copy-on-write and for pages still pinned by readers.
 MAP_HEADROOM = 256 * 1024**2
 #: The files of a store; data.mdb holds the entries.
 STORE_FILES = ("data.mdb", "lock.mdb")
@@ -43,8 +55,10 @@ class _SharedEnv:
     """One LMDB environment per (path, process), counted by its users.
 
     The first handle's settings (map size, sync, readers) hold for every
-    handle of that path in the process. Open readers are counted because the
-    map may only be resized while none is open.
+    handle of that path in the process. Open read transactions are tracked
+    (`snapshots`: the function that ends each, with the handle that began it)
+    because remapping moves the map: views into it must be gone first (see
+    `resize`).
     """
 
     _lock: ClassVar[threading.Lock] = threading.Lock()
@@ -55,12 +69,15 @@ class _SharedEnv:
         self.key = key
         self.read_only = read_only
         self.users = 0
-        self.readers = 0
+        self.snapshots: dict[End, object] = {}
 
     @classmethod
-    def acquire(cls, path: str, map_size: int, sync: bool, max_readers: int, read_only: bool) -> _SharedEnv:
-        """This process's environment for `path`, opened if it is not yet; a
-        writable one also serves read-only handles, never the other way round."""
+    def acquire(
+        cls, path: str, map_sizes: tuple[int, ...], sync: bool, max_readers: int, read_only: bool
+    ) -> _SharedEnv:
+        """This process's environment for `path`, opened if it is not yet (with the
+        first of `map_sizes` the address space allows); a writable one also serves
+        read-only handles, never the other way round."""
         key = (path, os.getpid())
         with cls._lock:
             for inherited in [s for (p, pid), s in cls._open.items() if p == path and pid != key[1]]:
@@ -71,7 +88,7 @@ class _SharedEnv:
                     f"{path} is open read-only in this process; close those handles before opening it for writing"
                 )
             if shared is None:
-                env = _open_environment(path, map_size, sync, max_readers, read_only)
+                env = _open_environment(path, map_sizes, sync, max_readers, read_only)
                 _check_file_length(env, path)
                 env.reader_check()  # free reader slots of processes that died holding a match
                 shared = cls._open[key] = _SharedEnv(env, key, read_only)
@@ -83,7 +100,7 @@ class _SharedEnv:
         this process can open its own. Impossible while the parent had a match open
         at the fork: closing would end the parent's read snapshot in the shared
         reader table."""
-        if self.readers:
+        if self.snapshots:
             raise SippcacheError(
                 f"{self.key[0]}: this process was forked while an LMDB match was open, so it cannot "
                 "use this store; release matches before forking"
@@ -93,13 +110,48 @@ class _SharedEnv:
             self.env.close()
         self._open.pop(self.key, None)
 
-    def resize(self, map_size: int) -> bool:
-        """Set the map size (0: adopt another process's larger map); False while readers are open."""
+    def begin_read(self, owner: object) -> tuple[lmdb.Transaction[bytes | memoryview], End]:
+        """A read transaction whose values are views of the map, and the function
+        that ends it; counted at once (under `_lock`, so `resize` never remaps
+        under a transaction it has not seen)."""
         with self._lock:
-            if self.readers:
+            txn = self.env.begin(buffers=True)
+            end = _EndRead(self, txn)
+            self.snapshots[end] = owner
+            self.users += 1  # an open reader keeps the environment open
+        return txn, end
+
+    def resize(self, map_size: int) -> bool:
+        """Set the map size (0: adopt another process's larger map).
+
+        Remapping moves the map, and a view into the old one would read freed
+        memory (or crash the process). So the read transactions of matches the
+        user still holds, released or forgotten, are detached first
+        (`detach_snapshots`: an open match keeps a copy of its bytes and stays
+        valid; a blob that outlived its match is released and raises ValueError
+        when read). One forgotten match must not stop every later call of the
+        process on this path. False, the map unchanged, while a read
+        transaction is still open: a blob exported to another object, or a read
+        in progress in another thread.
+        """
+        with self._lock:
+            held = list(self.snapshots)
+        if held:
+            detach_snapshots(held)
+        with self._lock:
+            if self.snapshots:
                 return False
             self.env.set_mapsize(map_size)
             return True
+
+    def detach(self, owner: object) -> None:
+        """End the read transactions of `owner`'s open matches (a handle being
+        closed), keeping copies of their bytes: a closed handle's forgotten
+        matches keep neither the environment, nor a reader slot, nor a snapshot."""
+        with self._lock:
+            held = [end for end, by in self.snapshots.items() if by is owner]
+        if held and self.key[1] == os.getpid():
+            detach_snapshots(held, outliving=False)
 
     def release(self) -> None:
         with self._lock:
@@ -110,9 +162,33 @@ class _SharedEnv:
                     self.env.close()
 
 
-def _open_environment(path: str, map_size: int, sync: bool, max_readers: int, read_only: bool) -> lmdb.Environment:
-    """Open the environment at `path` (creating it unless `read_only`), its
-    errors as sippcache's."""
+class _EndRead:
+    """Ends a read transaction of a `_SharedEnv` (an object, not a closure: a closure
+    naming itself would be a reference cycle, and the transaction, which holds its
+    reader slot until freed, would wait for the garbage collector)."""
+
+    __slots__ = ("shared", "txn")
+
+    def __init__(self, shared: _SharedEnv, txn: lmdb.Transaction[bytes | memoryview]) -> None:
+        self.shared = shared
+        self.txn: lmdb.Transaction[bytes | memoryview] | None = txn
+
+    def __call__(self) -> None:
+        shared, txn = self.shared, self.txn
+        if shared.key[1] != os.getpid() or txn is None:
+            return  # a match inherited by a forked child: the snapshot is the parent's
+        self.txn = None
+        txn.abort()
+        with shared._lock:
+            shared.snapshots.pop(self, None)
+        shared.release()
+
+
+def _open_environment(
+    path: str, map_sizes: tuple[int, ...], sync: bool, max_readers: int, read_only: bool
+) -> lmdb.Environment:
+    """Open the environment at `path` (creating it unless `read_only`) with the
+    first of `map_sizes` that can be mapped, its errors as sippcache's."""
     if read_only:
         missing = missing_store(path, "data.mdb", "lmdb")
         if missing is not None:
@@ -122,10 +198,16 @@ def _open_environment(path: str, map_size: int, sync: bool, max_readers: int, re
         prepare_directory(path, STORE_FILES)
 
     def environment(lock: bool) -> lmdb.Environment:
-        return lmdb.open(
-            path, map_size=map_size, subdir=True, sync=sync, max_readers=max_readers, readahead=False,
-            meminit=False, mode=0o600, max_dbs=0, max_spare_txns=0, readonly=read_only, lock=lock,
-        )  # fmt: skip
+        for map_size in map_sizes:
+            try:
+                return lmdb.open(
+                    path, map_size=map_size, subdir=True, sync=sync, max_readers=max_readers, readahead=False,
+                    meminit=False, mode=0o600, max_dbs=0, max_spare_txns=0, readonly=read_only, lock=lock,
+                )  # fmt: skip
+            except lmdb.MemoryError:  # no address space for this map (``ulimit -v``)
+                if map_size == map_sizes[-1]:
+                    raise
+        raise AssertionError("no map size to try")
 
     try:
         try:
@@ -221,11 +303,14 @@ class LMDBBackend(KVBackend):
                 raise ValueError(f"{name} must be in 1..{MAX_MAP_SIZE} bytes (16 TiB), got {value}")
         path = directory_path("lmdb", location)
         super().__init__(max_bytes=max_bytes, max_entries=max_entries, location=f"lmdb://{path}", read_only=read_only)
-        if map_size is None:
-            map_size = min(MAX_MAP_SIZE, (max_bytes if isinstance(max_bytes, int) else DEFAULT_MAX_BYTES) * 2
-                           + MAP_HEADROOM)  # fmt: skip
+        budget = max_bytes if isinstance(max_bytes, int) else DEFAULT_MAX_BYTES
+        map_sizes = (map_size,) if map_size is not None else (
+            min(MAX_MAP_SIZE, max(DEFAULT_MAP_FACTOR * budget, DEFAULT_MAP_FLOOR)),
+            min(MAX_MAP_SIZE, 2 * budget + MAP_HEADROOM),
+        )  # fmt: skip
         self.path = path
-        self._env_args = (path, map_size, sync, max_readers, read_only)
+        self._env_args = (path, map_sizes, sync, max_readers, read_only)
+        self._owner = object()  # tags this handle's read transactions (`_SharedEnv.snapshots`)
         self._shared = _SharedEnv.acquire(*self._env_args)
 
     @classmethod
@@ -252,16 +337,16 @@ class LMDBBackend(KVBackend):
     def _transaction(self) -> Iterator[KVTxn]:
         shared = self._env()
         try:
-            with self._begin(shared, write=True) as txn:
+            with self._begin(shared, lambda: shared.env.begin(write=True)) as txn:
                 yield _LMDBTxn(txn)
         except lmdb.MapFullError:
             # Freed pages are reused only a few commits later: grow the map so the
-            # caller's evict-and-retry can succeed (impossible while readers are open).
+            # caller's evict-and-retry can succeed (see `_SharedEnv.resize`).
             size = shared.env.info()["map_size"]
             grown = shared.resize(size * 2)
             raise CacheFull(
                 f"{self.location}: the LMDB map ({size} bytes) is full"
-                + ("; doubled it" if grown else "; raise map_size")
+                + ("; doubled it" if grown else "; it cannot grow while a blob of a match is exported or read")
             ) from None
         except (lmdb.DiskError, lmdb.Error) as exc:
             if isinstance(exc, lmdb.DiskError) or "Input/output error" in str(exc) or "No space" in str(exc):
@@ -270,36 +355,25 @@ class LMDBBackend(KVBackend):
 
     def _reader(self) -> tuple[KVTxn, Callable[[], None]]:
         shared = self._env()
-        txn = self._begin(shared, write=False)
-        with shared._lock:
-            shared.users += 1  # an open reader keeps the environment open
-            shared.readers += 1
-
-        def end() -> None:
-            if shared.key[1] != os.getpid():
-                return  # a match inherited by a forked child: the snapshot is the parent's
-            txn.abort()
-            with shared._lock:
-                shared.readers -= 1
-            shared.release()
-
+        txn, end = self._begin(shared, lambda: shared.begin_read(self._owner))
         return _LMDBTxn(txn), end
 
-    @staticmethod
-    def _begin(shared: _SharedEnv, write: bool) -> lmdb.Transaction[bytes | memoryview]:
-        """A write transaction, or a read transaction whose values are views of the map."""
-
-        def begin() -> lmdb.Transaction[bytes | memoryview]:
-            return shared.env.begin(write=True) if write else shared.env.begin(buffers=True)
-
+    def _begin(self, shared: _SharedEnv, begin: Callable[[], _T]) -> _T:
+        """`begin()` a transaction; once more after adopting a map another process
+        grew, or after freeing the reader slots of dead processes."""
         try:
             return begin()
         except lmdb.MapResizedError:  # another process grew the map: adopt its size
             if not shared.resize(0):
-                raise
+                raise StoreError(
+                    f"{self.location}: another process grew the LMDB map, and this process cannot adopt it "
+                    "while a blob of one of its matches is exported to another object (numpy.frombuffer(match.blob), "
+                    "say) or another thread is reading it; drop those objects and retry"
+                ) from None
         except lmdb.ReadersFullError:  # slots held by dead processes: free them
             shared.env.reader_check()
         return begin()
 
     def _close_store(self) -> None:
+        self._shared.detach(self._owner)
         self._shared.release()

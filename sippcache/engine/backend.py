@@ -160,10 +160,15 @@ class KVBackend(BaseBackend):
                 self._replica.uses.record(self._replica.catalog, hit.entry_id)
             self._replica.counters["hits"] += 1
             stored_key = index.key_of(hit.entry_id)
+            # The match exists before the flush's write: a backend that must end the
+            # snapshot to make room (LMDB growing its map) can detach it.
+            match = (
+                SnapshotMatch(hit.length, stored_key, blob, namespace, end)
+                if isinstance(blob, memoryview)
+                else Match(hit.length, stored_key, blob, namespace)
+            )
             self._flush_touches_if_due()
-        if isinstance(blob, memoryview):
-            return SnapshotMatch(hit.length, stored_key, blob, namespace, end)
-        return Match(hit.length, stored_key, blob, namespace)
+        return match
 
     def _peek(self, key: bytes, namespace: str, partial: bool) -> Peek | None:
         with self._lock:
