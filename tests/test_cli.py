@@ -354,12 +354,18 @@ def test_prune_max_bytes_in_one_namespace(url: str) -> None:
     assert kept_llama == llama[len(llama) - len(kept_llama) :]  # the most recent survive
 
 
-def test_prune_older_than(tmp_path: Path) -> None:
+def test_prune_older_than(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first two entries were last used two hours ago (the store's clock, set back while they
+    are stored), the others now: --older-than 1h deletes exactly the first two, however slow the run."""
     url = f"lmdb://{tmp_path / 'aged'}"
-    store_entries(url, ENTRIES[:2])
-    time.sleep(1.1)
+    two_hours_ago = time.time_ns() - 2 * 3600 * 10**9
+    with monkeypatch.context() as clock:
+        clock.setattr(time, "time_ns", lambda: two_hours_ago)  # the use times stores record (sippcache.mirror)
+        store_entries(url, ENTRIES[:2])
     store_entries(url, ENTRIES[2:])
-    result = run_json("prune", url, "--older-than", "1s")
+    with sippcache.open(url) as cache:
+        assert sorted(e.last_used < time.time() - 3600 for e in cache.entries()) == [False] * 3 + [True] * 2
+    result = run_json("prune", url, "--older-than", "1h")
     assert result["deleted"] == 2 and result["remaining_entries"] == len(ENTRIES) - 2
     assert [key for _, key, _ in sizes(url)] == [tuple(tokens) for _, tokens, _ in ENTRIES[2:]]
     assert run_json("prune", url, "--older-than", "7d")["deleted"] == 0
