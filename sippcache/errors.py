@@ -18,7 +18,7 @@ class UnknownBackend(SippcacheError, ValueError):
 
 
 class MissingDependency(SippcacheError, ImportError):
-    """A backend's library is not installed; the message names the extra to install."""
+    """A backend's or feature's library is not installed; the message names what to install."""
 
 
 class BrokenPlugin(SippcacheError):

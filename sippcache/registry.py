@@ -32,11 +32,12 @@ ENTRY_POINT_GROUP = "sippcache.backends"
 #: Environment variable holding the URL `open()` uses when given none.
 URL_ENVIRONMENT_VARIABLE = "SIPPCACHE_URL"
 
-# name -> (target, the package it needs, the extra that installs it)
+# name -> (target, the module it imports, its requirement: one of sippcache's own dependencies
+# in pyproject.toml, so a plain `pip install sippcache` makes every built-in backend usable)
 BUILTINS: dict[str, tuple[str, str | None, str | None]] = {
     "ram": ("sippcache.backends.ram:RAMBackend", None, None),
-    "lmdb": ("sippcache.backends.lmdb:LMDBBackend", "lmdb", "lmdb"),
-    "diskcache": ("sippcache.backends.diskcache:DiskCacheBackend", "diskcache", "diskcache"),
+    "lmdb": ("sippcache.backends.lmdb:LMDBBackend", "lmdb", "lmdb>=1.4"),
+    "diskcache": ("sippcache.backends.diskcache:DiskCacheBackend", "diskcache", "diskcache>=5.6,<6"),
     "tiered": ("sippcache.backends.tiered:TieredBackend", None, None),
 }
 
@@ -88,13 +89,14 @@ def _plugins() -> dict[str, tuple[str, str]]:
 def _load(name: str) -> type:
     """Import the class registered as `name`; raise one of the documented errors."""
     if name in BUILTINS:
-        target, package, extra = BUILTINS[name]
+        target, package, requirement = BUILTINS[name]
         try:
             return _import(target)
         except ImportError as exc:
             if package is not None and exc.name == package:
                 raise MissingDependency(
-                    f"the {name!r} backend needs the {package!r} package: pip install \"sippcache[{extra}]\""
+                    f"the {name!r} backend needs the {package!r} package, a dependency of sippcache that is"
+                    f' missing here: pip install "{requirement}"'
                 ) from exc
             raise
     if name in _registered:

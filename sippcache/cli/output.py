@@ -5,16 +5,24 @@ crash a table and ``team[red]/a`` would print as ``team/a``. Every table
 cell and caption goes through `literal`: a `rich.text.Text`, which is never
 parsed, with control characters (a terminal escape in a namespace) shown as
 ``\\x1b`` rather than sent to the terminal.
+
+Tables fit an 80-column terminal (or a pipe, which rich treats as 80 columns):
+a command builds its table in a few layouts, roomiest first, and prints the
+first that fits (`first_that_fits`). Text that can be long (namespaces,
+paths, reasons) folds onto more lines rather than being cut; numbers and ids
+never wrap.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import TypedDict
 
 import click
+from rich.cells import cell_len
 from rich.console import Console
 from rich.filesize import decimal as human_size
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
@@ -30,6 +38,8 @@ _LLAMA_NAMESPACE = re.compile(r"llama:([0-9a-f]{32})/(.*)", re.DOTALL)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 #: Hex digits of an entry id as `ls` shows it.
 ID_LENGTH = 12
+#: The width a folding column (a namespace) is given when choosing a table's layout.
+FOLDED_WIDTH = 20
 
 
 class EntryRow(TypedDict):
@@ -62,6 +72,26 @@ def print_table(table: Table, caption: str | None = None) -> None:
     Console().print(table)
 
 
+def first_that_fits(layouts: Sequence[tuple[Table, Sequence[Sequence[str]]]]) -> Table:
+    """The first of `layouts` that fits the terminal, else the last one (the narrowest).
+
+    Each layout is a table and the cells of each of its folding columns: a
+    layout fits if it does with those columns folded to `FOLDED_WIDTH` (a long
+    namespace takes more lines, not the room of the numbers).
+    """
+    console = Console()
+    unbounded = console.options.update_width(1 << 16)  # the table's natural width, not clipped to the terminal
+    for table, folding in layouts:
+        foldable = sum(max(0, max(map(_width, cells), default=0) - FOLDED_WIDTH) for cells in folding)
+        if console.measure(table, options=unbounded).maximum - foldable <= console.width:
+            return table
+    return layouts[-1][0]
+
+
+def _width(cell: str) -> int:
+    return cell_len(literal(cell).plain)
+
+
 def echo_json(data: object) -> None:
     """`data` as one JSON line on stdout."""
     click.echo(json.dumps(data, indent=None))
@@ -75,6 +105,11 @@ def iso_time(seconds: float) -> str:
 def local_time(seconds: float) -> str:
     """A local timestamp to read (for tables)."""
     return datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def short_size(n: int) -> str:
+    """``14.4 MB``, ``276 B``: a size for a table column."""
+    return human_size(n) if n >= 1000 else f"{n} B"
 
 
 def size_and_bytes(n: int | None) -> str:

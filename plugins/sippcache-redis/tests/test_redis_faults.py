@@ -61,9 +61,7 @@ def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
 
     def run() -> None:
         try:
-            started = time.monotonic()
             result.append(call())
-            result.append(time.monotonic() - started)
         except BaseException as exc:  # reported by the test
             result.append(exc)
 
@@ -86,8 +84,8 @@ def test_server_killed_mid_lookup(make_server: Callable[..., ValkeyServer], open
         assert proxy.held.wait(30)
         server.kill()
         proxy.cut()
-        thread.join(30)
-        assert result[0] is None and result[1] < 5  # a miss, no exception, no hang
+        thread.join(30)  # bounds the wait only: the cut connection ends the lookup at once
+        assert not thread.is_alive() and result == [None]  # a miss, no exception, no hang
         assert cache.stats().errors >= 1
         server.start()  # no persistence: an empty server on the same port
         _wait_until(lambda: cache.store([1], b"after restart"))
@@ -110,8 +108,8 @@ def test_server_killed_mid_store_leaves_nothing_behind(
         assert proxy.held.wait(30)
         server.kill()
         proxy.cut()
-        thread.join(30)
-        assert result[0] is False and result[1] < 5
+        thread.join(30)  # bounds the wait only
+        assert not thread.is_alive() and result == [False]  # dropped, no exception, no hang
         server.start()  # with its AOF: what was written before the kill is back
         _wait_until(lambda: cache.lookup([1]) is not None)
         assert cache.lookup([5, 6, 7]) is None and len(cache) == 1

@@ -3,7 +3,6 @@ suite, replicas sharing through L2, and an L2 that is stalled or dead."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,11 +53,11 @@ def test_a_store_does_not_wait_for_a_stalled_l2(
     assert cache.store([0], b"before") and len(cache) == 1
     server.pause()  # SIGSTOP: an L2 call waits until the server answers again (or its 10 s timeout)
     try:
-        started = time.monotonic()
         for i in range(1, 6):
             assert cache.store([i, i], bytes(100_000)) is True
         assert bytes(cache.lookup([3, 3]).blob) == bytes(100_000)  # L1 covers the query: no L2 involved
-        assert time.monotonic() - started < 2.5
     finally:
         server.resume()
-    assert len(cache) == 6  # once L2 answers again, the queued stores land there
+    # No clock: a store that had waited for L2 would have hit the 10 s timeout while the server
+    # was stopped and been dropped; all five land once L2 answers again, so none of them waited.
+    assert len(cache) == 6
