@@ -237,6 +237,55 @@ def test_stats_url_by_option_and_environment(url: str) -> None:
     assert run_json("stats", SIPPCACHE_URL=url)["entries"] == len(ENTRIES)
 
 
+def fresh_user(home: Path) -> dict[str, str]:
+    """The environment of a user who never used sippcache: an empty home, no SIPPCACHE_URL."""
+    home.mkdir()
+    return {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "SIPPCACHE_URL": ""}
+
+
+def test_default_store_not_made_yet_is_shown_empty(tmp_path: Path) -> None:
+    env = fresh_user(tmp_path / "home")
+    default = tmp_path / "home" / ".cache" / "sippcache" / "lmdb"
+    info = run_json("stats", **env)
+    assert info["location"] == f"lmdb://{default}" and info["backend"] == "LMDBBackend" and info["exists"] is False
+    assert (info["entries"], info["bytes"], info["namespaces"]) == (0, 0, [])
+    assert info["max_bytes"] == 8 * 1024**3  # what the store will start with
+    result = run("stats", **env)
+    assert result.returncode == 0, result.stderr
+    assert str(default) in result.stdout and "not yet" in result.stdout and "entries     0" in result.stdout
+    assert run_json("ls", **env) == []
+    result = run("ls", **env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("0 entries; no store at") and str(default) in " ".join(result.stdout.split())
+    assert run_json("verify", **env) == {"checked": 0, "bad": [], "deleted": 0}
+    for args in (["verify"], ["verify", "--delete"]):
+        result = run(*args, **env)
+        assert result.returncode == 0, result.stderr
+        assert "checked 0 entries: 0 bad" in result.stdout and "no store at" in result.stdout
+    assert list((tmp_path / "home").iterdir()) == []  # nothing was created
+    default.mkdir(parents=True)  # a directory without a store yet (the first store creates it there)
+    assert run_json("stats", **env)["exists"] is False and run_json("ls", **env) == []
+    assert list(default.iterdir()) == []
+    store_entries(f"lmdb://{default}")  # once it exists, the same commands show it
+    info = run_json("stats", **env)
+    assert info["exists"] is True and info["entries"] == len(ENTRIES)
+    assert len(run_json("ls", **env)) == len(ENTRIES)
+
+
+def test_a_named_store_that_does_not_exist_is_an_error(tmp_path: Path) -> None:
+    env = fresh_user(tmp_path / "home")
+    default = tmp_path / "home" / ".cache" / "sippcache" / "lmdb"
+    for command in ("stats", "ls", "verify"):  # named: a typo must not look like an empty cache
+        assert "no cache at" in assert_one_line_error(run(command, f"lmdb://{default}", **env))
+        assert "no cache at" in assert_one_line_error(run(command, "--cache", f"lmdb://{default}", **env))
+        assert "no cache at" in assert_one_line_error(run(command, **{**env, "SIPPCACHE_URL": f"lmdb://{default}"}))
+    assert "no cache at" in assert_one_line_error(run("stats", f"lmdb://{default}?max_bytes=1GiB", **env))
+    default.parent.mkdir(parents=True)
+    default.write_text("not a store")  # something in the default store's way: an error, not an empty store
+    assert "is a file" in assert_one_line_error(run("stats", **env))
+    assert sorted(p.name for p in (tmp_path / "home").rglob("*")) == [".cache", "lmdb", "sippcache"]
+
+
 # -- ls ---------------------------------------------------------------------------------
 
 

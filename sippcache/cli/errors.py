@@ -15,10 +15,11 @@ from typing import IO, Any, ParamSpec, TypeVar
 
 import click
 
-from ..errors import SippcacheError
+from ..errors import NoStore, SippcacheError
 from ..protocol import CacheBackend
 from ..registry import open as open_cache
 from ..registry import parse_url
+from .absent import absent_store
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -101,9 +102,17 @@ def same_store(a: str, b: str) -> bool:
     return os.path.realpath(os.path.expanduser(location_a)) == os.path.realpath(os.path.expanduser(location_b))
 
 
-def open_store(url: str, *, read_only: bool, must_exist: bool = True) -> CacheBackend:
+def open_store(url: str, *, read_only: bool, must_exist: bool = True, default: bool = False) -> CacheBackend:
     """Open the store `url` names; with `must_exist`, never create one where
     there is none. `read_only`: the command only reads (stats, ls, verify
     without --delete, copy's source), so a store this user may not write can
-    still be inspected."""
-    return open_cache(url, read_only=read_only, must_exist=must_exist)
+    still be inspected. `default`: `url` is the default store, which the user
+    did not name (see `params.is_default_store`); if it does not exist yet, an
+    empty read-only `AbsentStore` stands in for it instead of `NoStore`."""
+    try:
+        return open_cache(url, read_only=read_only, must_exist=must_exist)
+    except NoStore:
+        absent = absent_store(url) if default else None
+        if not isinstance(absent, CacheBackend):  # None: not the default, or not merely absent
+            raise
+        return absent

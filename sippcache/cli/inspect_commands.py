@@ -18,6 +18,7 @@ from .. import frame as _frame
 from ..base import BaseBackend
 from ..protocol import CacheBackend, EntryInfo
 from ..registry import backends as list_backends
+from .absent import AbsentStore
 from .errors import one_line_errors, open_store
 from .output import (
     add_row,
@@ -35,7 +36,7 @@ from .output import (
     size_and_bytes,
     split_namespace,
 )
-from .params import json_option, resolve_url, url_argument
+from .params import is_default_store, json_option, resolve_url, url_argument
 
 
 class NamespaceRow(TypedDict):
@@ -86,10 +87,13 @@ def stats(url: str | None, cache_option: str | None, as_json: bool) -> None:
     the handle this command opened (from the URL's options or the backend's
     defaults), not necessarily those your application uses. Hit and miss
     counters are not shown: they count one open handle's lookups, so a fresh
-    process has none.
+    process has none. With no URL, a default store that does not exist yet is
+    shown empty (the first store creates it); a store you name must exist.
     """
+    default = is_default_store(url, cache_option)
     url = resolve_url(url, cache_option)
-    with open_store(url, read_only=True) as cache:
+    with open_store(url, read_only=True, default=default) as cache:
+        exists = not isinstance(cache, AbsentStore)
         info = cache.stats()
         per_namespace: dict[str, list[int]] = {}
         for entry in cache.entries():
@@ -106,6 +110,7 @@ def stats(url: str | None, cache_option: str | None, as_json: bool) -> None:
                 "url": url,
                 "backend": info.backend,
                 "location": info.location,
+                "exists": exists,
                 "entries": info.entries,
                 "bytes": info.bytes,
                 "max_bytes": info.max_bytes,
@@ -118,6 +123,8 @@ def stats(url: str | None, cache_option: str | None, as_json: bool) -> None:
     summary.add_column(style="bold", no_wrap=True)
     summary.add_column(overflow="fold")  # a long store path folds, whole
     add_row(summary, "store", f"{info.location} ({info.backend})")
+    if not exists:
+        add_row(summary, "exists", "not yet: the first store creates it")
     add_row(summary, "entries", f"{info.entries:,}")
     add_row(summary, "bytes", size_and_bytes(info.bytes))
     add_row(summary, "max_bytes", size_and_bytes(info.max_bytes))
@@ -163,12 +170,18 @@ def ls(url: str | None, cache_option: str | None, namespace: str | None, as_json
     Times are local in the table, ISO 8601 (UTC) in JSON; last-use times are
     saved in batches, so the newest uses may show a second or so late. In a
     narrow terminal the table leaves out creation times (--json has them).
+    With no URL, a default store that does not exist yet lists nothing.
     """
+    default = is_default_store(url, cache_option)
     url = resolve_url(url, cache_option)
-    with open_store(url, read_only=True) as cache:
+    with open_store(url, read_only=True, default=default) as cache:
         listed = list(cache.entries(namespace))
+        absent = _absent_note(cache)
     if as_json:
         echo_json([entry_row(entry) for entry in listed])
+        return
+    if absent:  # one line rather than an empty table
+        Console().print(literal(f"{entries(0)}{absent}"))
         return
     labels = [namespace_label(entry.namespace) for entry in listed]
     # Roomiest first: with creation times; without; with the last-use time on two lines (date, time).
@@ -178,6 +191,13 @@ def ls(url: str | None, cache_option: str | None, namespace: str | None, as_json
     pinned = sum(e.pinned for e in listed)
     caption = f"{entries(len(listed))}, {human_size(sum(e.size for e in listed))}"
     print_table(table, caption + (f"; {pinned:,} pinned" if pinned else ""))
+
+
+def _absent_note(cache: CacheBackend) -> str:
+    """For a default store that does not exist yet: a note saying so; else ""."""
+    if not isinstance(cache, AbsentStore):
+        return ""
+    return f"; no store at {cache.location} yet: the first store creates it"
 
 
 def _entries_table(listed: list[EntryInfo], *, created: bool, wrap_times: bool) -> Table:
@@ -230,13 +250,16 @@ def verify(url: str | None, cache_option: str | None, delete: bool, as_json: boo
 
     With SIPPCACHE_SECRET set, entries must also carry a valid MAC made with it.
     Exit code 1 if bad entries were found and not deleted. Reading does not
-    count as a use: recency and last-used times stay as they were.
+    count as a use: recency and last-used times stay as they were. With no
+    URL, a default store that does not exist yet has nothing to check.
     """
+    default = is_default_store(url, cache_option)
     url = resolve_url(url, cache_option)
     secret = _frame.secret_from_environment()
     bad: list[BadEntry] = []
     deleted = 0
-    with open_store(url, read_only=not delete) as cache:
+    with open_store(url, read_only=not delete, default=default) as cache:
+        absent = _absent_note(cache)
         listed = list(cache.entries())
         damaged = cache.stats().damaged
         if damaged:
@@ -264,6 +287,6 @@ def verify(url: str | None, cache_option: str | None, delete: bool, as_json: boo
                 add_row(table, namespace_label(row["namespace"]), f"{row['tokens']:,}", row["reason"])
             print_table(table)
         note = f", deleted {deleted}" if delete else ""
-        Console().print(literal(f"checked {entries(len(listed))}: {len(bad):,} bad{note}"))
+        Console().print(literal(f"checked {entries(len(listed))}: {len(bad):,} bad{note}{absent}"))
     if bad and not delete:
         sys.exit(1)

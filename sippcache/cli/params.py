@@ -7,6 +7,7 @@ and a callback types the same on every click version the package accepts.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from typing import TypeVar
@@ -14,7 +15,7 @@ from typing import TypeVar
 import click
 
 from ..options import Size
-from ..registry import default_url
+from ..registry import URL_ENVIRONMENT_VARIABLE, default_url
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -38,6 +39,14 @@ def resolve_url(url: str | None, cache_option: str | None) -> str:
     if url is not None and cache_option is not None and url != cache_option:
         raise click.UsageError("give the cache URL as an argument or with --cache, not both")
     return url or cache_option or default_url()
+
+
+def is_default_store(url: str | None, cache_option: str | None) -> bool:
+    """Whether the user named no store (no URL argument, no --cache, no SIPPCACHE_URL), so
+    `resolve_url` gives the default one in the user cache folder. The reporting commands
+    show that store as empty until it exists (`errors.open_store(default=True)`); a store
+    the user named that does not exist stays an error."""
+    return not (url or cache_option or os.environ.get(URL_ENVIRONMENT_VARIABLE, "").strip())
 
 
 def parse_size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:

@@ -34,7 +34,7 @@ import secrets
 import ssl
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar, NamedTuple
 
@@ -169,6 +169,7 @@ class RedisBackend(BaseBackend):
         cluster: bool | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         tls: bool = False,
+        clock: Callable[[], float] = time.monotonic,
         **tls_options: Any,
     ) -> None:
         super().__init__()
@@ -216,6 +217,13 @@ class RedisBackend(BaseBackend):
         self._unsure: list[Chunks] = []  # uploads whose commit outcome is unknown
         #: Network exchanges made (a script call, a pipeline, a scan page): a diagnostic.
         self.round_trips = 0
+        #: Uses of the server the backoff let through, whether it answered or not (a use
+        #: skipped while backing off is not counted): a diagnostic.
+        self.attempts = 0
+        #: The clock the backoff runs on (seconds; `time.monotonic` unless the constructor's
+        #: `clock` says otherwise). The seam for tests, which pass a clock they move by hand;
+        #: redis-py's own timeouts do not read it. Not a URL option.
+        self.clock = clock
         # Outage state: warn once per outage, skip the server while backing off.
         self._outage: str | None = None
         self._failed_operations = 0
@@ -348,8 +356,9 @@ class RedisBackend(BaseBackend):
     def _server(self) -> Iterator[Any]:
         """Around every use of the server: fail fast while backing off; turn the
         client's errors into `_Unavailable` / `_ServerError`; note outages and recoveries."""
-        if self._outage is not None and time.monotonic() < self._retry_at:
+        if self._outage is not None and self.clock() < self._retry_at:
             raise _Unavailable(self._outage)
+        self.attempts += 1
         try:
             yield self._client()
         except BadOption as exc:  # AccessDenied, or a URL that does not fit the server
@@ -395,7 +404,7 @@ class RedisBackend(BaseBackend):
             )  # fmt: skip
         else:
             self._backoff = min(BACKOFF_MAX, self._backoff * 2)
-        self._retry_at = time.monotonic() + self._backoff
+        self._retry_at = self.clock() + self._backoff
 
     def _failed(self) -> None:
         self._mirror.counters["errors"] += 1

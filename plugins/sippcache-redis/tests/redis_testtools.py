@@ -101,6 +101,32 @@ class Proxy:
         self.listener.close()
 
 
+class Clock:
+    """A clock that moves only when told (`advance`): the backoff's clock in tests, passed to
+    `RedisBackend(clock=...)`. redis-py's socket timeouts keep the real clock."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def open_with_clock(url: str, clock: Clock) -> Any:
+    """`sippcache.open(url)` for a ``redis://`` URL, with the backoff on `clock`."""
+    from sippcache_redis import RedisBackend
+
+    from sippcache.options import coerce_options
+    from sippcache.registry import parse_url
+
+    scheme, location, options = parse_url(url)
+    assert scheme == "redis", url
+    return RedisBackend(location, clock=clock, **coerce_options("RedisBackend", options, RedisBackend.options))
+
+
 def make_certificates(directory: Any) -> dict[str, str]:
     """A CA and a server certificate for localhost/127.0.0.1, made with the openssl command."""
     import subprocess

@@ -11,8 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from redis_testtools import Proxy
+from redis_testtools import Clock, Proxy, open_with_clock
 from sippcache_redis import AccessDenied
+from sippcache_redis.backend import BACKOFF_FIRST, BACKOFF_MAX
 from sippcache_redis.servers import ValkeyServer, free_port
 
 import sippcache
@@ -37,9 +38,10 @@ def test_server_down_at_open_then_started(
 ) -> None:
     port = free_port()
     caplog.set_level(logging.INFO, logger="sippcache")
-    started = time.monotonic()
-    cache = sippcache.open(f"redis://127.0.0.1:{port}/0?prefix={prefix}&timeout=1")  # nothing listens: not an error
+    clock = Clock()  # the backoff's clock: it moves only when this test moves it
+    cache = open_with_clock(f"redis://127.0.0.1:{port}/0?prefix={prefix}&timeout=1", clock)  # nothing listens: fine
     opened.append(cache)
+    assert cache.attempts == 1  # the connection at open, refused
     for i in range(20):
         assert cache.lookup([1, 2, 3]) is None
         assert cache.store([1, 2, i], b"dropped") is False
@@ -48,12 +50,27 @@ def test_server_down_at_open_then_started(
     assert len(cache) == 0 and list(cache.entries()) == []
     stats = cache.stats()
     assert stats.errors >= 60 and stats.misses == 20 and stats.stores == 0
+    # Fail fast: while the backoff lasts, all of the above were answered without trying the server.
+    assert cache.attempts == 1 and cache.round_trips == 0
+    clock.advance(BACKOFF_FIRST)  # the backoff is over: the next call tries the server (refused again)...
+    assert cache.lookup([1, 2, 3]) is None and cache.attempts == 2
+    clock.advance(0.75 * 2 * BACKOFF_FIRST)  # ... and the backoff doubles
+    assert cache.lookup([1, 2, 3]) is None and cache.store([1], b"dropped") is False and cache.attempts == 2
+    clock.advance(0.25 * 2 * BACKOFF_FIRST)
+    assert cache.lookup([1, 2, 3]) is None and cache.attempts == 3
     assert len(_warnings(caplog)) == 1  # once per outage, however many failures
-    assert time.monotonic() - started < 5  # refused connections fail fast, then the backoff skips the server
-    make_server(port=port)  # the server comes up: the client notices by itself
-    _wait_until(lambda: cache.store([1, 2, 3], b"now stored"))
+    make_server(port=port)  # the server comes up (answering PING): the client notices by itself...
+    assert cache.store([1, 2, 3], b"now stored") is False and cache.attempts == 3  # ... once the backoff is over
+    clock.advance(BACKOFF_MAX)
+    assert cache.store([1, 2, 3], b"now stored")
     assert bytes(cache.lookup([1, 2, 3, 4]).blob) == b"now stored"
     assert any("is back" in r.getMessage() for r in caplog.records)
+
+
+def _connections_received(server: ValkeyServer) -> int:
+    """Connections the server has accepted since it started (this one included)."""
+    with server.client() as client:
+        return int(client.info("stats")["total_connections_received"])
 
 
 def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
@@ -125,25 +142,39 @@ def test_stalled_server_answers_within_the_timeout(
     make_server: Callable[..., ValkeyServer], opened: list[Any], prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     server = make_server()
-    cache = sippcache.open(f"{server.url}?prefix={prefix}&timeout=1")
+    clock = Clock()  # the backoff's clock: it moves only when this test moves it
+    cache = open_with_clock(f"{server.url}?prefix={prefix}&timeout=1", clock)
     opened.append(cache)
-    assert cache.store([1, 2], b"x")
+    patient = sippcache.open(f"{server.url}?prefix={prefix}&timeout=600")
+    opened.append(patient)
+    assert cache.store([1, 2], b"x") and patient.lookup([1, 2]) is not None
+    connections = _connections_received(server)
     server.pause()  # SIGSTOP: connections stay open, nothing answers
     try:
-        started = time.monotonic()
-        assert cache.lookup([1, 2]) is None
-        first = time.monotonic() - started
-        started = time.monotonic()
+        attempts, trips = cache.attempts, cache.round_trips
+        thread, result = _in_thread(lambda: cache.lookup([1, 2]))
+        thread.join(60)  # bounds the wait only: the 1 s timeout ends the lookup
+        assert not thread.is_alive() and result == [None]  # a miss, no exception, no hang
+        assert (cache.attempts, cache.round_trips) == (attempts + 1, trips + 1)  # one exchange, given up
         assert cache.store([3], b"y") is False and cache.lookup([1, 2]) is None and cache.delete([1, 2]) is False
         len(cache)
         cache.stats()
-        rest = time.monotonic() - started
+        assert (cache.attempts, cache.round_trips) == (attempts + 1, trips + 1)  # backing off: no more waiting
+        # A stall within the timeout is waited out: the answer, not a miss.
+        before = patient.attempts
+        waiting, answer = _in_thread(lambda: patient.lookup([1, 2]))
+        _wait_until(lambda: patient.attempts > before)  # its request is on its way to the stalled server
     finally:
         server.resume()
-    assert 0.9 < first < 2.5, first  # the 1 s timeout, not more
-    assert rest < 0.5, rest  # backing off: no more waiting on a dead server
+    waiting.join(60)  # bounds the wait only
+    assert not waiting.is_alive() and len(answer) == 1 and bytes(answer[0].blob) == b"x"
+    # No client connected again while the server was stalled (redis-py's own retries are off: a
+    # retry would have reconnected): the only new connection is the one counting them.
+    assert _connections_received(server) == connections + 1
     assert len(_warnings(caplog)) == 1
-    _wait_until(lambda: cache.lookup([1, 2]) is not None)  # back by itself
+    assert cache.lookup([1, 2]) is None and cache.attempts == attempts + 1  # still backing off
+    clock.advance(BACKOFF_FIRST)
+    assert bytes(cache.lookup([1, 2]).blob) == b"x"  # back by itself once the backoff is over
 
 
 @pytest.mark.parametrize("persistence", ["aof", "rdb"])
