@@ -13,7 +13,15 @@ sippcache's `LlamaCache` (LMDB, with `sippcache.llama.Llama`), all on the same
 model in one process. Goals: the cached (third) call >= 10x faster than with
 `LlamaRAMCache`; entries >= 20x smaller.
 
-    python benchmarks/ttft.py [--json] [--quick]
+`--dropin`, llama-cpp-python's own usage on a plain `llama_cpp.Llama`: the same
+A, B, A with no cache, `LlamaRAMCache`, an unbound `LlamaCache` (LMDB:
+`llm.set_cache(LlamaCache(url))`, whole-context states), and the bound fast
+path (`LlamaCache(url).bind(llm)` on the plain `Llama`, and with
+`sippcache.llama.Llama`), in one process; seconds per request. Goals: the
+unbound cached call no slower than `LlamaRAMCache`'s; the bound ones >= 10x
+faster.
+
+    python benchmarks/ttft.py [--json] [--quick] [--dropin]
 """
 
 from __future__ import annotations
@@ -155,6 +163,85 @@ def part2(model: str) -> list[dict]:
     return rows
 
 
+# -- --dropin: one process ------------------------------------------------------------
+
+DROPIN_UNBOUND = "LlamaCache unbound, plain Llama"
+DROPIN_BOUND = ("LlamaCache .bind(llm), plain Llama", "LlamaCache, sippcache.llama.Llama")
+
+
+def dropin(model: str) -> list[dict]:
+    """A, B, A through llama-cpp-python's hook, plain `llama_cpp.Llama` unless named."""
+    import llama_cpp
+    from llama_cpp.llama_cache import LlamaRAMCache
+
+    from sippcache.llama import Llama as SippLlama
+    from sippcache.llama import LlamaCache
+
+    probe = llama_cpp.Llama(model_path=model, n_ctx=N_CTX, vocab_only=True, verbose=False)
+    a = probe.detokenize(prompt_tokens(probe, 1300, "a")).decode()
+    b = probe.detokenize(prompt_tokens(probe, 1300, "b")).decode()
+    n_prompt = [len(probe.tokenize(text.encode())) for text in (a, b)]
+    probe.close()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        configs = {
+            "no cache": (llama_cpp.Llama, lambda llm: None),
+            "LlamaRAMCache": (llama_cpp.Llama, lambda llm: LlamaRAMCache(capacity_bytes=4 << 30)),
+            DROPIN_UNBOUND: (llama_cpp.Llama, lambda llm: LlamaCache(f"lmdb://{tmp}/unbound")),
+            DROPIN_BOUND[0]: (llama_cpp.Llama, lambda llm: LlamaCache(f"lmdb://{tmp}/bind").bind(llm)),
+            DROPIN_BOUND[1]: (SippLlama, lambda llm: LlamaCache(f"lmdb://{tmp}/sipp")),
+        }
+        for name, (cls, make_cache) in configs.items():
+            llm = cls(model_path=model, n_ctx=N_CTX, n_batch=512, verbose=False)
+            cache = make_cache(llm)
+            if cache is not None:
+                llm.set_cache(cache)
+            times, texts = [], []
+            for text in (a, b, a):
+                started = time.perf_counter()
+                texts.append(llm.create_completion(text, max_tokens=1, temperature=0.0)["choices"][0]["text"])
+                times.append(time.perf_counter() - started)
+            row = {"cache": name, "first_s": times[0], "second_s": times[1], "third_s": times[2],
+                   "bytes_per_entry": entry_bytes(cache), "texts": texts, "prompt_tokens": n_prompt}  # fmt: skip
+            if isinstance(cache, LlamaCache):
+                row["hits"] = cache.stats()["hits"]
+                cache.close()
+            rows.append(row)
+            llm.set_cache(None)
+            llm.close()
+            del cache
+    assert all(r["texts"] == rows[0]["texts"] for r in rows), [r["texts"] for r in rows]
+    return rows
+
+
+def dropin_goals(rows: list[dict]) -> dict[str, bool]:
+    by_name = {r["cache"]: r for r in rows}
+    ram = by_name["LlamaRAMCache"]["third_s"]
+    unbound = by_name[DROPIN_UNBOUND]["third_s"]
+    goals = {"unbound LlamaCache's cached call no slower than LlamaRAMCache's": unbound <= ram}
+    for name in DROPIN_BOUND:
+        goals[f"{name}: cached call >= 10x faster than LlamaRAMCache"] = ram / by_name[name]["third_s"] >= 10
+    return goals
+
+
+def print_dropin(rows: list[dict], goals: dict[str, bool]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    tokens = rows[0]["prompt_tokens"]
+    table = Table(title=f"plain-Llama drop-in: create_completion(max_tokens=1) on A, B, A ({tokens[0]} / {tokens[1]} "
+                        "tokens), seconds per request")  # fmt: skip
+    for column in ("cache", "1st (A)", "2nd (B)", "3rd (A again)", "bytes/entry"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(r["cache"], f"{r['first_s']:.2f} s", f"{r['second_s']:.2f} s", f"{r['third_s']:.3f} s",
+                      f"{r['bytes_per_entry'] / 1e6:.1f} MB")  # fmt: skip
+    console.print(table)
+    for goal, ok in goals.items():
+        console.print(f"{'PASS' if ok else 'FAIL'}  {goal}")
+
+
 def entry_bytes(cache) -> int:
     from llama_cpp.llama_cache import LlamaDiskCache, LlamaRAMCache
 
@@ -179,6 +266,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="part 1 at 2,000 tokens only")
+    parser.add_argument("--dropin", action="store_true", help="only the plain-Llama drop-in comparison")
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "URL", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -189,6 +277,14 @@ def main() -> int:
     from sippcache.demo.model import gemma_model_path
 
     model = str(gemma_model_path())
+    if args.dropin:
+        rows = dropin(model)
+        goals = dropin_goals(rows)
+        if args.json:
+            print(json.dumps({"dropin": rows, "goals": goals}))
+        else:
+            print_dropin(rows, goals)
+        return 0 if all(goals.values()) else 1
     prefill_rows = part1(model, (2000,) if args.quick else SIZES)
     hook_rows = part2(model)
     at_2000 = next(r for r in prefill_rows if r["tokens"] == 2000)

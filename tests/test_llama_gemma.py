@@ -194,3 +194,47 @@ def test_llama_cache_completions_match_uncached(gemma_model, make_llama, tokens,
         assert llm.create_completion(p, max_tokens=8, temperature=0.0)["choices"][0]["text"] == expected[p]
     assert cache.prefix_cache(llm).stats()["hits"] >= 1
     cache.close()
+
+
+def test_unbound_llama_cache_on_a_plain_llama_computes_what_llama_ram_cache_does(
+    gemma_model, make_llama, tokens, tmp_path
+) -> None:
+    """llama-cpp-python's own usage, ``llama_cpp.Llama(...).set_cache(LlamaCache(url))`` with no
+    bind, on an iSWA model: A, B, A, then C, which shares A's first 640 tokens (the restored
+    whole-context state of A is cut far from its end, which a sequence state could not be).
+    Every completion's text, logits and context equal LlamaRAMCache's, bit for bit, and the
+    text is the never-cached one."""
+    from llama_cpp.llama_cache import LlamaRAMCache
+
+    def text_of(ids: list[int]) -> str:
+        return vocab.detokenize(ids).decode()
+
+    vocab = llama_cpp.Llama(model_path=str(gemma_model), n_ctx=N_CTX, vocab_only=True, verbose=False)
+    a, b = text_of(tokens[1:1201]), text_of(tokens[1201:2201])
+    c = text_of(tokens[1:641]) + " Question: what did the keeper record? Answer:"
+    vocab.close()
+
+    def complete(llm: llama_cpp.Llama, text: str) -> tuple[str, np.ndarray, list[int], int]:
+        llama_cpp.llama_perf_context_reset(llm.ctx)
+        out = llm.create_completion(text, max_tokens=4, temperature=0.0)["choices"][0]["text"]
+        evaluated = llama_cpp.llama_perf_context(llm.ctx).n_p_eval
+        return out, last_logits(llm), [int(t) for t in llm.input_ids[: llm.n_tokens]], evaluated
+
+    never = {}
+    for text in (a, b, c):
+        fresh = make_llama(gemma_model, n_ctx=N_CTX)
+        never[text] = complete(fresh, text)[0]
+        fresh.close()
+    ours, theirs = make_llama(gemma_model, n_ctx=N_CTX), make_llama(gemma_model, n_ctx=N_CTX)
+    cache = LlamaCache(f"lmdb://{tmp_path}/cache")
+    ours.set_cache(cache)
+    theirs.set_cache(LlamaRAMCache(capacity_bytes=4 << 30))
+    for i, text in enumerate((a, b, a, c)):
+        got, expected = complete(ours, text), complete(theirs, text)
+        assert got[0] == expected[0] == never[text], i
+        np.testing.assert_array_equal(got[1], expected[1])
+        assert got[2:] == expected[2:], i  # what the context holds, and the tokens it evaluated
+    stats = cache.stats()
+    assert stats["hits"] == 2 and stats["tokens_reused"] >= 1200 + 600
+    theirs.set_cache(None)
+    cache.close()

@@ -329,15 +329,19 @@ def test_llama_cache_drop_in(make_llama, tiny_model, url, llama_class) -> None:
 
 
 def test_llama_cache_serves_the_model_it_is_bound_to(make_llama, tiny_model, url) -> None:
-    """llama-cpp-python's hook passes only tokens: a LlamaCache serves one model, bound explicitly."""
+    """llama-cpp-python's hook passes only tokens: a LlamaCache bound to a model serves it (the
+    fast path); unbound, it keeps llama-cpp-python's own states (test_llama_dropin.py)."""
     text = "The quick brown fox jumps over the lazy dog. " * 10
     plain, other = make_llama(tiny_model), make_llama(tiny_model)
     unbound = LlamaCache(url)
-    plain.set_cache(unbound)  # llama_cpp.Llama.set_cache cannot bind it
+    plain.set_cache(unbound)  # llama_cpp.Llama.set_cache cannot bind it: the whole-state fallback
+    expected = plain.create_completion(text, max_tokens=2, temperature=0.0)["choices"][0]["text"]
+    assert unbound.stats()["entries_written"] == 1
     with pytest.raises(RuntimeError, match=r"bind\(llm\)"):
-        plain.create_completion(text, max_tokens=2)
+        unbound.prefix_cache()  # the explicit API needs the model
     assert unbound.bind(plain) is unbound and unbound.bind(plain) is unbound  # binding again to it: fine
-    assert plain.create_completion(text, max_tokens=2)["choices"][0]["text"] is not None
+    assert plain.create_completion(text, max_tokens=2, temperature=0.0)["choices"][0]["text"] == expected
+    assert unbound.stats() == unbound.prefix_cache().stats()  # bound: the fast path's counters
     with pytest.raises(ValueError, match="one LlamaCache per model"):
         unbound.bind(other)
     with pytest.raises(ValueError, match="another model"):

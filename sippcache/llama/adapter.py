@@ -6,9 +6,11 @@ Two ways in:
   holds exactly `tokens` and the next token can be sampled as if the whole
   prompt had been evaluated (`llm.sample()` / `llm.generate()`).
 - `llm.set_cache(LlamaCache(url))`: a drop-in for llama-cpp-python's own cache
-  hook (`create_completion`, `create_chat_completion`, its server). Use it
+  hook (`create_completion`, `create_chat_completion`, its server). Fast
   with `sippcache.llama.Llama`, whose `set_cache` binds the cache to the model
   (with a plain `llama_cpp.Llama`: ``llm.set_cache(LlamaCache(url).bind(llm))``).
+  Unbound, it keeps the whole-context states llama-cpp-python hands its cache,
+  as `LlamaRAMCache` does (`sippcache.llama.wholestate`).
 
 With `sippcache.llama.Llama` (rather than a plain `llama_cpp.Llama`), an entry
 for a whole prompt also keeps the last position's logits, and an exact repeat
@@ -18,8 +20,8 @@ context, so for it the last prompt token is always evaluated.
 
 What is stored is llama.cpp's per-sequence state (`llama_state_seq_get_data`),
 framed by `sippcache.llama.states` / `sippcache.frame`, under a namespace made of the
-model fingerprint and a scope. Never the whole context, never the scores,
-never a pickle.
+model fingerprint and a scope (unbound `LlamaCache`: the whole context, without
+its empty scores). Never a pickle.
 
 Correctness rules (see docs/llama.md):
 
@@ -58,6 +60,7 @@ from .seqcache import (
     common_length,
     open_cache_argument,
 )
+from .wholestate import WholeStateCache
 
 log = logging.getLogger("sippcache")
 
@@ -355,9 +358,14 @@ class LlamaCache(BaseLlamaCache):
     `begin_completion`); a plain `llama_cpp.Llama` still makes one (and copies
     its scores), which is not kept.
 
-    The hook passes only tokens, so a `LlamaCache` serves one model, bound to
-    it: `sippcache.llama.Llama.set_cache` binds it, otherwise pass `llm` or call
-    `bind`. The other arguments are `PrefixCache`'s.
+    The hook passes only tokens, so that fast path needs the model: a
+    `LlamaCache` bound to one (`sippcache.llama.Llama.set_cache` binds it,
+    otherwise pass `llm` or call `bind`) serves it. Unbound (a plain
+    `llama_cpp.Llama`'s `set_cache`), it works as llama-cpp-python's own
+    `LlamaRAMCache` does, with the store behind it: it keeps the whole-context
+    states llama-cpp-python hands it (without the empty `scores` array) and
+    answers the longest common prefix's (see `sippcache.llama.wholestate`).
+    The other arguments are `PrefixCache`'s.
     """
 
     def __init__(
@@ -382,6 +390,7 @@ class LlamaCache(BaseLlamaCache):
         )  # fmt: skip
         self._llm: llama_cpp.Llama | None = llm
         self._prefix_cache: PrefixCache | None = None
+        self._whole_states: WholeStateCache | None = None  # unbound: llama-cpp-python's own states
         #: Where a `sippcache.llama.Llama` completion is: before its lookup, or past it (its next
         #: truth test is llama-cpp-python's store step). None: no such completion under way.
         self._completion: Literal["lookup", "store"] | None = None
@@ -389,8 +398,9 @@ class LlamaCache(BaseLlamaCache):
     def bind(self, llm: llama_cpp.Llama) -> LlamaCache:
         """Serve `llm`, and return this cache: ``llm.set_cache(LlamaCache(url).bind(llm))``.
 
-        Needed with a plain `llama_cpp.Llama` (`sippcache.llama.Llama.set_cache`
-        does it): llama-cpp-python's hook passes only tokens. A cache serves one
+        The fast path with a plain `llama_cpp.Llama` (`sippcache.llama.Llama.set_cache`
+        does it): llama-cpp-python's hook passes only tokens, and unbound the cache
+        can only keep the whole-context states it hands over. A cache serves one
         model; binding it to another raises ValueError.
         """
         _check_llm(llm)
@@ -403,14 +413,34 @@ class LlamaCache(BaseLlamaCache):
         """The `PrefixCache` doing the work for the bound model (`llm`, if given, must be it)."""
         if self._llm is None:
             raise RuntimeError(
-                "this LlamaCache is not bound to a model (llama-cpp-python's cache hook passes only tokens): "
-                "use sippcache.llama.Llama, whose set_cache binds it, or llm.set_cache(LlamaCache(url).bind(llm))"
+                "this LlamaCache is not bound to a model (llama-cpp-python's cache hook passes only tokens), so "
+                "it has no PrefixCache: use sippcache.llama.Llama, whose set_cache binds it, or LlamaCache.bind(llm)"
             )
         if llm is not None and llm is not self._llm:
             raise ValueError("this LlamaCache serves another model")
         if self._prefix_cache is None:
             self._prefix_cache = PrefixCache(self._llm, self.cache, **self._options)
         return self._prefix_cache
+
+    def whole_states(self) -> WholeStateCache:
+        """What an unbound cache uses: llama-cpp-python's own `LlamaState`s in the store."""
+        if self._whole_states is None:
+            options = self._options
+            self._whole_states = WholeStateCache(
+                self.cache, scope=options["scope"], min_tokens=options["min_tokens"], secret=options["secret"]
+            )
+            log.info(
+                "sippcache: LlamaCache not bound to a model: keeping llama-cpp-python's whole-context states "
+                "(bind it, or use sippcache.llama.Llama, for the fast path)"
+            )
+        return self._whole_states
+
+    def stats(self) -> dict[str, int | float]:
+        """The counters (see `PrefixStats`): the bound model's `PrefixCache`'s, or unbound, the
+        whole-state fallback's (lookups, hits, misses, tokens_reused, entries_written, ...)."""
+        if self._llm is not None:
+            return self.prefix_cache().stats()
+        return self.whole_states().stats.as_dict()
 
     def begin_completion(self) -> None:
         """A `sippcache.llama.Llama` completion starts (its `create_completion` says so).
@@ -433,14 +463,16 @@ class LlamaCache(BaseLlamaCache):
 
     def __bool__(self) -> bool:
         """True, except at the store step of a `sippcache.llama.Llama` completion (see `begin_completion`)."""
-        if self._completion != "store":
+        if self._completion != "store" or self._llm is None:
             return True
         self._completion = None
         self.prefix_cache().snapshot_context()
         return False
 
     def __getitem__(self, key: Sequence[int]) -> llama_cpp.llama.LlamaState:
-        """Prefill `key` into the model's context; never answer a state to copy in.
+        """Bound: prefill `key` into the model's context; never answer a state to copy in.
+        Unbound: the stored `LlamaState` sharing the longest common prefix with `key`
+        (see `sippcache.llama.wholestate`), which llama-cpp-python loads itself.
 
         llama-cpp-python loads the answer only if it holds more of the prompt
         than the context does, and then prints "cache hit"; on a KeyError it
@@ -452,6 +484,9 @@ class LlamaCache(BaseLlamaCache):
         then the prompt (nothing to load, no line printed) if the cache was
         used, else KeyError.
         """
+        if self._llm is None:
+            self._completion = None
+            return self.whole_states().lookup(key)
         prefix_cache = self.prefix_cache()
         if self._completion == "lookup":
             self._completion = "store"
@@ -466,10 +501,16 @@ class LlamaCache(BaseLlamaCache):
         raise KeyError("nothing restored from the cache")
 
     def __contains__(self, key: Sequence[int]) -> bool:
+        if self._llm is None:
+            return self.whole_states().contains(key)
         return self.prefix_cache().cached_length(list(key)[:-1]) > 0
 
     def __setitem__(self, key: Sequence[int], value: Any) -> None:
-        """Store the context's sequence state (prompt and completion); `value` is not kept."""
+        """Bound: store the context's sequence state (prompt and completion); `value` is not
+        kept. Unbound: store `value` (a `LlamaState`) under the tokens it holds."""
+        if self._llm is None:
+            self.whole_states().store(value)
+            return
         self.prefix_cache().snapshot_context()
 
     def flush(self) -> None:
