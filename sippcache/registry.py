@@ -226,17 +226,17 @@ def parse_url(url: str) -> tuple[str, str, dict[str, str]]:
         raise TypeError(f"cache URL must be a str, not {type(url).__name__}")
     parts = urlsplit(url.strip())
     if not parts.scheme or "://" not in url:
-        raise UnknownBackend(f"{url!r} is not a cache URL (expected e.g. lmdb:///path or ram://)")
+        raise UnknownBackend(f"{redact_url(url)!r} is not a cache URL (expected e.g. lmdb:///path or ram://)")
     if parts.fragment:
-        raise BadOption(f"cache URL {url!r} has a fragment ('#...'); options go after '?'")
+        raise BadOption(f"cache URL {redact_url(url)!r} has a fragment ('#...'); options go after '?'")
     options: dict[str, str] = {}
     try:
         pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
     except ValueError:
-        raise BadOption(f"cannot parse the options of {url!r}: expected name=value&name=value") from None
+        raise BadOption(f"cannot parse the options of {redact_url(url)!r}: expected name=value&name=value") from None
     for name, value in pairs:
         if name in options:
-            raise BadOption(f"option {name!r} is given twice in {url!r}")
+            raise BadOption(f"option {name!r} is given twice in {redact_url(url)!r}")
         options[name] = value
     location = unquote(parts.netloc + parts.path)
     return parts.scheme.lower(), location, options
@@ -276,4 +276,4 @@ def _require_store(cls: type, url: str, location: str) -> None:
     missing_store = getattr(cls, "missing_store", None)
     problem = missing_store(location) if missing_store is not None else None
     if problem is not None:
-        raise NoStore(f"no cache at {url} ({problem})")
+        raise NoStore(f"no cache at {redact_url(url)} ({problem})")

@@ -18,6 +18,7 @@ from .. import frame as _frame
 from ..base import BaseBackend
 from ..protocol import CacheBackend, EntryInfo
 from ..registry import backends as list_backends
+from ..registry import redact_url
 from .absent import AbsentStore
 from .errors import one_line_errors, open_store
 from .output import (
@@ -107,7 +108,7 @@ def stats(url: str | None, cache_option: str | None, as_json: bool) -> None:
     if as_json:
         echo_json(
             {
-                "url": url,
+                "url": redact_url(url),
                 "backend": info.backend,
                 "location": info.location,
                 "exists": exists,

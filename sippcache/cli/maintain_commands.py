@@ -13,6 +13,7 @@ from rich.progress import Progress
 from ..errors import CacheFull
 from ..eviction import DEFAULT_POLICY
 from ..protocol import CacheBackend, EntryInfo
+from ..registry import redact_url
 from .errors import CLIError, one_line_errors, open_store, same_store
 from .output import ID_LENGTH, byte_progress, echo_json, entries, entry_id
 from .params import json_option, parse_age, parse_size, resolve_url, url_argument
@@ -190,8 +191,9 @@ def copy(src_url: str, dst_url: str, namespace: str | None, as_json: bool) -> No
     source's recency order, but their times become the copy's. Reading the
     source does not count as a use.
     """
+    shown_src, shown_dst = redact_url(src_url), redact_url(dst_url)
     if same_store(src_url, dst_url):
-        raise CLIError(f"{src_url} and {dst_url} are the same store")
+        raise CLIError(f"{shown_src} and {shown_dst} are the same store")
     with open_store(src_url, read_only=True) as src, open_store(dst_url, read_only=False, must_exist=False) as dst:
         listed = list(src.entries(namespace))
         with byte_progress("copying") as progress:
@@ -204,13 +206,13 @@ def copy(src_url: str, dst_url: str, namespace: str | None, as_json: bool) -> No
         "evicted": counters.evictions,
         "refused": counters.refused,
         "unpinned": unpinned,
-        "source": src_url,
-        "destination": dst_url,
+        "source": shown_src,
+        "destination": shown_dst,
     }
     if as_json:
         echo_json(result)
         return
-    click.echo(f"copied {entries(copied)} ({human_size(size)}) from {src_url} to {dst_url}")
+    click.echo(f"copied {entries(copied)} ({human_size(size)}) from {shown_src} to {shown_dst}")
     if skipped:
         click.echo(f"skipped {entries(skipped)} deleted from the source meanwhile")
     if unpinned:

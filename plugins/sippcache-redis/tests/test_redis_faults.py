@@ -4,10 +4,14 @@ ACLs that are wrong are a clear error at open."""
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -239,3 +243,26 @@ def test_acl_denials_are_clear_errors_at_open(make_server: Callable[..., ValkeyS
         assert len(cache) == 1 and cache.stats().errors == 0 and cache.stats().evictions == 3
         cache.clear()
         assert len(cache) == 0
+
+
+def test_the_cli_never_prints_a_password(make_server: Callable[..., ValkeyServer], prefix: str, tmp_path: Path) -> None:
+    """`sippcache stats --json`, `copy` and their errors show a store's URL with its password as ***."""
+    password = "hunter2-secret"
+    server = make_server(password=password)
+    url = f"{server.url}&prefix={prefix}".replace("/0&", "/0?")
+    with sippcache.open(url) as cache:
+        cache.store([1, 2], b"entry")
+    script = Path(sys.executable).with_name("sippcache")
+    runs = [
+        [str(script), "stats", url, "--json"],
+        [str(script), "copy", url, f"lmdb://{tmp_path}/copy", "--json"],
+        [str(script), "copy", url, f"lmdb://{tmp_path}/copy"],
+        [str(script), "copy", url, url],  # the same store: an error naming both
+        [str(script), "stats", f"lmdb://{tmp_path}/none?password={password}"],  # no store there
+    ]
+    outputs = [subprocess.run(argv, capture_output=True, text=True, timeout=120) for argv in runs]
+    assert [r.returncode for r in outputs] == [0, 0, 0, 2, 2], [r.stderr for r in outputs]
+    assert json.loads(outputs[0].stdout)["url"].count("***") == 1
+    assert "***" in json.loads(outputs[1].stdout)["source"]
+    for result in outputs:
+        assert password not in result.stdout + result.stderr, result
