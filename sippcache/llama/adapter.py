@@ -38,26 +38,18 @@ import inspect
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import llama_cpp
 import numpy as np
 from llama_cpp.llama_cache import BaseLlamaCache
 
 from .. import tokens as _tokens
-from ..frame import Secret
 from ..protocol import CacheBackend
 from . import states
 from .fingerprint import Fingerprint, llama_fingerprint
-from .seqcache import (
-    DEFAULT_CHECKPOINT_INTERVAL,
-    DEFAULT_MIN_TOKENS,
-    Reuse,
-    SequenceCache,
-    check_options,
-    common_length,
-    open_cache_argument,
-)
+from .options import CacheOptions, CacheSettings
+from .seqcache import Reuse, SequenceCache, common_length, open_cache_argument
 
 log = logging.getLogger("sippcache")
 
@@ -110,12 +102,10 @@ class PrefixCache:
 
     `cache` is a URL, an open `CacheBackend`, or None for `sippcache.open()`'s
     default. A URL opened here is closed by `close()`; a backend passed in is
-    left open. `scope` keeps tenants apart: the same prompt in two scopes
-    never shares an entry. Prefixes shorter than `min_tokens` are neither
-    stored nor restored; long prefills store a checkpoint every
-    `checkpoint_interval` tokens. With a `secret` (default: `SIPPCACHE_SECRET`)
-    every entry carries a MAC and entries without a valid one are misses.
-    `on_prefill(result)` is called after every prefill (for metrics).
+    left open. `options` (`CacheOptions`: `scope`, `min_tokens`,
+    `checkpoint_interval`, `max_pending_writes`, `secret`) say how the store is
+    used; its fields may be given as keywords instead (``scope="tenant-a"``),
+    not both. `on_prefill(result)` is called after every prefill (for metrics).
     """
 
     def __init__(
@@ -123,26 +113,23 @@ class PrefixCache:
         llm: llama_cpp.Llama,
         cache: str | CacheBackend | None = None,
         *,
-        scope: str = "default",
-        min_tokens: int = DEFAULT_MIN_TOKENS,
-        checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
-        max_pending_writes: int = 4,
-        secret: Secret | None = None,
+        options: CacheOptions | None = None,
         on_prefill: Callable[[PrefillResult], None] | None = None,
+        **settings: Unpack[CacheSettings],
     ) -> None:
         if not isinstance(llm, llama_cpp.Llama):
             raise TypeError(f"llm must be a llama_cpp.Llama, not {type(llm).__name__}")
-        check_options(scope, min_tokens, checkpoint_interval, max_pending_writes, secret)
+        options = CacheOptions.build(options, settings)
         _check_observer(on_prefill)
         self.llm = llm
         self.fingerprint: Fingerprint = llama_fingerprint(llm)
         self._states = SequenceCache(
-            cache, fingerprint=self.fingerprint, scope=scope, n_swa=int(llama_cpp.llama_model_n_swa(llm.model)),
-            n_vocab=llm.n_vocab(), min_tokens=min_tokens, checkpoint_interval=checkpoint_interval,
-            max_pending_writes=max_pending_writes, secret=secret,
+            cache, fingerprint=self.fingerprint, n_swa=int(llama_cpp.llama_model_n_swa(llm.model)),
+            n_vocab=llm.n_vocab(), options=options,
         )  # fmt: skip
-        self.cache, self.namespace, self.scope = self._states.cache, self._states.namespace, scope
-        self.min_tokens, self.checkpoint_interval = min_tokens, checkpoint_interval
+        self.options = options
+        self.cache, self.namespace, self.scope = self._states.cache, self._states.namespace, options.scope
+        self.min_tokens, self.checkpoint_interval = options.min_tokens, options.checkpoint_interval
         self.secret, self.n_swa = self._states.secret, self._states.n_swa
         self.on_prefill = on_prefill
         #: Whole-prompt entries keep their logits, and exact repeats sample from them.
@@ -357,7 +344,8 @@ class LlamaCache(BaseLlamaCache):
 
     The hook passes only tokens, so a `LlamaCache` serves one model, bound to
     it: `sippcache.llama.Llama.set_cache` binds it, otherwise pass `llm` or call
-    `bind`. The other arguments are `PrefixCache`'s.
+    `bind`. The other arguments (`options` or its fields as keywords,
+    `on_prefill`) are `PrefixCache`'s.
     """
 
     def __init__(
@@ -365,21 +353,17 @@ class LlamaCache(BaseLlamaCache):
         cache: str | CacheBackend | None = None,
         *,
         llm: llama_cpp.Llama | None = None,
-        scope: str = "default",
-        min_tokens: int = DEFAULT_MIN_TOKENS,
-        checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
-        secret: Secret | None = None,
+        options: CacheOptions | None = None,
         on_prefill: Callable[[PrefillResult], None] | None = None,
+        **settings: Unpack[CacheSettings],
     ) -> None:
-        check_options(scope, min_tokens, checkpoint_interval, secret=secret)
+        self.options = CacheOptions.build(options, settings)
         _check_observer(on_prefill)
         _check_llm(llm, optional=True)
         self.cache, self._owns_cache = open_cache_argument(cache)
         super().__init__(capacity_bytes=self.cache.stats().max_bytes or 0)
-        self._options: dict[str, Any] = dict(
-            scope=scope, min_tokens=min_tokens, checkpoint_interval=checkpoint_interval, secret=secret,
-            on_prefill=on_prefill,
-        )  # fmt: skip
+        #: `PrefixCache`'s arguments besides the model and the store.
+        self._options: dict[str, Any] = dict(options=self.options, on_prefill=on_prefill)
         self._llm: llama_cpp.Llama | None = llm
         self._prefix_cache: PrefixCache | None = None
         #: Where a `sippcache.llama.Llama` completion is: before its lookup, or past it (its next

@@ -29,17 +29,16 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import CorruptEntry, UnsupportedEntry
-from ..frame import Secret, secret_from_environment
+from ..frame import secret_from_environment
 from ..protocol import CacheBackend, Match, Peek
 from ..registry import open as open_cache
 from . import states
 from .fingerprint import Fingerprint
+from .options import CacheOptions
 from .writer import BackgroundWriter
 
 log = logging.getLogger("sippcache")
 
-DEFAULT_MIN_TOKENS = 16
-DEFAULT_CHECKPOINT_INTERVAL = 2048
 #: Checkpoints where a prompt leaves a stored one are rounded down to a multiple of
 #: this. llama.cpp's quantized kernels give results that depend on where a batch
 #: is split: measured on gemma-3-270m (q4_k_m, AVX-512), splitting an evaluation
@@ -93,22 +92,6 @@ class Reuse:
     branch: int = 0
 
 
-def check_options(
-    scope: Any, min_tokens: Any, checkpoint_interval: Any, max_pending_writes: Any = 1, secret: Any = None,
-) -> None:  # fmt: skip
-    """Refuse bad options before anything is opened or created."""
-    if not isinstance(scope, str):
-        raise TypeError(f"scope must be a str, not {type(scope).__name__}")
-    for name, value in (("min_tokens", min_tokens), ("checkpoint_interval", checkpoint_interval),
-                        ("max_pending_writes", max_pending_writes)):  # fmt: skip
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
-    if secret is not None and (not isinstance(secret, (str, bytes)) or not secret):
-        raise TypeError("secret must be a non-empty str or bytes")
-
-
 def open_cache_argument(cache: str | CacheBackend | None) -> tuple[CacheBackend, bool]:
     """The backend for `cache` (a URL, an open backend, or None) and whether we opened it."""
     if cache is None or isinstance(cache, str):
@@ -134,7 +117,8 @@ class SequenceCache:
     default (closed by `close()` only if opened here). The namespace is
     ``llama:<fingerprint>/<scope>``. With a `secret` (default:
     `SIPPCACHE_SECRET`) entries carry a MAC and entries without a valid one are
-    misses.
+    misses. `options` (`CacheOptions`, default: its defaults) holds the scope,
+    `min_tokens`, `checkpoint_interval`, `max_pending_writes` and the secret.
     """
 
     def __init__(
@@ -142,28 +126,24 @@ class SequenceCache:
         cache: str | CacheBackend | None,
         *,
         fingerprint: Fingerprint,
-        scope: str,
         n_swa: int,
         n_vocab: int,
-        min_tokens: int = DEFAULT_MIN_TOKENS,
-        checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
-        max_pending_writes: int = 4,
-        secret: Secret | None = None,
+        options: CacheOptions | None = None,
     ) -> None:
-        check_options(scope, min_tokens, checkpoint_interval, max_pending_writes, secret)
+        options = CacheOptions.build(options, {}) if options is not None else CacheOptions()
         self.cache, self._owns_cache = open_cache_argument(cache)
+        self.options = options
         self.fingerprint = fingerprint
-        self.scope = scope
-        self.namespace = f"llama:{fingerprint.digest}/{scope}"
+        self.scope = options.scope
+        self.namespace = f"llama:{fingerprint.digest}/{options.scope}"
         self.n_swa = n_swa
         self.n_vocab = n_vocab
-        self.min_tokens = min_tokens
-        self.checkpoint_interval = checkpoint_interval
-        if secret is None:
-            secret = secret_from_environment()
+        self.min_tokens = options.min_tokens
+        secret = options.secret if options.secret is not None else secret_from_environment()
+        #: The secret in use (bytes), from `options` or `SIPPCACHE_SECRET`.
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self.stats = PrefixStats()
-        self._writer = BackgroundWriter(self._write_entry, max_pending=max_pending_writes)
+        self._writer = BackgroundWriter(self._write_entry, max_pending=options.max_pending_writes)
         self._queued: dict[int, list[int]] = {}  # keys of snapshots not yet written, by snapshot id
         self._queued_lock = threading.Lock()
 
@@ -328,7 +308,7 @@ class SequenceCache:
         """Where an evaluation from `start` to `final` takes intermediate snapshots: every
         `checkpoint_interval` tokens, and where the prompt leaves the entry it shares
         most with (`branch`, rounded down to `CHECKPOINT_ALIGNMENT`)."""
-        interval = self.checkpoint_interval
+        interval = self.options.checkpoint_interval
         found = {b for b in range((start // interval + 1) * interval, final, interval) if b >= self.min_tokens}
         branch -= branch % CHECKPOINT_ALIGNMENT
         if start < branch < final and branch >= self.min_tokens:
