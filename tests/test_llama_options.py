@@ -8,13 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
+import numpy as np
 import pytest
 
 from sippcache.llama import CacheOptions, LlamaCache, PrefixCache, SessionPool
 from sippcache.llama import Llama as SippLlama
+from sippcache.llama.batch import Job
 from sippcache.llama.fingerprint import llama_fingerprint
 from sippcache.llama.options import FIELDS, MAX_SCOPE_BYTES, CacheSettings
-from sippcache.llama.seqcache import SequenceCache
+from sippcache.llama.seqcache import SequenceCache, check_prompt
 
 
 def test_defaults() -> None:
@@ -156,3 +158,42 @@ def test_sequence_cache_takes_options(tiny_model: Path) -> None:
             SequenceCache("ram://", options={"scope": "x"}, **common)  # type: ignore[arg-type]
     finally:
         llm.close()
+
+
+# -- one token check ------------------------------------------------------------------------------
+
+
+def test_check_prompt() -> None:
+    assert check_prompt([1, 2, 3], 10) == [1, 2, 3]
+    assert check_prompt(np.array([4, 5], dtype=np.int64), 10) == [4, 5]
+    with pytest.raises(ValueError, match="cannot run an empty prompt"):
+        check_prompt([], 10)
+    with pytest.raises(ValueError, match=re.escape("token id 12 at position 2 is outside the vocabulary (n_vocab=10)")):
+        check_prompt([1, 2, 12, 13], 10)
+    with pytest.raises(ValueError, match="position 1"):
+        check_prompt([1, -5], 10)
+    with pytest.raises(TypeError):
+        check_prompt("hello", 10)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^session 'a': token at position 1 is float"):
+        check_prompt([1, 2.5], 10, what="session 'a': ")  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"^session 'a': cannot run an empty prompt"):
+        check_prompt([], 10, what="session 'a': ")
+
+
+def test_prefix_cache_pool_and_engine_check_tokens_alike(make_llama, tiny_model: Path) -> None:
+    """The same check, so the same message: the position of the first id outside the vocabulary."""
+    llm = make_llama(tiny_model, n_ctx=256)
+    n_vocab = llm.n_vocab()
+    bad = [1, 2, n_vocab + 3, 4]
+    expected = re.escape(f"token id {n_vocab + 3} at position 2 is outside the vocabulary (n_vocab={n_vocab})")
+    with PrefixCache(llm, "ram://") as pc, pytest.raises(ValueError, match=expected):
+        pc.prefill(bad)
+    with SessionPool(llm, "ram://", slots=1) as pool:
+        with pytest.raises(ValueError, match="^session 'a': " + expected):
+            pool.generate({"a": bad})
+        engine = pool._engine
+        assert engine is not None
+        with pytest.raises(ValueError, match="^" + expected):
+            engine.check(Job(bad, None, 4))
+        with pytest.raises(ValueError, match="cannot run an empty prompt"):
+            engine.check(Job([], None, 4))

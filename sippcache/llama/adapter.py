@@ -49,7 +49,7 @@ from ..protocol import CacheBackend
 from . import states
 from .fingerprint import Fingerprint, llama_fingerprint
 from .options import CacheOptions, CacheSettings
-from .seqcache import Reuse, SequenceCache, common_length, open_cache_argument
+from .seqcache import Reuse, SequenceCache, check_prompt, common_length, open_cache_argument
 
 log = logging.getLogger("sippcache")
 
@@ -209,15 +209,7 @@ class PrefixCache:
 
     def _checked(self, tokens: _tokens.Tokens) -> list[int]:
         """`tokens` as a list of ids this model and context can evaluate; ValueError otherwise."""
-        ids = list(_tokens.decode(_tokens.encode(tokens)))
-        if not ids:
-            raise ValueError("cannot prefill an empty prompt")
-        n_vocab = self._states.n_vocab
-        if max(ids) >= n_vocab:
-            position = next(i for i, t in enumerate(ids) if t >= n_vocab)
-            raise ValueError(
-                f"token id {ids[position]} at position {position} is outside the vocabulary (n_vocab={n_vocab})"
-            )
+        ids = check_prompt(tokens, self._states.n_vocab)
         if len(ids) > self.llm.n_ctx():
             raise ValueError(f"prompt of {len(ids)} tokens exceeds the context size n_ctx={self.llm.n_ctx()}")
         if self._closed:

@@ -40,7 +40,7 @@ import llama_cpp
 import numpy as np
 
 from . import states
-from .seqcache import CHECKPOINT_ALIGNMENT, SequenceCache, common_length
+from .seqcache import CHECKPOINT_ALIGNMENT, SequenceCache, check_prompt, common_length
 
 log = logging.getLogger("sippcache")
 
@@ -212,8 +212,7 @@ class BatchEngine:
         """Raise ValueError if `job` cannot run here (any thread may call this)."""
         if job.state != "queued" or job.submitted_at:
             raise ValueError("a job runs once")
-        if not job.prompt:
-            raise ValueError("cannot run an empty prompt")
+        check_prompt(job.prompt, self.cache.n_vocab)
         if job.max_new < 1:
             raise ValueError(f"max_new must be at least 1, got {job.max_new}")
         if len(job.prompt) + job.max_new > self.n_ctx:

@@ -52,7 +52,7 @@ from ..protocol import CacheBackend
 from .batch import BatchEngine, Job
 from .fingerprint import llama_fingerprint
 from .options import FIELDS, CacheOptions
-from .seqcache import SequenceCache
+from .seqcache import SequenceCache, check_prompt
 
 #: Tokens of history the repetition penalties look at (llama-cpp-python's `last_n_tokens_size`).
 PENALTY_LAST_N = 64
@@ -310,17 +310,9 @@ class SessionPool:
             raise ValueError(f"{len(prompts)} sessions in one call, but the pool has {self.slots} slots")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        checked = {}
         n_vocab = self._states.n_vocab
-        for session, tokens in prompts.items():
-            ids = list(_tokens.decode(_tokens.encode(tokens)))
-            if not ids:
-                raise ValueError(f"session {session!r}: cannot run an empty prompt")
-            if max(ids) >= n_vocab:
-                raise ValueError(
-                    f"session {session!r}: token id {max(ids)} is outside the vocabulary (n_vocab={n_vocab})"
-                )
-            checked[session] = ids
+        checked = {session: check_prompt(tokens, n_vocab, what=f"session {session!r}: ")
+                   for session, tokens in prompts.items()}  # fmt: skip
         need = sum(len(ids) + max_tokens for ids in checked.values())
         if need > self.n_ctx:
             raise ValueError(

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from .. import tokens as _tokens
 from ..errors import CorruptEntry, UnsupportedEntry
 from ..frame import secret_from_environment
 from ..protocol import CacheBackend, Match, Peek
@@ -90,6 +91,26 @@ class Reuse:
     restored: int = 0
     logits: np.ndarray | None = None
     branch: int = 0
+
+
+def check_prompt(tokens: _tokens.Tokens, n_vocab: int, *, what: str = "") -> list[int]:
+    """`tokens` as a list of ids a model of `n_vocab` tokens can evaluate: TypeError or
+    ValueError (prefixed with `what`, e.g. "session 'a': ") for anything else, an empty
+    prompt included. The one check of `PrefixCache`, `SessionPool` and `BatchEngine`."""
+    try:
+        ids = list(_tokens.decode(_tokens.encode(tokens)))
+    except (TypeError, ValueError) as exc:
+        if not what:
+            raise
+        raise type(exc)(f"{what}{exc}") from None
+    if not ids:
+        raise ValueError(f"{what}cannot run an empty prompt")
+    if max(ids) >= n_vocab:
+        position = next(i for i, t in enumerate(ids) if t >= n_vocab)
+        raise ValueError(
+            f"{what}token id {ids[position]} at position {position} is outside the vocabulary (n_vocab={n_vocab})"
+        )
+    return ids
 
 
 def open_cache_argument(cache: str | CacheBackend | None) -> tuple[CacheBackend, bool]:
