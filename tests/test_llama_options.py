@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import random
 import re
 from pathlib import Path
 from typing import Any
@@ -11,12 +13,13 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from sippcache.llama import CacheOptions, LlamaCache, PrefixCache, SessionPool
+import sippcache
+from sippcache.llama import CacheOptions, LlamaCache, PrefixCache, Sampling, SessionPool, seqcache
 from sippcache.llama import Llama as SippLlama
-from sippcache.llama.batch import Job
+from sippcache.llama.batch import BatchEngine, Job
 from sippcache.llama.fingerprint import llama_fingerprint
 from sippcache.llama.options import FIELDS, MAX_SCOPE_BYTES, CacheSettings
-from sippcache.llama.seqcache import SequenceCache, check_prompt
+from sippcache.llama.seqcache import SequenceCache, check_prompt, checkpoint_positions
 
 
 def test_defaults() -> None:
@@ -197,3 +200,71 @@ def test_prefix_cache_pool_and_engine_check_tokens_alike(make_llama, tiny_model:
             engine.check(Job(bad, None, 4))
         with pytest.raises(ValueError, match="cannot run an empty prompt"):
             engine.check(Job([], None, 4))
+
+
+# -- one checkpoint plan ------------------------------------------------------------------------
+
+
+def test_checkpoint_positions() -> None:
+    plan = functools.partial(checkpoint_positions, interval=64, min_tokens=16)
+    assert plan(0, 0, 200) == [64, 128, 192]
+    assert plan(0, 0, 192) == [64, 128]  # the end is the final snapshot, not a checkpoint
+    assert plan(70, 0, 200) == [128, 192]  # from a restored prefix on
+    assert plan(0, 100, 200) == [64, 96, 128, 192]  # where the prompt leaves a stored entry, aligned to 32
+    assert plan(0, 40, 200) == [32, 64, 128, 192]  # 40 aligned down to 32
+    assert plan(0, 20, 200) == [64, 128, 192]  # 20 aligned down to 0: no branch checkpoint
+    assert plan(40, 40, 200) == [64, 128, 192]  # a branch before the start: none
+    assert checkpoint_positions(0, 40, 200, interval=64, min_tokens=33) == [64, 128, 192]  # 32 < min_tokens
+    assert plan(0, 0, 200) == checkpoint_positions(0, 0, 200, interval=64, min_tokens=1)
+    assert checkpoint_positions(0, 0, 200, interval=64, min_tokens=100) == [128, 192]
+    assert checkpoint_positions(0, 0, 5000, interval=2048, min_tokens=16) == [2048, 4096]
+
+
+def test_adapter_pool_and_engine_follow_one_checkpoint_plan(
+    make_llama, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cold prompt of 200 tokens, checkpoints every 64: each path stores the plan's
+    checkpoints and the whole prompt (with its logits), and each got them from one function."""
+    calls: list[str] = []
+    plan = seqcache.checkpoint_positions
+
+    def spy(*args: Any, **kwargs: Any) -> list[int]:
+        calls.append(caller)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(seqcache, "checkpoint_positions", spy)
+    options = CacheOptions(checkpoint_interval=64, min_tokens=16)
+    tokens = [1] + [random.Random(7).randrange(3, 250) for _ in range(199)]
+    expected = [*plan(0, 0, 200, interval=64, min_tokens=16), 200]
+    assert expected == [64, 128, 192, 200]
+    llm = make_llama(tiny_model, cls=SippLlama, n_ctx=512)
+
+    caller = "adapter"
+    store = sippcache.open("ram://")
+    with PrefixCache(llm, store, options=options) as pc:
+        pc.prefill(tokens)
+    assert sorted(len(e.key) for e in store.entries()) == expected
+
+    caller = "pool"
+    store = sippcache.open("ram://")
+    with SessionPool(llm, store, slots=1, options=options, park_on_close=False) as pool:
+        pool.generate({"a": tokens}, max_tokens=1)
+    assert sorted(len(e.key) for e in store.entries()) == expected
+
+    caller = "engine"
+    store = sippcache.open("ram://")
+    cache = SequenceCache(store, fingerprint=llama_fingerprint(llm), n_swa=0, n_vocab=llm.n_vocab(), options=options)
+    engine = BatchEngine(llm, cache, slots=1, n_ctx=512, chunk=128)
+    chain = Sampling().chain(llm.n_vocab())
+    try:
+        job = Job(tokens, chain, 1)
+        engine.submit(job)
+        while job.state != "done":
+            engine.step()
+        cache.flush()
+    finally:
+        engine.free()
+        cache.close()
+        llama_cpp.llama_sampler_free(chain)
+    assert sorted(len(e.key) for e in store.entries()) == expected
+    assert calls == ["adapter", "pool", "engine"]

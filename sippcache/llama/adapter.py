@@ -286,14 +286,12 @@ class PrefixCache:
         or (for a plain `llama_cpp.Llama`) the prompt minus its last token."""
         n, ctx, cache = len(ids), self.llm.ctx, self._states
         final = len(self._final_key(ids))
-        budget = cache.checkpoint_budget()
+        plan = cache.plan(start, branch, final)
         position = start
-        for boundary in cache.boundaries(start, branch, final):
+        for boundary in plan.positions:
             self._eval(ids, position, boundary, start, n, progress)
             position = boundary
-            spent = cache.snapshot(ctx, 0, ids[:boundary], budget=budget)
-            if budget is not None:
-                budget -= spent
+            cache.checkpoint(plan, ctx, 0, ids[:boundary])
         self._eval(ids, position, final, start, n, progress)
         if final > start and final >= self.min_tokens:
             logits = states.copy_logits(ctx, cache.n_vocab) if self.stored_logits else None

@@ -93,6 +93,36 @@ class Reuse:
     branch: int = 0
 
 
+@dataclass
+class CheckpointPlan:
+    """Where one prefill stores intermediate snapshots (`positions`, ascending) and the
+    bytes they may still take (`budget`; None: no limit). Made by `SequenceCache.plan`,
+    spent by `SequenceCache.checkpoint`."""
+
+    positions: list[int]
+    budget: int | None = None
+
+    def next_stop(self, position: int, end: int) -> int:
+        """The first checkpoint after `position`, else `end`."""
+        return next((b for b in self.positions if b > position), end)
+
+    def skip_to(self, position: int) -> None:
+        """Forget the checkpoints up to `position` (the sequence got there without them)."""
+        self.positions = [b for b in self.positions if b > position]
+
+
+def checkpoint_positions(start: int, branch: int, final: int, *, interval: int, min_tokens: int) -> list[int]:
+    """Where an evaluation from `start` to `final` stores intermediate snapshots, ascending:
+    every `interval` tokens, and where the prompt leaves the entry it shares most with
+    (`branch`, rounded down to `CHECKPOINT_ALIGNMENT`); none shorter than `min_tokens`.
+    The one plan `PrefixCache`, `SessionPool` and `BatchEngine` follow."""
+    found = {b for b in range((start // interval + 1) * interval, final, interval) if b >= min_tokens}
+    branch -= branch % CHECKPOINT_ALIGNMENT
+    if start < branch < final and branch >= min_tokens:
+        found.add(branch)
+    return sorted(found)
+
+
 def check_prompt(tokens: _tokens.Tokens, n_vocab: int, *, what: str = "") -> list[int]:
     """`tokens` as a list of ids a model of `n_vocab` tokens can evaluate: TypeError or
     ValueError (prefixed with `what`, e.g. "session 'a': ") for anything else, an empty
@@ -325,16 +355,18 @@ class SequenceCache:
 
     # -- storing ------------------------------------------------------------------
 
-    def boundaries(self, start: int, branch: int, final: int) -> list[int]:
-        """Where an evaluation from `start` to `final` takes intermediate snapshots: every
-        `checkpoint_interval` tokens, and where the prompt leaves the entry it shares
-        most with (`branch`, rounded down to `CHECKPOINT_ALIGNMENT`)."""
-        interval = self.options.checkpoint_interval
-        found = {b for b in range((start // interval + 1) * interval, final, interval) if b >= self.min_tokens}
-        branch -= branch % CHECKPOINT_ALIGNMENT
-        if start < branch < final and branch >= self.min_tokens:
-            found.add(branch)
-        return sorted(found)
+    def plan(self, start: int, branch: int, final: int) -> CheckpointPlan:
+        """The checkpoints of an evaluation from `start` to `final` (`checkpoint_positions`
+        with this cache's options), sharing one `checkpoint_budget`."""
+        positions = checkpoint_positions(start, branch, final, interval=self.options.checkpoint_interval,
+                                         min_tokens=self.min_tokens)  # fmt: skip
+        return CheckpointPlan(positions, self.checkpoint_budget() if positions else None)
+
+    def checkpoint(self, plan: CheckpointPlan, ctx: Any, seq: int, key: list[int]) -> None:
+        """Store the checkpoint `key` (sequence `seq` holds exactly it) within `plan`'s budget."""
+        spent = self.snapshot(ctx, seq, key, budget=plan.budget)
+        if plan.budget is not None:
+            plan.budget -= spent
 
     def checkpoint_budget(self) -> int | None:
         """Bytes the intermediate snapshots of one prefill may take: half the store's
