@@ -19,7 +19,7 @@ from sippcache.llama import Llama as SippLlama
 from sippcache.llama.batch import BatchEngine, Job
 from sippcache.llama.fingerprint import llama_fingerprint
 from sippcache.llama.options import FIELDS, MAX_SCOPE_BYTES, CacheSettings
-from sippcache.llama.seqcache import SequenceCache, check_prompt, checkpoint_positions
+from sippcache.llama.seqcache import Restored, SequenceCache, check_prompt, checkpoint_positions
 
 
 def test_defaults() -> None:
@@ -268,3 +268,30 @@ def test_adapter_pool_and_engine_follow_one_checkpoint_plan(
         llama_cpp.llama_sampler_free(chain)
     assert sorted(len(e.key) for e in store.entries()) == expected
     assert calls == ["adapter", "pool", "engine"]
+
+
+# -- what a restore loaded --------------------------------------------------------------------
+
+
+def test_restore_says_what_it_loaded(make_llama, tiny_model: Path) -> None:
+    """`SequenceCache.restore` answers a `Restored`: the tokens the sequence holds, and the
+    stored logits only when asked for (it used to answer the logits, or True)."""
+    tokens = [1] + [random.Random(3).randrange(3, 250) for _ in range(59)]
+    store = sippcache.open("ram://")
+    with PrefixCache(make_llama(tiny_model, cls=SippLlama, n_ctx=256), store) as pc:
+        pc.prefill(tokens)
+    llm = make_llama(tiny_model, cls=SippLlama, n_ctx=256)
+    cache = SequenceCache(store, fingerprint=llama_fingerprint(llm), n_swa=0, n_vocab=llm.n_vocab())
+    try:
+        for with_logits, length in ((True, 60), (False, 60), (False, 40)):
+            match = cache.lookup(tokens, partial=False)
+            assert match is not None
+            with match:
+                restored = cache.restore(llm.ctx, 0, match, length, with_logits=with_logits)
+            assert isinstance(restored, Restored) and restored.length == length
+            if with_logits:
+                assert restored.logits is not None and restored.logits.shape == (llm.n_vocab(),)
+            else:
+                assert restored.logits is None
+    finally:
+        cache.close()

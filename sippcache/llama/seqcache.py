@@ -93,6 +93,15 @@ class Reuse:
     branch: int = 0
 
 
+@dataclass(frozen=True)
+class Restored:
+    """What `SequenceCache.restore` loaded: the sequence holds `length` tokens, and
+    `logits` (when asked for) are those of the last one, stored with the entry."""
+
+    length: int
+    logits: np.ndarray | None = None
+
+
 @dataclass
 class CheckpointPlan:
     """Where one prefill stores intermediate snapshots (`positions`, ascending) and the
@@ -252,10 +261,10 @@ class SequenceCache:
         if with_logits:
             whole = self.peek(ids, partial=False)
             if whole is not None and whole.length == n:
-                logits = self._fetch_and_restore(ctx, seq, ids, partial=False, with_logits=True)
-                if logits is not None:
+                whole_prompt = self._fetch_and_restore(ctx, seq, ids, partial=False, with_logits=True)
+                if whole_prompt is not None:
                     self.stats.logits_hits += 1
-                    return Reuse(n, n, logits)
+                    return Reuse(n, n, whole_prompt.logits)
                 live = ()  # a failed restore leaves the sequence empty
             elif whole is not None:
                 prefix = whole  # shorter than the prompt: the longest prefix of target too
@@ -278,8 +287,8 @@ class SequenceCache:
             if length >= self.min_tokens:
                 restored = self._fetch_and_restore(ctx, seq, target, partial=partial)
                 if restored is not None:
-                    self.stats.partial_hits += partial and restored < len(target)
-                    return Reuse(restored, restored, branch=branch)
+                    self.stats.partial_hits += partial and restored.length < len(target)
+                    return Reuse(restored.length, restored.length, branch=branch)
                 live = ()  # a failed restore leaves the sequence empty
         self.stats.misses += 1
         common = common_length(live, target)
@@ -297,9 +306,9 @@ class SequenceCache:
 
     def _fetch_and_restore(
         self, ctx: Any, seq: int, query: list[int], *, partial: bool, with_logits: bool = False
-    ) -> Any | None:
+    ) -> Restored | None:
         """Look `query` up and restore the match into `seq`: with `with_logits`, only an
-        entry for all of `query` with its logits (returned); else the tokens restored."""
+        entry for all of `query` with its logits; None if nothing usable was restored."""
         match = self.lookup(query, partial=partial)
         if match is None:
             return None
@@ -307,13 +316,12 @@ class SequenceCache:
             length = match.length
             if length < self.min_tokens or (with_logits and length != len(query)):
                 return None
-            restored = self.restore(ctx, seq, match, length, with_logits=with_logits)
-        return restored if with_logits or restored is None else length
+            return self.restore(ctx, seq, match, length, with_logits=with_logits)
 
-    def restore(self, ctx: Any, seq: int, match: Match, length: int, *, with_logits: bool = False) -> Any | None:
+    def restore(self, ctx: Any, seq: int, match: Match, length: int, *, with_logits: bool = False) -> Restored | None:
         """Load `match` into `seq` and keep its first `length` tokens; None if unusable
         (the sequence is then empty). With `with_logits` the entry must carry the logits
-        of its last position: they are returned (a copy); otherwise True."""
+        of its last position: `Restored.logits` holds them (a copy)."""
         started = time.perf_counter()
         key = match.key
         try:
@@ -329,7 +337,7 @@ class SequenceCache:
             return None
         if with_logits and entry.logits is None:
             return None  # usable only with an evaluation of the last token: find a shorter entry
-        logits = np.frombuffer(entry.logits, dtype=np.float32).copy() if with_logits else True  # type: ignore[arg-type]
+        logits = np.frombuffer(entry.logits, dtype=np.float32).copy() if with_logits else None  # type: ignore[arg-type]
         mem = states.memory(ctx)
         states.clear(mem, seq)
         loaded = states.restore_state(ctx, seq, entry.state, len(key), self.n_swa)
@@ -351,7 +359,7 @@ class SequenceCache:
         self.stats.tokens_reused += length
         self.stats.bytes_read += len(match.blob)
         self.stats.restore_seconds += time.perf_counter() - started
-        return logits
+        return Restored(length, logits)
 
     # -- storing ------------------------------------------------------------------
 
