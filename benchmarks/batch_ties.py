@@ -30,6 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sippcache.demo.model import gemma_model_path
+from sippcache.llama import CacheOptions
 from sippcache.llama.batch import BatchEngine, Job
 from sippcache.llama.fingerprint import llama_fingerprint
 from sippcache.llama.pool import Sampling
@@ -38,9 +39,9 @@ from sippcache.llama.seqcache import SequenceCache
 
 def run(llm: llama_cpp.Llama, prompts: list[list[int]], tokens: int, together: bool, tag: str) -> list[Job]:
     """Greedy jobs with their logits, all submitted at once or one after another."""
-    cache = SequenceCache("ram://?max_bytes=1MiB", fingerprint=llama_fingerprint(llm), scope=tag,
+    cache = SequenceCache("ram://?max_bytes=1MiB", fingerprint=llama_fingerprint(llm),
                           n_swa=int(llama_cpp.llama_model_n_swa(llm.model)), n_vocab=llm.n_vocab(),
-                          min_tokens=1 << 30)  # fmt: skip
+                          options=CacheOptions(scope=tag, min_tokens=1 << 30))  # fmt: skip
     engine = BatchEngine(llm, cache, slots=len(prompts), n_ctx=len(prompts) * 2048, chunk=256)
     chains = [Sampling().chain(llm.n_vocab()) for _ in prompts]
     jobs = [Job(p, chain, tokens, keep_logits=True) for p, chain in zip(prompts, chains, strict=True)]

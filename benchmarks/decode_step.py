@@ -27,6 +27,7 @@ import llama_cpp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sippcache.demo.model import gemma_model_path
+from sippcache.llama import CacheOptions
 from sippcache.llama.batch import BatchEngine, Job
 from sippcache.llama.fingerprint import llama_fingerprint
 from sippcache.llama.seqcache import SequenceCache
@@ -34,9 +35,10 @@ from sippcache.llama.seqcache import SequenceCache
 
 def measure(llm: llama_cpp.Llama, slots: int, steps: int) -> tuple[float, float]:
     """(median decode seconds, median sampling seconds) of a step with `slots` requests decoding."""
-    cache = SequenceCache("ram://?max_bytes=1MiB", fingerprint=llama_fingerprint(llm), scope=f"step-{slots}",
+    cache = SequenceCache("ram://?max_bytes=1MiB", fingerprint=llama_fingerprint(llm),
                           n_swa=int(llama_cpp.llama_model_n_swa(llm.model)), n_vocab=llm.n_vocab(),
-                          min_tokens=1 << 30)  # nothing stored: pure decoding  # fmt: skip
+                          options=CacheOptions(scope=f"step-{slots}", min_tokens=1 << 30))  # fmt: skip
+    # min_tokens=2**30: nothing stored, pure decoding
     engine = BatchEngine(llm, cache, slots=slots, n_ctx=slots * 1024, chunk=512)
     samplers = [llama_cpp.Llama._init_sampler(llm, temp=0.0) for _ in range(slots)]  # upstream's chain
     try:

@@ -33,6 +33,7 @@ import llama_cpp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sippcache.demo.model import gemma_model_path
+from sippcache.llama import CacheOptions
 from sippcache.llama.batch import BatchEngine, Job
 from sippcache.llama.fingerprint import llama_fingerprint
 from sippcache.llama.pool import Sampling
@@ -49,9 +50,10 @@ def run(
 ) -> tuple[float, float, list[float]]:
     """(prefill seconds alone, prefill seconds beside decoders, decoders' step times during it)."""
     n_vocab = llm.n_vocab()
-    cache = SequenceCache("ram://?max_bytes=1MiB", fingerprint=llama_fingerprint(llm), scope=f"bench-{seed}",
+    cache = SequenceCache("ram://?max_bytes=1MiB", fingerprint=llama_fingerprint(llm),
                           n_swa=int(llama_cpp.llama_model_n_swa(llm.model)), n_vocab=n_vocab,
-                          min_tokens=1 << 30)  # nothing stored or restored: pure evaluation  # fmt: skip
+                          options=CacheOptions(scope=f"bench-{seed}", min_tokens=1 << 30))  # fmt: skip
+    # min_tokens=2**30: nothing stored or restored, pure evaluation
     engine = BatchEngine(llm, cache, slots=decoding + 1, n_ctx=(decoding + 1) * (prompt_len + 512), chunk=chunk)
     chains = []
     try:

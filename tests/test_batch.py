@@ -19,6 +19,7 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
+from sippcache.llama import CacheOptions
 from sippcache.llama.batch import BatchEngine, Job
 from sippcache.llama.fingerprint import llama_fingerprint
 from sippcache.llama.pool import Sampling
@@ -43,7 +44,8 @@ def make_engine(llm: llama_cpp.Llama) -> Iterator[object]:
     chains: list[object] = []
 
     def make(slots: int = 4, chunk: int = 512, store_finished: bool = False, url: str = "ram://") -> BatchEngine:
-        cache = SequenceCache(url, fingerprint=llama_fingerprint(llm), scope="test", n_swa=0, n_vocab=llm.n_vocab())
+        cache = SequenceCache(url, fingerprint=llama_fingerprint(llm), n_swa=0, n_vocab=llm.n_vocab(),
+                              options=CacheOptions(scope="test"))
         engine = BatchEngine(llm, cache, slots=slots, n_ctx=slots * 1024, chunk=chunk, store_finished=store_finished)
         made.append((engine, cache))
         return engine

@@ -6,6 +6,8 @@
   (``llm.set_cache(...)``), and `Llama`, the `llama_cpp.Llama` that samples
   from stored logits and copies no scores;
 - `SessionPool` (pool): many conversations in one context, decoded together;
+- `CacheOptions` (options): the scope, `min_tokens`, `checkpoint_interval`,
+  `max_pending_writes` and secret all of them take, as one checked value;
 - underneath, shared by all of them: `seqcache.SequenceCache` (where states are
   found and left), `states` (copying, restoring and framing sequence states),
   `fingerprint` (what makes a state loadable) and `writer` (the background
@@ -17,12 +19,14 @@ Importing this package imports llama_cpp; the core (`import sippcache`) does not
 from __future__ import annotations
 
 from .adapter import KIND, Llama, LlamaCache, PrefillResult, PrefixCache
+from .options import CacheOptions
 from .pool import Completion, Sampling, SessionPool
 from .seqcache import CHECKPOINT_ALIGNMENT, PrefixStats
 
 __all__ = [
     "CHECKPOINT_ALIGNMENT",
     "KIND",
+    "CacheOptions",
     "Completion",
     "Llama",
     "LlamaCache",

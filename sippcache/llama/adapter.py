@@ -40,26 +40,18 @@ import inspect
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import llama_cpp
 import numpy as np
 from llama_cpp.llama_cache import BaseLlamaCache
 
 from .. import tokens as _tokens
-from ..frame import Secret
 from ..protocol import CacheBackend
 from . import states
 from .fingerprint import Fingerprint, llama_fingerprint
-from .seqcache import (
-    DEFAULT_CHECKPOINT_INTERVAL,
-    DEFAULT_MIN_TOKENS,
-    Reuse,
-    SequenceCache,
-    check_options,
-    common_length,
-    open_cache_argument,
-)
+from .options import CacheOptions, CacheSettings
+from .seqcache import Reuse, SequenceCache, check_prompt, common_length, open_cache_argument
 from .wholestate import WholeStateCache
 
 log = logging.getLogger("sippcache")
@@ -113,12 +105,10 @@ class PrefixCache:
 
     `cache` is a URL, an open `CacheBackend`, or None for `sippcache.open()`'s
     default. A URL opened here is closed by `close()`; a backend passed in is
-    left open. `scope` keeps tenants apart: the same prompt in two scopes
-    never shares an entry. Prefixes shorter than `min_tokens` are neither
-    stored nor restored; long prefills store a checkpoint every
-    `checkpoint_interval` tokens. With a `secret` (default: `SIPPCACHE_SECRET`)
-    every entry carries a MAC and entries without a valid one are misses.
-    `on_prefill(result)` is called after every prefill (for metrics).
+    left open. `options` (`CacheOptions`: `scope`, `min_tokens`,
+    `checkpoint_interval`, `max_pending_writes`, `secret`) say how the store is
+    used; its fields may be given as keywords instead (``scope="tenant-a"``),
+    not both. `on_prefill(result)` is called after every prefill (for metrics).
     """
 
     def __init__(
@@ -126,26 +116,23 @@ class PrefixCache:
         llm: llama_cpp.Llama,
         cache: str | CacheBackend | None = None,
         *,
-        scope: str = "default",
-        min_tokens: int = DEFAULT_MIN_TOKENS,
-        checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
-        max_pending_writes: int = 4,
-        secret: Secret | None = None,
+        options: CacheOptions | None = None,
         on_prefill: Callable[[PrefillResult], None] | None = None,
+        **settings: Unpack[CacheSettings],
     ) -> None:
         if not isinstance(llm, llama_cpp.Llama):
             raise TypeError(f"llm must be a llama_cpp.Llama, not {type(llm).__name__}")
-        check_options(scope, min_tokens, checkpoint_interval, max_pending_writes, secret)
+        options = CacheOptions.build(options, settings)
         _check_observer(on_prefill)
         self.llm = llm
         self.fingerprint: Fingerprint = llama_fingerprint(llm)
         self._states = SequenceCache(
-            cache, fingerprint=self.fingerprint, scope=scope, n_swa=int(llama_cpp.llama_model_n_swa(llm.model)),
-            n_vocab=llm.n_vocab(), min_tokens=min_tokens, checkpoint_interval=checkpoint_interval,
-            max_pending_writes=max_pending_writes, secret=secret,
+            cache, fingerprint=self.fingerprint, n_swa=int(llama_cpp.llama_model_n_swa(llm.model)),
+            n_vocab=llm.n_vocab(), options=options,
         )  # fmt: skip
-        self.cache, self.namespace, self.scope = self._states.cache, self._states.namespace, scope
-        self.min_tokens, self.checkpoint_interval = min_tokens, checkpoint_interval
+        self.options = options
+        self.cache, self.namespace, self.scope = self._states.cache, self._states.namespace, options.scope
+        self.min_tokens, self.checkpoint_interval = options.min_tokens, options.checkpoint_interval
         self.secret, self.n_swa = self._states.secret, self._states.n_swa
         self.on_prefill = on_prefill
         #: Whole-prompt entries keep their logits, and exact repeats sample from them.
@@ -225,15 +212,7 @@ class PrefixCache:
 
     def _checked(self, tokens: _tokens.Tokens) -> list[int]:
         """`tokens` as a list of ids this model and context can evaluate; ValueError otherwise."""
-        ids = list(_tokens.decode(_tokens.encode(tokens)))
-        if not ids:
-            raise ValueError("cannot prefill an empty prompt")
-        n_vocab = self._states.n_vocab
-        if max(ids) >= n_vocab:
-            position = next(i for i, t in enumerate(ids) if t >= n_vocab)
-            raise ValueError(
-                f"token id {ids[position]} at position {position} is outside the vocabulary (n_vocab={n_vocab})"
-            )
+        ids = check_prompt(tokens, self._states.n_vocab)
         if len(ids) > self.llm.n_ctx():
             raise ValueError(f"prompt of {len(ids)} tokens exceeds the context size n_ctx={self.llm.n_ctx()}")
         if self._closed:
@@ -310,14 +289,12 @@ class PrefixCache:
         or (for a plain `llama_cpp.Llama`) the prompt minus its last token."""
         n, ctx, cache = len(ids), self.llm.ctx, self._states
         final = len(self._final_key(ids))
-        budget = cache.checkpoint_budget()
+        plan = cache.plan(start, branch, final)
         position = start
-        for boundary in cache.boundaries(start, branch, final):
+        for boundary in plan.positions:
             self._eval(ids, position, boundary, start, n, progress)
             position = boundary
-            spent = cache.snapshot(ctx, 0, ids[:boundary], budget=budget)
-            if budget is not None:
-                budget -= spent
+            cache.checkpoint(plan, ctx, 0, ids[:boundary])
         self._eval(ids, position, final, start, n, progress)
         if final > start and final >= self.min_tokens:
             logits = states.copy_logits(ctx, cache.n_vocab) if self.stored_logits else None
@@ -365,7 +342,8 @@ class LlamaCache(BaseLlamaCache):
     `LlamaRAMCache` does, with the store behind it: it keeps the whole-context
     states llama-cpp-python hands it (without the empty `scores` array) and
     answers the longest common prefix's (see `sippcache.llama.wholestate`).
-    The other arguments are `PrefixCache`'s.
+    The other arguments (`options` or its fields as keywords, `on_prefill`)
+    are `PrefixCache`'s.
     """
 
     def __init__(
@@ -373,21 +351,17 @@ class LlamaCache(BaseLlamaCache):
         cache: str | CacheBackend | None = None,
         *,
         llm: llama_cpp.Llama | None = None,
-        scope: str = "default",
-        min_tokens: int = DEFAULT_MIN_TOKENS,
-        checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
-        secret: Secret | None = None,
+        options: CacheOptions | None = None,
         on_prefill: Callable[[PrefillResult], None] | None = None,
+        **settings: Unpack[CacheSettings],
     ) -> None:
-        check_options(scope, min_tokens, checkpoint_interval, secret=secret)
+        self.options = CacheOptions.build(options, settings)
         _check_observer(on_prefill)
         _check_llm(llm, optional=True)
         self.cache, self._owns_cache = open_cache_argument(cache)
         super().__init__(capacity_bytes=self.cache.stats().max_bytes or 0)
-        self._options: dict[str, Any] = dict(
-            scope=scope, min_tokens=min_tokens, checkpoint_interval=checkpoint_interval, secret=secret,
-            on_prefill=on_prefill,
-        )  # fmt: skip
+        #: `PrefixCache`'s arguments besides the model and the store.
+        self._options: dict[str, Any] = dict(options=self.options, on_prefill=on_prefill)
         self._llm: llama_cpp.Llama | None = llm
         self._prefix_cache: PrefixCache | None = None
         self._whole_states: WholeStateCache | None = None  # unbound: llama-cpp-python's own states
@@ -425,10 +399,7 @@ class LlamaCache(BaseLlamaCache):
     def whole_states(self) -> WholeStateCache:
         """What an unbound cache uses: llama-cpp-python's own `LlamaState`s in the store."""
         if self._whole_states is None:
-            options = self._options
-            self._whole_states = WholeStateCache(
-                self.cache, scope=options["scope"], min_tokens=options["min_tokens"], secret=options["secret"]
-            )
+            self._whole_states = WholeStateCache(self.cache, self.options)
             log.info(
                 "sippcache: LlamaCache not bound to a model: keeping llama-cpp-python's whole-context states "
                 "(bind it, or use sippcache.llama.Llama, for the fast path)"

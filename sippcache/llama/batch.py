@@ -40,7 +40,7 @@ import llama_cpp
 import numpy as np
 
 from . import states
-from .seqcache import CHECKPOINT_ALIGNMENT, SequenceCache, common_length
+from .seqcache import CHECKPOINT_ALIGNMENT, CheckpointPlan, SequenceCache, check_prompt, common_length
 
 log = logging.getLogger("sippcache")
 
@@ -96,8 +96,7 @@ class Job:
     last_token_at: float | None = None
     finished_at: float | None = None
     _position: int = 0  # next prompt position to evaluate
-    _boundaries: list[int] = field(default_factory=list)
-    _branch: int = 0
+    _plan: CheckpointPlan = field(default_factory=lambda: CheckpointPlan([]))
     _slot: _Slot | None = None
 
     @property
@@ -212,8 +211,7 @@ class BatchEngine:
         """Raise ValueError if `job` cannot run here (any thread may call this)."""
         if job.state != "queued" or job.submitted_at:
             raise ValueError("a job runs once")
-        if not job.prompt:
-            raise ValueError("cannot run an empty prompt")
+        check_prompt(job.prompt, self.cache.n_vocab)
         if job.max_new < 1:
             raise ValueError(f"max_new must be at least 1, got {job.max_new}")
         if len(job.prompt) + job.max_new > self.n_ctx:
@@ -335,8 +333,8 @@ class BatchEngine:
         reuse = self.cache.reuse(self._ctx, slot.seq, job.prompt, live, with_logits=True)
         slot.tokens = job.prompt[: reuse.start]
         job.admitted = "warm" if reuse.restored else ("live" if own else "shared") if reuse.start else "cold"
-        job.reused, job._position, job._branch = reuse.start, reuse.start, reuse.branch
-        job._boundaries = self.cache.boundaries(reuse.start, reuse.branch, len(job.prompt))
+        job.reused, job._position = reuse.start, reuse.start
+        job._plan = self.cache.plan(reuse.start, reuse.branch, len(job.prompt))
         job.evaluated = reuse.start
         job._slot = slot
         self._running.append(job)
@@ -365,7 +363,7 @@ class BatchEngine:
             if self._waits_for(job, prefilling[:order]):
                 continue
             position, n = job._position, len(job.prompt)
-            end = min(next((b for b in job._boundaries if b > position), n), (position // self.chunk + 1) * self.chunk)
+            end = min(job._plan.next_stop(position, n), (position // self.chunk + 1) * self.chunk)
             if end - position > room:
                 end = position + room - room % CHECKPOINT_ALIGNMENT
                 if end <= position:
@@ -398,7 +396,7 @@ class BatchEngine:
             job.admitted = "shared"
         job.reused = job._position = job.evaluated = best
         slot.tokens = job.prompt[:best]
-        job._boundaries = [b for b in job._boundaries if b > best]
+        job._plan.skip_to(best)
 
     @staticmethod
     def _waits_for(job: Job, earlier: list[Job]) -> bool:
@@ -420,8 +418,8 @@ class BatchEngine:
         self.counters["prompt_tokens_evaluated"] += evaluated
         job._position = job.evaluated = end
         slot.tokens = job.prompt[:end]
-        if end in job._boundaries:
-            self.cache.snapshot(self._ctx, slot.seq, job.prompt[:end], budget=self.cache.checkpoint_budget())
+        if end in job._plan.positions:
+            self.cache.checkpoint(job._plan, self._ctx, slot.seq, job.prompt[:end])
         elif end == len(job.prompt):
             job.state = "decode"
             if len(job.prompt) >= self.cache.min_tokens:  # store it with its logits: an exact repeat evaluates nothing

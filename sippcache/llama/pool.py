@@ -48,11 +48,11 @@ import llama_cpp
 import numpy as np
 
 from .. import tokens as _tokens
-from ..frame import Secret
 from ..protocol import CacheBackend
 from .batch import BatchEngine, Job
 from .fingerprint import llama_fingerprint
-from .seqcache import DEFAULT_CHECKPOINT_INTERVAL, DEFAULT_MIN_TOKENS, SequenceCache
+from .options import FIELDS, CacheOptions
+from .seqcache import SequenceCache, check_prompt
 
 #: Tokens of history the repetition penalties look at (llama-cpp-python's `last_n_tokens_size`).
 PENALTY_LAST_N = 64
@@ -133,8 +133,9 @@ class SessionPool:
     shares. `cache` is a URL, an open `CacheBackend`, or None for
     `sippcache.open()`'s default. `n_ctx` is the KV buffer all live sessions
     share (default: 2,048 tokens per slot); one session's prompt plus its
-    `max_tokens` must fit in it. `scope`, `min_tokens`, `checkpoint_interval`,
-    `max_pending_writes` and `secret` are `PrefixCache`'s. `close()` parks every
+    `max_tokens` must fit in it. `options` (`CacheOptions`) are `PrefixCache`'s;
+    its fields may be given as keywords instead (``scope="tenant-a"``), not both:
+    every other keyword is a llama option. `close()` parks every
     live session in the cache (so a new process finds them warm) unless
     `park_on_close=False`. A call runs its sessions on the pool's
     `sippcache.llama.batch.BatchEngine` from start to end, prompts evaluated up
@@ -149,14 +150,12 @@ class SessionPool:
         slots: int = 4,
         n_ctx: int | None = None,
         n_batch: int = 512,
-        scope: str = "default",
-        min_tokens: int = DEFAULT_MIN_TOKENS,
-        checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
-        max_pending_writes: int = 4,
-        secret: Secret | None = None,
+        options: CacheOptions | None = None,
         park_on_close: bool = True,
         **llama_options: Any,
     ) -> None:
+        # The keywords naming CacheOptions' fields build the options; the others are llama options.
+        options = CacheOptions.build(options, {k: llama_options.pop(k) for k in FIELDS if k in llama_options})
         for name, value, lowest in (("slots", slots, 1), ("n_batch", n_batch, 1), ("n_ctx", n_ctx, 16)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < lowest):
                 raise ValueError(f"{name} must be an int >= {lowest}, got {value!r}")
@@ -174,10 +173,8 @@ class SessionPool:
         try:
             self.fingerprint = llama_fingerprint(self.llm)  # the engine's context has the same K/V types and kernels
             self._states = SequenceCache(
-                cache, fingerprint=self.fingerprint, scope=scope,
-                n_swa=int(llama_cpp.llama_model_n_swa(self.llm.model)), n_vocab=self.llm.n_vocab(),
-                min_tokens=min_tokens, checkpoint_interval=checkpoint_interval, max_pending_writes=max_pending_writes,
-                secret=secret,
+                cache, fingerprint=self.fingerprint, n_swa=int(llama_cpp.llama_model_n_swa(self.llm.model)),
+                n_vocab=self.llm.n_vocab(), options=options,
             )  # fmt: skip
             self._engine = BatchEngine(self.llm, self._states, slots=slots, n_ctx=n_ctx or 2048 * slots,
                                        n_batch=n_batch, chunk=max(n_batch, 32) // 32 * 32)  # fmt: skip
@@ -185,7 +182,7 @@ class SessionPool:
             self._free()
             raise
         self.n_ctx, self.n_batch, self.slots = self._engine.n_ctx, self._engine.n_batch, slots
-        self.cache, self.namespace = self._states.cache, self._states.namespace
+        self.cache, self.namespace, self.options = self._states.cache, self._states.namespace, options
         self.park_on_close = park_on_close
         self._lock = threading.Lock()  # one call at a time: the context is not thread-safe
         self._closed = False
@@ -313,17 +310,9 @@ class SessionPool:
             raise ValueError(f"{len(prompts)} sessions in one call, but the pool has {self.slots} slots")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        checked = {}
         n_vocab = self._states.n_vocab
-        for session, tokens in prompts.items():
-            ids = list(_tokens.decode(_tokens.encode(tokens)))
-            if not ids:
-                raise ValueError(f"session {session!r}: cannot run an empty prompt")
-            if max(ids) >= n_vocab:
-                raise ValueError(
-                    f"session {session!r}: token id {max(ids)} is outside the vocabulary (n_vocab={n_vocab})"
-                )
-            checked[session] = ids
+        checked = {session: check_prompt(tokens, n_vocab, what=f"session {session!r}: ")
+                   for session, tokens in prompts.items()}  # fmt: skip
         need = sum(len(ids) + max_tokens for ids in checked.values())
         if need > self.n_ctx:
             raise ValueError(

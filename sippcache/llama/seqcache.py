@@ -28,18 +28,18 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from .. import tokens as _tokens
 from ..errors import CorruptEntry, UnsupportedEntry
-from ..frame import Secret, secret_from_environment
+from ..frame import secret_from_environment
 from ..protocol import CacheBackend, Match, Peek
 from ..registry import open as open_cache
 from . import states
 from .fingerprint import Fingerprint
+from .options import CacheOptions
 from .writer import BackgroundWriter
 
 log = logging.getLogger("sippcache")
 
-DEFAULT_MIN_TOKENS = 16
-DEFAULT_CHECKPOINT_INTERVAL = 2048
 #: Checkpoints where a prompt leaves a stored one are rounded down to a multiple of
 #: this. llama.cpp's quantized kernels give results that depend on where a batch
 #: is split: measured on gemma-3-270m (q4_k_m, AVX-512), splitting an evaluation
@@ -93,20 +93,63 @@ class Reuse:
     branch: int = 0
 
 
-def check_options(
-    scope: Any, min_tokens: Any, checkpoint_interval: Any, max_pending_writes: Any = 1, secret: Any = None,
-) -> None:  # fmt: skip
-    """Refuse bad options before anything is opened or created."""
-    if not isinstance(scope, str):
-        raise TypeError(f"scope must be a str, not {type(scope).__name__}")
-    for name, value in (("min_tokens", min_tokens), ("checkpoint_interval", checkpoint_interval),
-                        ("max_pending_writes", max_pending_writes)):  # fmt: skip
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
-    if secret is not None and (not isinstance(secret, (str, bytes)) or not secret):
-        raise TypeError("secret must be a non-empty str or bytes")
+@dataclass(frozen=True)
+class Restored:
+    """What `SequenceCache.restore` loaded: the sequence holds `length` tokens, and
+    `logits` (when asked for) are those of the last one, stored with the entry."""
+
+    length: int
+    logits: np.ndarray | None = None
+
+
+@dataclass
+class CheckpointPlan:
+    """Where one prefill stores intermediate snapshots (`positions`, ascending) and the
+    bytes they may still take (`budget`; None: no limit). Made by `SequenceCache.plan`,
+    spent by `SequenceCache.checkpoint`."""
+
+    positions: list[int]
+    budget: int | None = None
+
+    def next_stop(self, position: int, end: int) -> int:
+        """The first checkpoint after `position`, else `end`."""
+        return next((b for b in self.positions if b > position), end)
+
+    def skip_to(self, position: int) -> None:
+        """Forget the checkpoints up to `position` (the sequence got there without them)."""
+        self.positions = [b for b in self.positions if b > position]
+
+
+def checkpoint_positions(start: int, branch: int, final: int, *, interval: int, min_tokens: int) -> list[int]:
+    """Where an evaluation from `start` to `final` stores intermediate snapshots, ascending:
+    every `interval` tokens, and where the prompt leaves the entry it shares most with
+    (`branch`, rounded down to `CHECKPOINT_ALIGNMENT`); none shorter than `min_tokens`.
+    The one plan `PrefixCache`, `SessionPool` and `BatchEngine` follow."""
+    found = {b for b in range((start // interval + 1) * interval, final, interval) if b >= min_tokens}
+    branch -= branch % CHECKPOINT_ALIGNMENT
+    if start < branch < final and branch >= min_tokens:
+        found.add(branch)
+    return sorted(found)
+
+
+def check_prompt(tokens: _tokens.Tokens, n_vocab: int, *, what: str = "") -> list[int]:
+    """`tokens` as a list of ids a model of `n_vocab` tokens can evaluate: TypeError or
+    ValueError (prefixed with `what`, e.g. "session 'a': ") for anything else, an empty
+    prompt included. The one check of `PrefixCache`, `SessionPool` and `BatchEngine`."""
+    try:
+        ids = list(_tokens.decode(_tokens.encode(tokens)))
+    except (TypeError, ValueError) as exc:
+        if not what:
+            raise
+        raise type(exc)(f"{what}{exc}") from None
+    if not ids:
+        raise ValueError(f"{what}cannot run an empty prompt")
+    if max(ids) >= n_vocab:
+        position = next(i for i, t in enumerate(ids) if t >= n_vocab)
+        raise ValueError(
+            f"{what}token id {ids[position]} at position {position} is outside the vocabulary (n_vocab={n_vocab})"
+        )
+    return ids
 
 
 def open_cache_argument(cache: str | CacheBackend | None) -> tuple[CacheBackend, bool]:
@@ -134,7 +177,8 @@ class SequenceCache:
     default (closed by `close()` only if opened here). The namespace is
     ``llama:<fingerprint>/<scope>``. With a `secret` (default:
     `SIPPCACHE_SECRET`) entries carry a MAC and entries without a valid one are
-    misses.
+    misses. `options` (`CacheOptions`, default: its defaults) holds the scope,
+    `min_tokens`, `checkpoint_interval`, `max_pending_writes` and the secret.
     """
 
     def __init__(
@@ -142,28 +186,24 @@ class SequenceCache:
         cache: str | CacheBackend | None,
         *,
         fingerprint: Fingerprint,
-        scope: str,
         n_swa: int,
         n_vocab: int,
-        min_tokens: int = DEFAULT_MIN_TOKENS,
-        checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
-        max_pending_writes: int = 4,
-        secret: Secret | None = None,
+        options: CacheOptions | None = None,
     ) -> None:
-        check_options(scope, min_tokens, checkpoint_interval, max_pending_writes, secret)
+        options = CacheOptions.build(options, {}) if options is not None else CacheOptions()
         self.cache, self._owns_cache = open_cache_argument(cache)
+        self.options = options
         self.fingerprint = fingerprint
-        self.scope = scope
-        self.namespace = f"llama:{fingerprint.digest}/{scope}"
+        self.scope = options.scope
+        self.namespace = f"llama:{fingerprint.digest}/{options.scope}"
         self.n_swa = n_swa
         self.n_vocab = n_vocab
-        self.min_tokens = min_tokens
-        self.checkpoint_interval = checkpoint_interval
-        if secret is None:
-            secret = secret_from_environment()
+        self.min_tokens = options.min_tokens
+        secret = options.secret if options.secret is not None else secret_from_environment()
+        #: The secret in use (bytes), from `options` or `SIPPCACHE_SECRET`.
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self.stats = PrefixStats()
-        self._writer = BackgroundWriter(self._write_entry, max_pending=max_pending_writes)
+        self._writer = BackgroundWriter(self._write_entry, max_pending=options.max_pending_writes)
         self._queued: dict[int, list[int]] = {}  # keys of snapshots not yet written, by snapshot id
         self._queued_lock = threading.Lock()
 
@@ -221,10 +261,10 @@ class SequenceCache:
         if with_logits:
             whole = self.peek(ids, partial=False)
             if whole is not None and whole.length == n:
-                logits = self._fetch_and_restore(ctx, seq, ids, partial=False, with_logits=True)
-                if logits is not None:
+                whole_prompt = self._fetch_and_restore(ctx, seq, ids, partial=False, with_logits=True)
+                if whole_prompt is not None:
                     self.stats.logits_hits += 1
-                    return Reuse(n, n, logits)
+                    return Reuse(n, n, whole_prompt.logits)
                 live = ()  # a failed restore leaves the sequence empty
             elif whole is not None:
                 prefix = whole  # shorter than the prompt: the longest prefix of target too
@@ -247,8 +287,8 @@ class SequenceCache:
             if length >= self.min_tokens:
                 restored = self._fetch_and_restore(ctx, seq, target, partial=partial)
                 if restored is not None:
-                    self.stats.partial_hits += partial and restored < len(target)
-                    return Reuse(restored, restored, branch=branch)
+                    self.stats.partial_hits += partial and restored.length < len(target)
+                    return Reuse(restored.length, restored.length, branch=branch)
                 live = ()  # a failed restore leaves the sequence empty
         self.stats.misses += 1
         common = common_length(live, target)
@@ -266,9 +306,9 @@ class SequenceCache:
 
     def _fetch_and_restore(
         self, ctx: Any, seq: int, query: list[int], *, partial: bool, with_logits: bool = False
-    ) -> Any | None:
+    ) -> Restored | None:
         """Look `query` up and restore the match into `seq`: with `with_logits`, only an
-        entry for all of `query` with its logits (returned); else the tokens restored."""
+        entry for all of `query` with its logits; None if nothing usable was restored."""
         match = self.lookup(query, partial=partial)
         if match is None:
             return None
@@ -276,13 +316,12 @@ class SequenceCache:
             length = match.length
             if length < self.min_tokens or (with_logits and length != len(query)):
                 return None
-            restored = self.restore(ctx, seq, match, length, with_logits=with_logits)
-        return restored if with_logits or restored is None else length
+            return self.restore(ctx, seq, match, length, with_logits=with_logits)
 
-    def restore(self, ctx: Any, seq: int, match: Match, length: int, *, with_logits: bool = False) -> Any | None:
+    def restore(self, ctx: Any, seq: int, match: Match, length: int, *, with_logits: bool = False) -> Restored | None:
         """Load `match` into `seq` and keep its first `length` tokens; None if unusable
         (the sequence is then empty). With `with_logits` the entry must carry the logits
-        of its last position: they are returned (a copy); otherwise True."""
+        of its last position: `Restored.logits` holds them (a copy)."""
         started = time.perf_counter()
         key = match.key
         try:
@@ -298,7 +337,7 @@ class SequenceCache:
             return None
         if with_logits and entry.logits is None:
             return None  # usable only with an evaluation of the last token: find a shorter entry
-        logits = np.frombuffer(entry.logits, dtype=np.float32).copy() if with_logits else True  # type: ignore[arg-type]
+        logits = np.frombuffer(entry.logits, dtype=np.float32).copy() if with_logits else None  # type: ignore[arg-type]
         mem = states.memory(ctx)
         states.clear(mem, seq)
         loaded = states.restore_state(ctx, seq, entry.state, len(key), self.n_swa)
@@ -320,20 +359,22 @@ class SequenceCache:
         self.stats.tokens_reused += length
         self.stats.bytes_read += len(match.blob)
         self.stats.restore_seconds += time.perf_counter() - started
-        return logits
+        return Restored(length, logits)
 
     # -- storing ------------------------------------------------------------------
 
-    def boundaries(self, start: int, branch: int, final: int) -> list[int]:
-        """Where an evaluation from `start` to `final` takes intermediate snapshots: every
-        `checkpoint_interval` tokens, and where the prompt leaves the entry it shares
-        most with (`branch`, rounded down to `CHECKPOINT_ALIGNMENT`)."""
-        interval = self.checkpoint_interval
-        found = {b for b in range((start // interval + 1) * interval, final, interval) if b >= self.min_tokens}
-        branch -= branch % CHECKPOINT_ALIGNMENT
-        if start < branch < final and branch >= self.min_tokens:
-            found.add(branch)
-        return sorted(found)
+    def plan(self, start: int, branch: int, final: int) -> CheckpointPlan:
+        """The checkpoints of an evaluation from `start` to `final` (`checkpoint_positions`
+        with this cache's options), sharing one `checkpoint_budget`."""
+        positions = checkpoint_positions(start, branch, final, interval=self.options.checkpoint_interval,
+                                         min_tokens=self.min_tokens)  # fmt: skip
+        return CheckpointPlan(positions, self.checkpoint_budget() if positions else None)
+
+    def checkpoint(self, plan: CheckpointPlan, ctx: Any, seq: int, key: list[int]) -> None:
+        """Store the checkpoint `key` (sequence `seq` holds exactly it) within `plan`'s budget."""
+        spent = self.snapshot(ctx, seq, key, budget=plan.budget)
+        if plan.budget is not None:
+            plan.budget -= spent
 
     def checkpoint_budget(self) -> int | None:
         """Bytes the intermediate snapshots of one prefill may take: half the store's

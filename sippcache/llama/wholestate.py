@@ -48,8 +48,9 @@ import numpy as np
 
 from .. import frame
 from ..errors import CorruptEntry, UnsupportedEntry
-from ..frame import Secret, secret_from_environment
+from ..frame import secret_from_environment
 from ..protocol import CacheBackend
+from .options import CacheOptions
 from .seqcache import PrefixStats, common_length
 
 log = logging.getLogger("sippcache")
@@ -83,13 +84,12 @@ def kept_score_rows(scores: np.ndarray, n_tokens: int) -> int:
 class WholeStateCache:
     """`LlamaState`s in a store, found by longest common prefix (see the module docstring)."""
 
-    def __init__(self, cache: CacheBackend, *, scope: str, min_tokens: int, secret: Secret | None) -> None:
+    def __init__(self, cache: CacheBackend, options: CacheOptions) -> None:
         self.cache = cache
-        self.scope = scope
-        self.namespace = namespace(scope)
-        self.min_tokens = min_tokens
-        if secret is None:
-            secret = secret_from_environment()
+        self.scope = options.scope
+        self.namespace = namespace(options.scope)
+        self.min_tokens = options.min_tokens
+        secret = options.secret if options.secret is not None else secret_from_environment()
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self.stats = PrefixStats()
         #: (n_vocab, n_ctx) of the model this cache serves, once a state of it was stored here.

@@ -18,7 +18,7 @@ from typing import Any
 import llama_cpp
 from llama_cpp.server.settings import ModelSettings
 
-from ..llama import LlamaCache, PrefixStats
+from ..llama import CacheOptions, LlamaCache, PrefixStats
 from ..llama.batch import Job
 from ..llama.fingerprint import llama_fingerprint
 from ..llama.seqcache import SequenceCache
@@ -51,6 +51,11 @@ class _Model:
     live: ServedLlama | None = None
     namespace: str | None = None
     obstacle: str | None = None  # why a --parallel model is served one request at a time
+
+    @property
+    def cache_options(self) -> CacheOptions:
+        """How the model's `LlamaCache` and its scheduler's `SequenceCache` use the store."""
+        return CacheOptions(scope=self.scope)
 
 
 class CachePool:
@@ -169,7 +174,7 @@ class CachePool:
             # as for logits_all=False.
             served._logits_all = False
             cache = LlamaCache(
-                self._stores[entry.store or ""], llm=served, scope=entry.scope,
+                self._stores[entry.store or ""], llm=served, options=entry.cache_options,
                 on_prefill=self.metrics.prefill_observer(entry.alias),
             )  # fmt: skip
             prefix_cache = cache.prefix_cache(served)
@@ -191,8 +196,8 @@ class CachePool:
         cache = served.sippcache_cache
         store: str | CacheBackend = cache.cache if cache is not None else NO_CACHE_STORE
         sequences = SequenceCache(
-            store, fingerprint=llama_fingerprint(served), scope=entry.scope,
-            n_swa=int(llama_cpp.llama_model_n_swa(served.model)), n_vocab=served.n_vocab(),
+            store, fingerprint=llama_fingerprint(served), n_swa=int(llama_cpp.llama_model_n_swa(served.model)),
+            n_vocab=served.n_vocab(), options=entry.cache_options,
         )  # fmt: skip
         alias = entry.alias
         try:
