@@ -27,7 +27,7 @@ import sippcache
 from sippcache import frame
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama import LlamaCache, wholestate
-from tests.conftest import last_logits
+from tests.llama_tools import last_logits
 
 A = "The quick brown fox jumps over the lazy dog. " * 20
 B = "Pack my box with five dozen liquor jugs. " * 20

@@ -1,5 +1,5 @@
 """End-to-end on gemma-3-270m, a real sliding-window (iSWA) model: the trap
-DESIGN.md describes (truncating a restored state silently corrupts logits)
+docs/llama.md describes (truncating a restored state silently corrupts logits)
 must never reach the user."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from sippcache.llama import CHECKPOINT_ALIGNMENT, LlamaCache, PrefixCache, states
 from sippcache.llama import Llama as SippLlama
-from tests.conftest import last_logits, prefill_in_new_process, reference_logits
+from tests.llama_tools import last_logits, prefill_in_new_process, reference_logits
 
 pytestmark = pytest.mark.gemma
 

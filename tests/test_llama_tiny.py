@@ -18,7 +18,7 @@ import sippcache
 from sippcache import frame
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama import LlamaCache, PrefixCache
-from tests.conftest import last_logits, prefill_in_new_process, reference_logits
+from tests.llama_tools import last_logits, prefill_in_new_process, reference_logits
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

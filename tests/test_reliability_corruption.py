@@ -42,7 +42,7 @@ import pytest
 
 import sippcache
 from sippcache import frame
-from tests.conftest import last_logits, reference_logits
+from tests.llama_tools import last_logits, reference_logits
 
 SCRIPT = Path(sys.executable).with_name("sippcache")
 NS = "ns"

@@ -29,7 +29,7 @@ import sippcache
 from sippcache import BadOption, CorruptEntry, SippcacheError, UnknownBackend, frame
 from sippcache.options import Size
 from sippcache.registry import parse_url
-from tests.conftest import last_logits, reference_logits
+from tests.llama_tools import last_logits, reference_logits
 from tests.reliability_tools import SLOW
 
 FUZZ = settings(max_examples=20_000 if SLOW else 2_000, deadline=None, derandomize=True, database=None)

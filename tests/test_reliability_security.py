@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 import sippcache
 from sippcache import CorruptEntry, SippcacheError, frame
-from tests.conftest import last_logits, reference_logits
+from tests.llama_tools import last_logits, reference_logits
 from tests.reliability_tools import SLOW
 
 SCRIPT = Path(sys.executable).with_name("sippcache")

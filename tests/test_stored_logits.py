@@ -27,7 +27,7 @@ import sippcache
 from sippcache import frame
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama import LlamaCache, PrefillResult, PrefixCache
-from tests.conftest import last_logits
+from tests.llama_tools import last_logits
 
 #: Sampler settings a caller may use; `seed` is set on the model first.
 SAMPLERS: dict[str, dict[str, Any]] = {

@@ -4,7 +4,7 @@ Shared by `sippcache.llama.PrefixCache` (sequence 0 of one context) and
 `sippcache.llama.SessionPool` (one sequence per slot), so both follow the same
 rules: a restored state must hold exactly the positions its key says, and it
 is truncated only where llama.cpp can do that exactly (the sliding-window
-rule of DESIGN.md).
+rule: docs/llama.md, "Why a hit never changes the result").
 
 An entry is a `sippcache.frame` with the sequence state as section "state"
 and, for a whole prompt, the last position's logits (float32, one per
