@@ -217,6 +217,27 @@ def test_config_file_cache_url_is_taken_out_before_upstream_validates(tmp_path: 
     assert {alias: options.cache_url for alias, options in loaded.options.items()} == {"a.gguf": "lmdb:///tmp/x"}
 
 
+def test_flash_attention_is_on_for_parallel_unless_set(tmp_path: Path, capsys) -> None:
+    """--parallel N > 1 turns flash attention on (llama.cpp's CPU kernels then skip the other
+    slots' cells of the unified KV) unless the user chose; --parallel 1 keeps upstream's default."""
+    from sippcache.server.settings import build_parser, load_settings
+
+    def flash(*argv: str) -> bool:
+        loaded = load_settings(build_parser().parse_args(["--model", "m.gguf", *argv]))
+        return bool(loaded.models[0].flash_attn)
+
+    assert flash() and flash("--parallel", "8")
+    assert "flash attention on for --parallel 4" in capsys.readouterr().err
+    assert not flash("--parallel", "1") and not flash("--flash_attn", "false")
+    assert "flash attention" not in capsys.readouterr().err
+    assert flash("--parallel", "1", "--flash_attn", "true")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"models": [{"model": "a.gguf", "parallel": 2},
+                                             {"model": "b.gguf", "flash_attn": False}, {"model": "c.gguf", "parallel": 1}]}))  # fmt: skip
+    loaded = load_settings(build_parser().parse_args(["--config_file", str(config)]))
+    assert [m.flash_attn for m in loaded.models] == [True, False, False]
+
+
 def test_cache_values_and_scopes() -> None:
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -193,6 +194,13 @@ def load_settings(args: argparse.Namespace) -> Settings:
             options[alias] = ModelOptions(cache_url=url, **{**defaults, **mine})
         except ServeError as exc:
             raise ServeError(f"model {alias}: {exc}") from None
+        if options[alias].parallel > 1 and "flash_attn" not in settings.model_fields_set:
+            # One unified KV buffer holds every slot's cells; without flash attention llama.cpp's
+            # CPU kernels compute attention over all of them and mask, so a step costs more with
+            # every other conversation held (llama-server's default is on, too): docs/serve.md.
+            settings.flash_attn = True
+            print(f"sippcache serve: {alias}: flash attention on for --parallel {options[alias].parallel} "
+                  "(--flash_attn false to turn it off)", file=sys.stderr)  # fmt: skip
     return Settings(server_settings, model_settings, options)
 
 
