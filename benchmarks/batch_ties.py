@@ -71,7 +71,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    llm = llama_cpp.Llama(model_path=str(gemma_model_path()), n_ctx=512, n_batch=512, verbose=False)
+    # flash attention on, as `sippcache serve --parallel` runs the engine by default
+    llm = llama_cpp.Llama(model_path=str(gemma_model_path()), n_ctx=512, n_batch=512, flash_attn=True, verbose=False)
     shifts: list[float] = []
     margins: list[float] = []
     compared = flipped = 0

@@ -65,7 +65,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     sizes = [int(n) for n in args.slots.split(",")]
-    llm = llama_cpp.Llama(model_path=str(gemma_model_path()), n_ctx=512, n_batch=512, verbose=False)
+    # flash attention on, as `sippcache serve --parallel` runs the engine by default
+    llm = llama_cpp.Llama(model_path=str(gemma_model_path()), n_ctx=512, n_batch=512, flash_attn=True, verbose=False)
     measure(llm, sizes[0], 3)  # warm up
     runs: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
     for _ in range(args.rounds):  # sizes interleaved, so a busy moment hits all alike

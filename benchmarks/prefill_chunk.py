@@ -105,7 +105,8 @@ def main() -> int:
     parser.add_argument("--within", type=float, default=0.10)
     args = parser.parse_args()
     chunks = [int(c) for c in args.chunks.split(",")]
-    llm = llama_cpp.Llama(model_path=str(gemma_model_path()), n_ctx=512, n_batch=512, verbose=False)
+    # flash attention on, as `sippcache serve --parallel` runs the engine by default
+    llm = llama_cpp.Llama(model_path=str(gemma_model_path()), n_ctx=512, n_batch=512, flash_attn=True, verbose=False)
     results: dict[int, list[tuple[float, float, list[float]]]] = {c: [] for c in chunks}
     for round_ in range(args.rounds + 1):  # chunks interleaved, so a busy moment hits all alike
         for chunk in chunks:
