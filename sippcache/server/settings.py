@@ -40,9 +40,9 @@ __all__ = [
 
 #: The per-model config file key naming its cache (not an upstream setting).
 CACHE_URL_KEY = "cache_url"
-#: Requests each model runs at once (see docs/serve.md, "Tuning": decode steps of 4
-#: sequences give 2.5x the tokens per second of 1 on gemma-3-270m; 8 give 3.1x for twice
-#: the KV memory and 60% longer steps).
+#: Requests each model runs at once, as llama-server's own default (see docs/serve.md,
+#: "Tuning": decode steps of 4 sequences give 2.2x the tokens per second of 1 on
+#: gemma-3-270m, 8 give 2.8x for twice the KV memory and 60% longer steps).
 DEFAULT_PARALLEL = 4
 #: Requests per model that may wait for a slot beyond the ones running; past it, 503.
 DEFAULT_MAX_QUEUE = 64
