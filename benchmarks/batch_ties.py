@@ -39,9 +39,13 @@ from sippcache.llama.seqcache import SequenceCache
 
 def run(llm: llama_cpp.Llama, prompts: list[list[int]], tokens: int, together: bool, tag: str) -> list[Job]:
     """Greedy jobs with their logits, all submitted at once or one after another."""
-    cache = SequenceCache("ram://?max_bytes=1MiB", fingerprint=llama_fingerprint(llm),
-                          n_swa=int(llama_cpp.llama_model_n_swa(llm.model)), n_vocab=llm.n_vocab(),
-                          options=CacheOptions(scope=tag, min_tokens=1 << 30))  # fmt: skip
+    cache = SequenceCache(
+        "ram://?max_bytes=1MiB",
+        fingerprint=llama_fingerprint(llm),
+        n_swa=int(llama_cpp.llama_model_n_swa(llm.model)),
+        n_vocab=llm.n_vocab(),
+        options=CacheOptions(scope=tag, min_tokens=1 << 30),
+    )
     engine = BatchEngine(llm, cache, slots=len(prompts), n_ctx=len(prompts) * 2048, chunk=256)
     chains = [Sampling().chain(llm.n_vocab()) for _ in prompts]
     jobs = [Job(p, chain, tokens, keep_logits=True) for p, chain in zip(prompts, chains, strict=True)]
@@ -79,8 +83,9 @@ def main() -> int:
     for round_ in range(args.rounds):
         rng = random.Random(round_)
         system = [2] + [rng.randrange(1000, 200_000) for _ in range(400)]
-        prompts = [system + [rng.randrange(1000, 200_000) for _ in range(rng.randrange(10, 60))]
-                   for _ in range(args.requests)]  # fmt: skip
+        prompts = [
+            system + [rng.randrange(1000, 200_000) for _ in range(rng.randrange(10, 60))] for _ in range(args.requests)
+        ]
         alone = run(llm, prompts, args.tokens, False, f"alone-{round_}")
         batched = run(llm, prompts, args.tokens, True, f"together-{round_}")
         for solo, both in zip(alone, batched, strict=True):
@@ -94,8 +99,10 @@ def main() -> int:
                     break
     print(f"{args.rounds} rounds x {args.requests} requests x {args.tokens} greedy tokens, gemma-3-270m")
     print(f"tokens compared (until a request's first difference): {compared}")
-    print(f"logit shift, together vs alone: max {max(shifts):.3f}, p99 {np.percentile(shifts, 99):.3f}, "
-          f"median {np.median(shifts):.3f}")  # fmt: skip
+    print(
+        f"logit shift, together vs alone: max {max(shifts):.3f}, p99 {np.percentile(shifts, 99):.3f}, "
+        f"median {np.median(shifts):.3f}"
+    )
     print(f"requests that flipped a token: {flipped} of {args.rounds * args.requests}")
     if margins:
         print(f"solo top-2 margin at those flips: {', '.join(f'{m:.3f}' for m in sorted(margins))}")

@@ -35,15 +35,21 @@ from sippcache.llama.seqcache import SequenceCache
 
 def measure(llm: llama_cpp.Llama, slots: int, steps: int) -> tuple[float, float]:
     """(median decode seconds, median sampling seconds) of a step with `slots` requests decoding."""
-    cache = SequenceCache("ram://?max_bytes=1MiB", fingerprint=llama_fingerprint(llm),
-                          n_swa=int(llama_cpp.llama_model_n_swa(llm.model)), n_vocab=llm.n_vocab(),
-                          options=CacheOptions(scope=f"step-{slots}", min_tokens=1 << 30))  # fmt: skip
+    cache = SequenceCache(
+        "ram://?max_bytes=1MiB",
+        fingerprint=llama_fingerprint(llm),
+        n_swa=int(llama_cpp.llama_model_n_swa(llm.model)),
+        n_vocab=llm.n_vocab(),
+        options=CacheOptions(scope=f"step-{slots}", min_tokens=1 << 30),
+    )
     # min_tokens=2**30: nothing stored, pure decoding
     engine = BatchEngine(llm, cache, slots=slots, n_ctx=slots * 1024, chunk=512)
     samplers = [llama_cpp.Llama._init_sampler(llm, temp=0.0) for _ in range(slots)]  # upstream's chain
     try:
-        jobs = [Job([2] + [random.Random(i).randrange(1000, 200_000) for _ in range(199)], s.sampler, 800)
-                for i, s in enumerate(samplers)]  # fmt: skip
+        jobs = [
+            Job([2] + [random.Random(i).randrange(1000, 200_000) for _ in range(199)], s.sampler, 800)
+            for i, s in enumerate(samplers)
+        ]
         for job in jobs:
             engine.submit(job)
         while any(job.state != "decode" for job in jobs):
@@ -80,8 +86,10 @@ def main() -> int:
         sample = statistics.median(r[1] for r in runs[n])
         rate = n / (decode + sample)
         base = base or rate
-        print(f"{n:>3} {decode * 1000:>6.1f} ms {sample * 1000:>6.1f} ms {rate:>9.1f} {rate / base:>6.2f}x "
-              f"{(decode + sample) * 1000:>5.0f} ms")  # fmt: skip
+        print(
+            f"{n:>3} {decode * 1000:>6.1f} ms {sample * 1000:>6.1f} ms {rate:>9.1f} {rate / base:>6.2f}x "
+            f"{(decode + sample) * 1000:>5.0f} ms"
+        )
     llm.close()
     return 0
 

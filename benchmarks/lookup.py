@@ -68,8 +68,7 @@ class Workload:
                 yield shared + tuple(map(_INTS.__getitem__, self.suffixes[i - len(PREFIX_KEY_LENGTHS)].tolist()))
 
 
-def median_us(lookup: Callable[[], tuple[int, ...] | None], expected: tuple[int, ...], reps: int, what: str
-              ) -> float:
+def median_us(lookup: Callable[[], tuple[int, ...] | None], expected: tuple[int, ...], reps: int, what: str) -> float:
     """Median time of `lookup()` in µs; exit loudly if any call returns another key."""
     lookup()  # warm up
     times = []
@@ -104,8 +103,14 @@ def bench_backend(url: str, work: Workload, reps: int, what: str) -> list[dict[s
             fill_s, filled = time.perf_counter() - start, entries
             if len(cache) != entries:
                 sys.exit(f"FAIL: {what} holds {len(cache)} entries after storing {entries} (eviction?)")
-            rows.append({"backend": what, "entries": entries, "fill_s": fill_s,
-                         "median_us": median_us(lookup, work.expected, reps, what)})  # fmt: skip
+            rows.append(
+                {
+                    "backend": what,
+                    "entries": entries,
+                    "fill_s": fill_s,
+                    "median_us": median_us(lookup, work.expected, reps, what),
+                }
+            )
     return rows
 
 
@@ -147,30 +152,55 @@ def main() -> int:
     total_s = time.perf_counter() - began
 
     if args.json:
-        print(json.dumps({"sizes": SIZES, "repetitions": reps, "scan_repetitions": scan_reps, "rows": rows,
-                          "fast": fast, "flat": flat, "total_s": round(total_s, 1)}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "sizes": SIZES,
+                    "repetitions": reps,
+                    "scan_repetitions": scan_reps,
+                    "rows": rows,
+                    "fast": fast,
+                    "flat": flat,
+                    "total_s": round(total_s, 1),
+                }
+            )
+        )
     else:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"Lookup of a {QUERY_LEN:,}-token query", caption=(
-            f"median of {reps} lookups ({', '.join(map(str, scan_reps.values()))} for the scan); speedup: vs the "
-            f"LlamaRAMCache scan at {SIZES[0]:,} entries; growth: vs the same backend at {SIZES[0]:,}"))
+        table = Table(
+            title=f"Lookup of a {QUERY_LEN:,}-token query",
+            caption=(
+                f"median of {reps} lookups ({', '.join(map(str, scan_reps.values()))} for the scan); speedup: vs the "
+                f"LlamaRAMCache scan at {SIZES[0]:,} entries; growth: vs the same backend at {SIZES[0]:,}"
+            ),
+        )
         for column in ("backend", "entries", "median µs", "speedup", "growth", "fill s"):
             table.add_column(column, justify="left" if column == "backend" else "right")
         for row in rows:
             growth = "" if row["growth"] is None else f"{row['growth']:.2f}x"
             speedup = f"{row['speedup']:,.0f}x" if row["speedup"] >= 10 else f"{row['speedup']:.2g}x"
-            table.add_row(row["backend"], f"{row['entries']:,}", f"{row['median_us']:,.1f}",
-                          speedup, growth, f"{row['fill_s']:.1f}")  # fmt: skip
+            table.add_row(
+                row["backend"],
+                f"{row['entries']:,}",
+                f"{row['median_us']:,.1f}",
+                speedup,
+                growth,
+                f"{row['fill_s']:.1f}",
+            )
         if SIZES[1] not in scan_reps:
             table.add_row(SCAN, f"{SIZES[1]:,}", "not run", "", "", "")
         Console().print(table)
         small, large = SIZES
-        print(f"{'PASS' if fast else 'FAIL'}: every backend >= {SPEEDUP_GOAL:,.0f}x faster than the scan"
-              f" at {small:,} entries")
-        print(f"{'PASS' if flat else 'FAIL'}: every backend flat"
-              f" ({small:,} -> {large:,} entries: growth <= {GROWTH_LIMIT:g}x)")
+        print(
+            f"{'PASS' if fast else 'FAIL'}: every backend >= {SPEEDUP_GOAL:,.0f}x faster than the scan"
+            f" at {small:,} entries"
+        )
+        print(
+            f"{'PASS' if flat else 'FAIL'}: every backend flat"
+            f" ({small:,} -> {large:,} entries: growth <= {GROWTH_LIMIT:g}x)"
+        )
         print(f"total time {total_s:.0f} s")
     return 0 if fast and flat else 1
 

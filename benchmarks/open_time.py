@@ -133,8 +133,10 @@ def snapshot_write_s() -> float:
 def open_once(full_read: bool, key: list[int]) -> dict[str, Any]:
     result = subprocess.run(
         [sys.executable, "-c", _CHILD, URL, json.dumps(key), "1" if full_read else "0", json.dumps(QUERY_EXTRA)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if result.returncode != 0:
         sys.exit(f"FAIL: the measuring process failed:\n{result.stderr[-3000:]}")
     row: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
@@ -158,10 +160,12 @@ def main() -> int:
             print(f"round {round_ + 1}: {way} ...", file=sys.stderr, flush=True)
             runs[way].append(open_once(way == "full read", key))
     medians = {
-        way: {field: statistics.median(row[field] for row in rows)
-              for field in ("open_s", "first_lookup_s", "total_s", "second_lookup_s")}
+        way: {
+            field: statistics.median(row[field] for row in rows)
+            for field in ("open_s", "first_lookup_s", "total_s", "second_lookup_s")
+        }
         for way, rows in runs.items()
-    }  # fmt: skip
+    }
     write_s = snapshot_write_s()
     load = os.getloadavg()[0]
     speedup = medians["full read"]["total_s"] / medians["snapshot"]["total_s"]
@@ -169,9 +173,21 @@ def main() -> int:
     passed = medians["snapshot"]["total_s"] < GOAL_S
 
     if args.json:
-        print(json.dumps({"entries": ENTRIES, "rounds": args.rounds, "build": built, "medians": medians,
-                          "speedup": speedup, "snapshot_mb": snapshot_mb, "snapshot_write_s": write_s,
-                          "load_average": load, "pass": passed}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "entries": ENTRIES,
+                    "rounds": args.rounds,
+                    "build": built,
+                    "medians": medians,
+                    "speedup": speedup,
+                    "snapshot_mb": snapshot_mb,
+                    "snapshot_write_s": write_s,
+                    "load_average": load,
+                    "pass": passed,
+                }
+            )
+        )
     else:
         from rich.console import Console
         from rich.table import Table
@@ -181,16 +197,27 @@ def main() -> int:
         for column in ("index from", "open ms", "first lookup ms", "open + first lookup ms", "next lookup µs"):
             table.add_column(column, justify="left" if column == "index from" else "right")
         for way, m in medians.items():
-            table.add_row(way, f"{m['open_s'] * 1e3:,.1f}", f"{m['first_lookup_s'] * 1e3:,.0f}",
-                          f"{m['total_s'] * 1e3:,.0f}", f"{m['second_lookup_s'] * 1e6:,.0f}")  # fmt: skip
+            table.add_row(
+                way,
+                f"{m['open_s'] * 1e3:,.1f}",
+                f"{m['first_lookup_s'] * 1e3:,.0f}",
+                f"{m['total_s'] * 1e3:,.0f}",
+                f"{m['second_lookup_s'] * 1e6:,.0f}",
+            )
         Console().print(table)
-        print(f"writing the snapshot (close, when it is behind): {write_s:.2f} s; "
-              f"load average {load:.1f} on {os.cpu_count()} CPUs")  # fmt: skip
+        print(
+            f"writing the snapshot (close, when it is behind): {write_s:.2f} s; "
+            f"load average {load:.1f} on {os.cpu_count()} CPUs"
+        )
         if built:
-            print(f"built: {built['fill_s']:.1f} s ({built['stores_per_s']:,.0f} stores/s), "
-                  f"close with snapshot {built['close_s']:.2f} s")  # fmt: skip
-        print(f"{'PASS' if passed else 'FAIL'}: open + first lookup from the snapshot "
-              f"{medians['snapshot']['total_s']:.2f} s < {GOAL_S} s for {ENTRIES:,} entries")  # fmt: skip
+            print(
+                f"built: {built['fill_s']:.1f} s ({built['stores_per_s']:,.0f} stores/s), "
+                f"close with snapshot {built['close_s']:.2f} s"
+            )
+        print(
+            f"{'PASS' if passed else 'FAIL'}: open + first lookup from the snapshot "
+            f"{medians['snapshot']['total_s']:.2f} s < {GOAL_S} s for {ENTRIES:,} entries"
+        )
     return 0 if passed else 1
 
 

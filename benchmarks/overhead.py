@@ -90,8 +90,10 @@ def main() -> int:
                 def completion_miss(text: str = text) -> None:
                     hooked.create_completion(text, max_tokens=16, temperature=0.0)
 
-                pairs = [("ttft", ttft_none, ttft_miss, prefix_cache),
-                         ("completion", completion_none, completion_miss, hook)]
+                pairs = [
+                    ("ttft", ttft_none, ttft_miss, prefix_cache),
+                    ("completion", completion_none, completion_miss, hook),
+                ]
                 for way, none, miss, cache in pairs:
                     # Which side goes first alternates, so a drift of the machine's speed favours neither.
                     order = (("none", none), ("miss", miss)) if run % 2 == 0 else (("miss", miss), ("none", none))
@@ -107,19 +109,24 @@ def main() -> int:
             warm_seconds = time.perf_counter() - started
             assert warm.restored == n and warm.logits_from_store
             median = {name: statistics.median(values) for name, values in times.items()}
-            rows.append({
-                "tokens": n, **{f"{k}_s": v for k, v in median.items()},
-                "ttft_overhead": median["ttft miss"] / median["ttft none"] - 1,
-                "completion_overhead": median["completion miss"] / median["completion none"] - 1,
-                "warm_repeat_s": warm_seconds, "warm_restored": warm.restored,
-                "runs": {name: [round(v, 4) for v in values] for name, values in times.items()},
-            })  # fmt: skip
+            rows.append(
+                {
+                    "tokens": n,
+                    **{f"{k}_s": v for k, v in median.items()},
+                    "ttft_overhead": median["ttft miss"] / median["ttft none"] - 1,
+                    "completion_overhead": median["completion miss"] / median["completion none"] - 1,
+                    "warm_repeat_s": warm_seconds,
+                    "warm_restored": warm.restored,
+                    "runs": {name: [round(v, 4) for v in values] for name, values in times.items()},
+                }
+            )
         prefix_cache.close()
         hook.close()
     goals = {
         f"miss overhead <= 5% ({row['tokens']:,} tokens, {way})": row[f"{way}_overhead"] <= 0.05
-        for row in rows for way in ("ttft", "completion")
-    }  # fmt: skip
+        for row in rows
+        for way in ("ttft", "completion")
+    }
     if args.json:
         print(json.dumps({"rows": rows, "goals": goals}))
     else:
@@ -127,16 +134,28 @@ def main() -> int:
         from rich.table import Table
 
         table = Table(title=f"cache miss vs no cache (gemma-3-270m, LMDB, median of {args.runs} new prompts)")
-        for column in ("tokens", "TTFT none", "TTFT miss", "overhead", "completion none", "completion miss",
-                       "overhead", "warm repeat"):  # fmt: skip
+        for column in (
+            "tokens",
+            "TTFT none",
+            "TTFT miss",
+            "overhead",
+            "completion none",
+            "completion miss",
+            "overhead",
+            "warm repeat",
+        ):
             table.add_column(column, justify="right")
         for r in rows:
             table.add_row(
-                f"{r['tokens']:,}", f"{r['ttft none_s'] * 1000:.0f} ms", f"{r['ttft miss_s'] * 1000:.0f} ms",
-                f"{r['ttft_overhead'] * 100:+.1f}%", f"{r['completion none_s'] * 1000:.0f} ms",
-                f"{r['completion miss_s'] * 1000:.0f} ms", f"{r['completion_overhead'] * 100:+.1f}%",
+                f"{r['tokens']:,}",
+                f"{r['ttft none_s'] * 1000:.0f} ms",
+                f"{r['ttft miss_s'] * 1000:.0f} ms",
+                f"{r['ttft_overhead'] * 100:+.1f}%",
+                f"{r['completion none_s'] * 1000:.0f} ms",
+                f"{r['completion miss_s'] * 1000:.0f} ms",
+                f"{r['completion_overhead'] * 100:+.1f}%",
                 f"{r['warm_repeat_s'] * 1000:.1f} ms",
-            )  # fmt: skip
+            )
         console = Console()
         console.print(table)
         for goal, ok in goals.items():

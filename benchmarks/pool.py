@@ -47,17 +47,27 @@ SYSTEM = (
     "exactly, and say when the log does not know. "
 )
 QUESTIONS = [
-    "Which ship came in first this week?", "What cargo did it carry?", "Who was the pilot?",
-    "When is the next high tide?", "Which vessel flies the Danish flag?", "How many ferries left today?",
-    "Was the weather logged as stormy?", "Which ship stayed longest?",
+    "Which ship came in first this week?",
+    "What cargo did it carry?",
+    "Who was the pilot?",
+    "When is the next high tide?",
+    "Which vessel flies the Danish flag?",
+    "How many ferries left today?",
+    "Was the weather logged as stormy?",
+    "Which ship stayed longest?",
 ]
 
 
 def conversation_turns(vocab: Any) -> tuple[list[int], list[list[list[int]]]]:
     """The system prompt (about 1,000 tokens) and each conversation's questions per turn."""
     system = vocab.tokenize((SYSTEM * 40).encode())[:1000]
-    turns = [[vocab.tokenize(f" Question {t + 1}: {QUESTIONS[(c + t) % len(QUESTIONS)]} Answer:".encode(),
-                             add_bos=False) for t in range(N_TURNS)] for c in range(N_CONVERSATIONS)]  # fmt: skip
+    turns = [
+        [
+            vocab.tokenize(f" Question {t + 1}: {QUESTIONS[(c + t) % len(QUESTIONS)]} Answer:".encode(), add_bos=False)
+            for t in range(N_TURNS)
+        ]
+        for c in range(N_CONVERSATIONS)
+    ]
     return system, turns
 
 
@@ -98,8 +108,7 @@ def serve_with_pool(pool: Any, system: list[int], questions: list[list[list[int]
                 ttft[turn].append(result.ttft_seconds)
                 generated += len(result.tokens)
                 histories[c] = prompts[c] + result.tokens
-    return {"seconds": time.perf_counter() - started, "tokens": generated, "ttft": ttft,
-            "stats": pool.stats()}  # fmt: skip
+    return {"seconds": time.perf_counter() - started, "tokens": generated, "ttft": ttft, "stats": pool.stats()}
 
 
 def decode_steps(pool: Any, system: list[int], questions: list[list[list[int]]]) -> dict[str, float]:
@@ -142,8 +151,9 @@ def memory_child(kind: str) -> dict[str, Any]:
 
 
 def run_memory_child(kind: str) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, __file__, "--memory", kind], capture_output=True, text=True, check=True,
-                         timeout=900)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, __file__, "--memory", kind], capture_output=True, text=True, check=True, timeout=900
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -195,22 +205,32 @@ def main() -> int:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"{N_CONVERSATIONS} conversations x {N_TURNS} turns, 1,000-token shared system prompt, "
-                            f"{NEW_TOKENS} tokens per turn (gemma-3-270m)")  # fmt: skip
+        table = Table(
+            title=f"{N_CONVERSATIONS} conversations x {N_TURNS} turns, 1,000-token shared system prompt, "
+            f"{NEW_TOKENS} tokens per turn (gemma-3-270m)"
+        )
         for column in ("way", "total", "tokens/s", "vs (b)", "TTFT first turns", "TTFT later turns"):
             table.add_column(column, justify="right")
         for name, run in runs.items():
-            table.add_row(name, f"{run['seconds']:.1f} s", f"{run['tokens_per_second']:.1f}",
-                          f"{run['tokens_per_second'] / b['tokens_per_second']:.2f}x",
-                          f"{run['first_turn_ttft'] * 1000:,.0f} ms",
-                          f"{run['later_ttft'] * 1000:,.0f} ms")  # fmt: skip
+            table.add_row(
+                name,
+                f"{run['seconds']:.1f} s",
+                f"{run['tokens_per_second']:.1f}",
+                f"{run['tokens_per_second'] / b['tokens_per_second']:.2f}x",
+                f"{run['first_turn_ttft'] * 1000:,.0f} ms",
+                f"{run['later_ttft'] * 1000:,.0f} ms",
+            )
         console = Console()
         console.print(table)
         one, many = steps["step_s_1"], steps[f"step_s_{SLOTS}"]
-        console.print(f"decode step in the pool: 1 session {one * 1000:.1f} ms; {SLOTS} sessions {many * 1000:.1f} ms "
-                      f"({many * 1000 / SLOTS:.1f} ms per token: {one * SLOTS / many:.1f}x the tokens per second)")
-        console.print(f"memory after one turn of {SLOTS} conversations: one model + a {SLOTS}-slot pool "
-                      f"{memory[0]['rss_mb']:,.0f} MB; {SLOTS} Llama objects {memory[1]['rss_mb']:,.0f} MB")
+        console.print(
+            f"decode step in the pool: 1 session {one * 1000:.1f} ms; {SLOTS} sessions {many * 1000:.1f} ms "
+            f"({many * 1000 / SLOTS:.1f} ms per token: {one * SLOTS / many:.1f}x the tokens per second)"
+        )
+        console.print(
+            f"memory after one turn of {SLOTS} conversations: one model + a {SLOTS}-slot pool "
+            f"{memory[0]['rss_mb']:,.0f} MB; {SLOTS} Llama objects {memory[1]['rss_mb']:,.0f} MB"
+        )
         for goal, ok in goals.items():
             console.print(f"{'PASS' if ok else 'FAIL'}  {goal}")
     return 0 if all(goals.values()) else 1

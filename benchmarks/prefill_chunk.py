@@ -50,13 +50,18 @@ def run(
 ) -> tuple[float, float, list[float]]:
     """(prefill seconds alone, prefill seconds beside decoders, decoders' step times during it)."""
     n_vocab = llm.n_vocab()
-    cache = SequenceCache("ram://?max_bytes=1MiB", fingerprint=llama_fingerprint(llm),
-                          n_swa=int(llama_cpp.llama_model_n_swa(llm.model)), n_vocab=n_vocab,
-                          options=CacheOptions(scope=f"bench-{seed}", min_tokens=1 << 30))  # fmt: skip
+    cache = SequenceCache(
+        "ram://?max_bytes=1MiB",
+        fingerprint=llama_fingerprint(llm),
+        n_swa=int(llama_cpp.llama_model_n_swa(llm.model)),
+        n_vocab=n_vocab,
+        options=CacheOptions(scope=f"bench-{seed}", min_tokens=1 << 30),
+    )
     # min_tokens=2**30: nothing stored or restored, pure evaluation
     engine = BatchEngine(llm, cache, slots=decoding + 1, n_ctx=(decoding + 1) * (prompt_len + 512), chunk=chunk)
     chains = []
     try:
+
         def job(prompt: list[int], max_new: int) -> Job:
             chains.append(Sampling().chain(n_vocab))
             return Job(prompt, chains[-1], max_new)
@@ -114,18 +119,24 @@ def main() -> int:
             if round_:  # the first round warms llama.cpp up (buffers, graphs for each batch shape)
                 results[chunk].append(result)
     rows = []
-    print(f"prompt {args.prompt} tokens, {args.decoding} requests decoding, median of {args.rounds} rounds "
-          "after a warm-up round")  # fmt: skip
-    print(f"{'chunk':>6} {'prefill alone tok/s':>20} {'prefill beside tok/s':>21} {'decoders TPOT':>14} "
-          f"{'vs no prefill':>14}")  # fmt: skip
+    print(
+        f"prompt {args.prompt} tokens, {args.decoding} requests decoding, median of {args.rounds} rounds "
+        "after a warm-up round"
+    )
+    print(
+        f"{'chunk':>6} {'prefill alone tok/s':>20} {'prefill beside tok/s':>21} {'decoders TPOT':>14} "
+        f"{'vs no prefill':>14}"
+    )
     for chunk in chunks:
         alone = statistics.median(r[0] for r in results[chunk])
         beside = statistics.median(r[1] for r in results[chunk])
         tpot = statistics.median(r[2][0] for r in results[chunk])
         plain = statistics.median(r[2][1] for r in results[chunk])
         rows.append((chunk, args.prompt / beside))
-        print(f"{chunk:>6} {args.prompt / alone:>20.0f} {args.prompt / beside:>21.0f} {tpot * 1000:>11.0f} ms "
-              f"{tpot / plain:>13.1f}x")  # fmt: skip
+        print(
+            f"{chunk:>6} {args.prompt / alone:>20.0f} {args.prompt / beside:>21.0f} {tpot * 1000:>11.0f} ms "
+            f"{tpot / plain:>13.1f}x"
+        )
     best = max(rate for _, rate in rows)
     chosen = min(chunk for chunk, rate in rows if rate >= best * (1 - args.within))
     print(f"smallest chunk within {args.within:.0%} of the best prefill rate beside the decoders: {chosen}")

@@ -132,8 +132,10 @@ def main() -> int:
             cold_s, cold_first = cold(model, prompts, args.cold_reps)
             rows: dict[str, dict[str, Any]] = {}
             for way, (cls, expected) in WAYS.items():
-                urls = {"lmdb": f"lmdb://{tmp}/{cls.__name__}/lmdb?max_bytes=2GiB",
-                        "redis": f"{server.url}?prefix=bench-{cls.__module__}&max_bytes=2GiB"}  # fmt: skip
+                urls = {
+                    "lmdb": f"lmdb://{tmp}/{cls.__name__}/lmdb?max_bytes=2GiB",
+                    "redis": f"{server.url}?prefix=bench-{cls.__module__}&max_bytes=2GiB",
+                }
                 for name, url in urls.items():
                     seconds, reused, first, size = warm(model, url, prompts, args.reps, cls)
                     rows.setdefault(way, {})[name] = {
@@ -176,14 +178,20 @@ def main() -> int:
             for name in ("lmdb", "redis"):
                 row = backends[name]
                 label = f"{way}: from LMDB" if name == "lmdb" else f"{way}: from Redis (loopback)"
-                table.add_row(label, f"{row['warm_ttft_ms']:.1f} ms",
-                              f"{row['warm_ttft_ms'] / backends['lmdb']['warm_ttft_ms']:.2f}x",
-                              f"{cold_s * 1000 / row['warm_ttft_ms']:,.0f}x", f"{row['reused']:,}",
-                              "yes" if row["same_first_token"] else "NO")  # fmt: skip
+                table.add_row(
+                    label,
+                    f"{row['warm_ttft_ms']:.1f} ms",
+                    f"{row['warm_ttft_ms'] / backends['lmdb']['warm_ttft_ms']:.2f}x",
+                    f"{cold_s * 1000 / row['warm_ttft_ms']:,.0f}x",
+                    f"{row['reused']:,}",
+                    "yes" if row["same_first_token"] else "NO",
+                )
         Console(width=120).print(table)
         entry = rows["stored logits"]["redis"]["entry_bytes"]
-        print(f"entry: {entry / 1e6:.1f} MB with logits; Redis vs LMDB: "
-              f"{', '.join(f'{w} {r:.2f}x' for w, r in ratios.items())}")
+        print(
+            f"entry: {entry / 1e6:.1f} MB with logits; Redis vs LMDB: "
+            f"{', '.join(f'{w} {r:.2f}x' for w, r in ratios.items())}"
+        )
         for goal, met in goals.items():
             print(f"{'PASS' if met else 'FAIL'}  {goal}")
     return 0 if ok else 1

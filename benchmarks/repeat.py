@@ -61,15 +61,23 @@ def child(model: str, mode: str, url: str, n: int) -> dict:
         result = cache.prefill(tokens)
         token = llm.sample(temp=0.0)
         seconds = time.perf_counter() - started
-    return {"seconds": seconds, "token": token, "restored": result.restored, "evaluated": result.evaluated,
-            "logits_from_store": result.logits_from_store}  # fmt: skip
+    return {
+        "seconds": seconds,
+        "token": token,
+        "restored": result.restored,
+        "evaluated": result.evaluated,
+        "logits_from_store": result.logits_from_store,
+    }
 
 
 def run_child(model: str, mode: str, url: str, n: int) -> dict:
     out = subprocess.run(
         [sys.executable, __file__, "--child", model, mode, url, str(n)],
-        capture_output=True, text=True, check=True, timeout=900,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=900,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -110,8 +118,18 @@ def main() -> int:
         "stored logits >= 3x faster than restore + decode": vs_decode >= 3,
     }
     if args.json:
-        print(json.dumps({"tokens": n, "runs": args.runs, "ttft_seconds": ttft, "vs_cold": vs_cold,
-                          "vs_decode": vs_decode, "goals": goals}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "tokens": n,
+                    "runs": args.runs,
+                    "ttft_seconds": ttft,
+                    "vs_cold": vs_cold,
+                    "vs_decode": vs_decode,
+                    "goals": goals,
+                }
+            )
+        )
     else:
         from rich.console import Console
         from rich.table import Table

@@ -48,18 +48,23 @@ SYSTEM = (
     + "".join(
         f"Day {d}: the {name} ({flag}) arrived on the {tide} tide with {cargo}; pilot {pilot}.\n"
         for d, (name, flag, tide, cargo, pilot) in enumerate(
-            [("Eider", "Denmark", "morning", "timber", "Hansen"), ("Mistral", "France", "evening", "wine", "Morel"),
-             ("Northern Star", "Norway", "morning", "salt cod", "Berg"),
-             ("Aurora", "Sweden", "night", "iron ore", "Lind"),
-             ("Santa Clara", "Spain", "morning", "oranges", "Ruiz"), ("Gull", "Ireland", "evening", "wool", "Byrne"),
-             ("Valkyrie", "Norway", "night", "herring", "Dahl"),
-             ("Meridian", "Netherlands", "morning", "tulip bulbs", "de Vries"),
-             ("Kestrel", "Scotland", "evening", "whisky", "MacLeod"),
-             ("Baltic Rose", "Poland", "morning", "coal", "Nowak")] * 3,
+            [
+                ("Eider", "Denmark", "morning", "timber", "Hansen"),
+                ("Mistral", "France", "evening", "wine", "Morel"),
+                ("Northern Star", "Norway", "morning", "salt cod", "Berg"),
+                ("Aurora", "Sweden", "night", "iron ore", "Lind"),
+                ("Santa Clara", "Spain", "morning", "oranges", "Ruiz"),
+                ("Gull", "Ireland", "evening", "wool", "Byrne"),
+                ("Valkyrie", "Norway", "night", "herring", "Dahl"),
+                ("Meridian", "Netherlands", "morning", "tulip bulbs", "de Vries"),
+                ("Kestrel", "Scotland", "evening", "whisky", "MacLeod"),
+                ("Baltic Rose", "Poland", "morning", "coal", "Nowak"),
+            ]
+            * 3,
             start=1,
         )
     )
-)  # fmt: skip
+)
 QUESTIONS = [
     "Which vessels came in on a night tide?",
     "Who piloted the ship carrying wine, and on which day did it arrive?",
@@ -108,8 +113,13 @@ _WORKER = textwrap.dedent(
 
 class Replica:
     def __init__(self, model: Path, url: str) -> None:
-        self.process = subprocess.Popen([sys.executable, "-c", _WORKER, str(model), url], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _WORKER, str(model), url],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         assert json.loads(self._read())["ready"]
 
     def _read(self) -> str:
@@ -141,8 +151,9 @@ def tokenize(model: Path, texts: list[str]) -> list[list[int]]:
         llm.close()
 
 
-def conversation(model: Path, urls: tuple[str, str], pieces: list[list[int]], replies: list[list[int]] | None,
-                 turns: int) -> dict[str, Any]:  # fmt: skip
+def conversation(
+    model: Path, urls: tuple[str, str], pieces: list[list[int]], replies: list[list[int]] | None, turns: int
+) -> dict[str, Any]:
     """Run the chat against two replicas: per-turn evaluated tokens, and the replies."""
     replicas = [Replica(model, url) for url in urls]
     try:
@@ -151,12 +162,22 @@ def conversation(model: Path, urls: tuple[str, str], pieces: list[list[int]], re
         for turn in range(turns):
             history += pieces[1 + turn]
             out = replicas[turn % 2].turn(history, None if replies is None else replies[turn])
-            rows.append({"replica": "AB"[turn % 2], "prompt": len(history), "evaluated": out["evaluated"],
-                         "prefill_s": out["prefill_s"]})  # fmt: skip
+            rows.append(
+                {
+                    "replica": "AB"[turn % 2],
+                    "prompt": len(history),
+                    "evaluated": out["evaluated"],
+                    "prefill_s": out["prefill_s"],
+                }
+            )
             made.append(out["reply"])
             history += out["reply"]
-        return {"turns": rows, "replies": made, "evaluated": sum(r["evaluated"] for r in rows),
-                "prefill_s": sum(r["prefill_s"] for r in rows)}  # fmt: skip
+        return {
+            "turns": rows,
+            "replies": made,
+            "evaluated": sum(r["evaluated"] for r in rows),
+            "prefill_s": sum(r["prefill_s"] for r in rows),
+        }
     finally:
         for replica in replicas:
             replica.close()
@@ -196,8 +217,15 @@ def main() -> int:
     ratios = {name: results[name]["evaluated"] / base for name in ("redis", "tiered")}
     ok = all(ratio <= GOAL for ratio in ratios.values())
     if args.json:
-        print(json.dumps({"results": {k: {x: y for x, y in v.items() if x != "replies"} for k, v in results.items()},
-                          "ratios": ratios, "goals_met": ok}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "results": {k: {x: y for x, y in v.items() if x != "replies"} for k, v in results.items()},
+                    "ratios": ratios,
+                    "goals_met": ok,
+                }
+            )
+        )
         return 0 if ok else 1
     from rich.console import Console
     from rich.table import Table
@@ -210,14 +238,20 @@ def main() -> int:
         table.add_column(name, justify="right")
     for i in range(turns):
         row = results["separate"]["turns"][i]
-        table.add_row(str(i + 1), row["replica"], f"{row['prompt']:,}",
-                      *(f"{results[name]['turns'][i]['evaluated']:,}" for name in results))  # fmt: skip
+        table.add_row(
+            str(i + 1),
+            row["replica"],
+            f"{row['prompt']:,}",
+            *(f"{results[name]['turns'][i]['evaluated']:,}" for name in results),
+        )
     table.add_row("total", "", "", *(f"{results[name]['evaluated']:,}" for name in results), end_section=True)
     table.add_row("prefill time", "", "", *(f"{results[name]['prefill_s']:.1f} s" for name in results))
     table.add_row("vs separate", "", "", "1.00x", *(f"{ratios[name]:.2f}x" for name in ("redis", "tiered")))
     Console(width=120).print(table)
-    print(f"Goal: a shared tier evaluates at most {GOAL:.0%} of the separate stores' prompt tokens: "
-          f"{'met' if ok else 'MISSED'}")
+    print(
+        f"Goal: a shared tier evaluates at most {GOAL:.0%} of the separate stores' prompt tokens: "
+        f"{'met' if ok else 'MISSED'}"
+    )
     return 0 if ok else 1
 
 

@@ -56,11 +56,60 @@ GOAL = 10.0
 #: size holds one entry per conversation (4 x ~40 MB), its best case for this workload.
 RAM_CACHE_SIZE = 170_000_000
 WORDS = [
-    "The", "lighthouse", "keeper", "kept", "a", "log", "of", "every", "ship", "that", "passed", "the", "northern",
-    "cape.", "Each", "entry", "named", "the", "vessel,", "its", "flag,", "the", "hour,", "the", "weather", "and", "the",
-    "state", "of", "the", "sea.", "Over", "forty", "years", "the", "log", "grew", "to", "eleven", "volumes,", "and",
-    "historians", "now", "read", "it", "to", "learn", "how", "trade", "moved", "along", "the", "coast.",
-]  # fmt: skip
+    "The",
+    "lighthouse",
+    "keeper",
+    "kept",
+    "a",
+    "log",
+    "of",
+    "every",
+    "ship",
+    "that",
+    "passed",
+    "the",
+    "northern",
+    "cape.",
+    "Each",
+    "entry",
+    "named",
+    "the",
+    "vessel,",
+    "its",
+    "flag,",
+    "the",
+    "hour,",
+    "the",
+    "weather",
+    "and",
+    "the",
+    "state",
+    "of",
+    "the",
+    "sea.",
+    "Over",
+    "forty",
+    "years",
+    "the",
+    "log",
+    "grew",
+    "to",
+    "eleven",
+    "volumes,",
+    "and",
+    "historians",
+    "now",
+    "read",
+    "it",
+    "to",
+    "learn",
+    "how",
+    "trade",
+    "moved",
+    "along",
+    "the",
+    "coast.",
+]
 QUESTIONS = [
     "Which vessel passed first on day {n}, and what flag did she fly?",
     "What was the weather at that hour, and how high was the sea?",
@@ -101,8 +150,9 @@ class Server:
     def start(self) -> Server:
         env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(self.port)}
         with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(self.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)  # fmt: skip
+            self.process = subprocess.Popen(
+                self.command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -191,10 +241,17 @@ def run_conversations(name: str, command: list[str], system: str, args: argparse
                     turn.tokens_reused, turn.tokens_evaluated = did["tokens_reused"], did["tokens_evaluated"]
                     turn.prompt_tokens = sum(did.values())
                 run.turns.append(turn)
-                print(f"  {name}: round {round_} {label}: {turn.prompt_tokens} tokens, ttft {turn.ttft * 1000:.0f} ms, "
-                      f"total {turn.total * 1000:.0f} ms"
-                      + (f", reused {turn.tokens_reused}, evaluated {turn.tokens_evaluated}"
-                         if turn.tokens_reused is not None else ""), file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"  {name}: round {round_} {label}: {turn.prompt_tokens} tokens, ttft {turn.ttft * 1000:.0f} ms, "
+                    f"total {turn.total * 1000:.0f} ms"
+                    + (
+                        f", reused {turn.tokens_reused}, evaluated {turn.tokens_evaluated}"
+                        if turn.tokens_reused is not None
+                        else ""
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
     except Exception as exc:
         raise RuntimeError(f"{name} failed ({exc}); its log ends with:\n{server.log.read_text()[-3000:]}") from exc
     finally:
@@ -208,16 +265,30 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--system-tokens", type=int, default=1500)
-    parser.add_argument("--logits-all", choices=["true", "false"], default="true",
-                        help="passed to all three servers as --logits_all (upstream's server defaults to true)")
+    parser.add_argument(
+        "--logits-all",
+        choices=["true", "false"],
+        default="true",
+        help="passed to all three servers as --logits_all (upstream's server defaults to true)",
+    )
     args = parser.parse_args()
 
     from sippcache.demo.model import gemma_model_path
 
     model = str(gemma_model_path())
     system = system_prompt(model, args.system_tokens)
-    common = ["--model", model, "--model_alias", "gemma", "--n_ctx", str(N_CTX), "--verbose", "false",
-              "--logits_all", args.logits_all]
+    common = [
+        "--model",
+        model,
+        "--model_alias",
+        "gemma",
+        "--n_ctx",
+        str(N_CTX),
+        "--verbose",
+        "false",
+        "--logits_all",
+        args.logits_all,
+    ]
     with tempfile.TemporaryDirectory(prefix="sippcache-serve-bench-") as tmp:
         workdir = Path(tmp)
         configs = [
@@ -244,17 +315,26 @@ def report(runs: list[Run], args: argparse.Namespace) -> int:
     if not all((t.tokens_reused or 0) >= 0.9 * t.prompt_tokens for t in warm):
         failures.append("the round after the restart was not served from the store (90% of each prompt restored)")
     if args.json:
-        print(json.dumps({
-            "rounds": args.rounds, "conversations": args.conversations, "system_tokens": args.system_tokens,
-            "runs": {run.name: [t.__dict__ for t in run.turns] for run in runs}, "failures": failures,
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "rounds": args.rounds,
+                    "conversations": args.conversations,
+                    "system_tokens": args.system_tokens,
+                    "runs": {run.name: [t.__dict__ for t in run.turns] for run in runs},
+                    "failures": failures,
+                }
+            )
+        )
         return 1 if failures else 0
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"gemma-3-270m over HTTP: {args.conversations} interleaved conversations on a "
-                        f"{args.system_tokens:,}-token system prompt, logits_all={args.logits_all};"
-                        " mean per turn")  # fmt: skip
+    table = Table(
+        title=f"gemma-3-270m over HTTP: {args.conversations} interleaved conversations on a "
+        f"{args.system_tokens:,}-token system prompt, logits_all={args.logits_all};"
+        " mean per turn"
+    )
     table.add_column("round", justify="right")
     table.add_column("prompt tokens", justify="right")
     for run in runs:
@@ -271,7 +351,7 @@ def report(runs: list[Run], args: argparse.Namespace) -> int:
             f"{statistics.mean(t.tokens_reused or 0 for t in turns):,.0f} / "
             f"{statistics.mean(t.tokens_evaluated or 0 for t in turns):,.0f}",
             f"{ram.mean_ttft(round_) / sipp.mean_ttft(round_):,.1f}x",
-        )  # fmt: skip
+        )
     totals = [sum(t.total for t in run.turns) for run in runs]
     table.caption = "whole run (all turns, end to end): " + ", ".join(
         f"{run.name} {total:,.1f} s" for run, total in zip(runs, totals, strict=True)

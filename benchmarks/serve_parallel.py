@@ -55,14 +55,36 @@ from sippcache.demo.model import gemma_model_path
 ROOT = Path(__file__).resolve().parent.parent
 #: Bans gemma's <eos> and <end_of_turn>, so every answer is exactly --tokens long.
 NO_END = {"1": -100, "106": -100}
-WORDS = ("ship", "sea", "wind", "flag", "keeper", "light", "harbor", "storm", "tide", "rope", "sail", "mast", "deck",
-         "cape", "rock", "fog", "bell", "chart", "dawn", "dusk")  # fmt: skip
+WORDS = (
+    "ship",
+    "sea",
+    "wind",
+    "flag",
+    "keeper",
+    "light",
+    "harbor",
+    "storm",
+    "tide",
+    "rope",
+    "sail",
+    "mast",
+    "deck",
+    "cape",
+    "rock",
+    "fog",
+    "bell",
+    "chart",
+    "dawn",
+    "dusk",
+)
 
 
 def system_prompt(words: int = 760) -> str:
     """About 1,000 gemma tokens of a deterministic keeper's log."""
-    lines = [f"Day {d}: " + " ".join(WORDS[(d * 7 + i * 3) % len(WORDS)] for i in range(19)) + "."
-             for d in range(words // 19)]  # fmt: skip
+    lines = [
+        f"Day {d}: " + " ".join(WORDS[(d * 7 + i * 3) % len(WORDS)] for i in range(19)) + "."
+        for d in range(words // 19)
+    ]
     return "You are the archivist of the lighthouse log below. Answer in full sentences.\n" + "\n".join(lines)
 
 
@@ -86,8 +108,9 @@ class Server:
         self.port = free_port()
         self.kind = kind
         self._log = open(log, "ab")  # noqa: SIM115  # closed in stop()
-        self.process = subprocess.Popen(kind.command(self.port, store), cwd=ROOT, stdout=self._log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.process = subprocess.Popen(
+            kind.command(self.port, store), cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         from openai import OpenAI
 
         self.client = OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0, timeout=1800)
@@ -142,8 +165,9 @@ def ask(server: Server, prompt: str, tokens: int) -> tuple[str, float, float]:
     started = time.perf_counter()
     first = None
     text = ""
-    stream = server.client.completions.create(model="m", prompt=prompt, max_tokens=tokens, temperature=0,
-                                              stream=True, logit_bias=NO_END)  # fmt: skip
+    stream = server.client.completions.create(
+        model="m", prompt=prompt, max_tokens=tokens, temperature=0, stream=True, logit_bias=NO_END
+    )
     for chunk in stream:
         piece = chunk.choices[0].text if chunk.choices else ""
         if piece and first is None:
@@ -221,9 +245,25 @@ def kinds(model: str, n_ctx: int, parallel: int, llama_server: str | None) -> li
     ]  # fmt: skip
     if llama_server:
         for np_ in sorted({1, parallel}):
-            out.append(Kind(f"(d) llama-server -np {np_}", lambda port, store, np_=np_: [
-                llama_server, "-m", model, "-np", str(np_), "-c", str(n_ctx * np_), "--host", "127.0.0.1",
-                "--port", str(port), "--no-webui"]))  # fmt: skip
+            out.append(
+                Kind(
+                    f"(d) llama-server -np {np_}",
+                    lambda port, store, np_=np_: [
+                        llama_server,
+                        "-m",
+                        model,
+                        "-np",
+                        str(np_),
+                        "-c",
+                        str(n_ctx * np_),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--no-webui",
+                    ],
+                )
+            )
     return out
 
 
@@ -254,25 +294,33 @@ def main() -> int:
     model = str(gemma_model_path())
     servers = kinds(model, args.n_ctx, args.parallel, args.llama_server)
     results: dict[tuple[str, int], Result] = {}
-    print(f"gemma-3-270m, {args.turns} turns x {args.tokens} tokens per client, then a restart and one more turn; "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+    print(
+        f"gemma-3-270m, {args.turns} turns x {args.tokens} tokens per client, then a restart and one more turn; "
+        f"load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for count in counts:
             for kind in servers:
                 result = run_kind(kind, count, args.turns, args.tokens, Path(tmp))
                 results[kind.name, count] = result
                 ttft, again = statistics.median(result.ttft), statistics.median(result.restart_ttft)
-                print(f"  {count} clients, {kind.name}: {result.rate:.1f} tok/s, TTFT p50 {ttft:.2f} s, "
-                      f"after restart {again:.2f} s", flush=True)  # fmt: skip
+                print(
+                    f"  {count} clients, {kind.name}: {result.rate:.1f} tok/s, TTFT p50 {ttft:.2f} s, "
+                    f"after restart {again:.2f} s",
+                    flush=True,
+                )
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}\n")
     print("| clients | server | tokens/s | TTFT p50 | TTFT p95 | TPOT p50 | TTFT p50 after restart | peak RSS |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for count in counts:
         for kind in servers:
             r = results[kind.name, count]
-            print(f"| {count} | {kind.name} | {r.rate:.1f} | {statistics.median(r.ttft):.2f} s | "
-                  f"{percentile(r.ttft, 0.95):.2f} s | {statistics.median(r.tpot) * 1000:.0f} ms | "
-                  f"{statistics.median(r.restart_ttft):.2f} s | {r.memory_mb:.0f} MB |")  # fmt: skip
+            print(
+                f"| {count} | {kind.name} | {r.rate:.1f} | {statistics.median(r.ttft):.2f} s | "
+                f"{percentile(r.ttft, 0.95):.2f} s | {statistics.median(r.tpot) * 1000:.0f} ms | "
+                f"{statistics.median(r.restart_ttft):.2f} s | {r.memory_mb:.0f} MB |"
+            )
     return check_goals(results, counts, servers)
 
 
@@ -290,22 +338,37 @@ def check_goals(results: dict[tuple[str, int], Result], counts: list[int], serve
     print()
     many = max((n for n in counts if n <= 8), default=max(counts))
     cr = results[c, many]
-    goal(f"{many} clients: (c) >= 3x (a) tokens/s", cr.rate >= 3 * results[a, many].rate,
-         f"{cr.rate:.1f} vs {results[a, many].rate:.1f} ({cr.rate / results[a, many].rate:.2f}x)")  # fmt: skip
+    goal(
+        f"{many} clients: (c) >= 3x (a) tokens/s",
+        cr.rate >= 3 * results[a, many].rate,
+        f"{cr.rate:.1f} vs {results[a, many].rate:.1f} ({cr.rate / results[a, many].rate:.2f}x)",
+    )
     if d:
         best = max(d, key=lambda name: results[name, many].rate)
         dr = results[best, many]
-        goal(f"{many} clients: (c) >= 1.5x {best} tokens/s", cr.rate >= 1.5 * dr.rate,
-             f"{cr.rate:.1f} vs {dr.rate:.1f} ({cr.rate / dr.rate:.2f}x)")  # fmt: skip
-        goal(f"{many} clients: (c) TTFT p95 <= {best}'s", percentile(cr.ttft, 0.95) <= percentile(dr.ttft, 0.95),
-             f"{percentile(cr.ttft, 0.95):.2f} s vs {percentile(dr.ttft, 0.95):.2f} s")  # fmt: skip
+        goal(
+            f"{many} clients: (c) >= 1.5x {best} tokens/s",
+            cr.rate >= 1.5 * dr.rate,
+            f"{cr.rate:.1f} vs {dr.rate:.1f} ({cr.rate / dr.rate:.2f}x)",
+        )
+        goal(
+            f"{many} clients: (c) TTFT p95 <= {best}'s",
+            percentile(cr.ttft, 0.95) <= percentile(dr.ttft, 0.95),
+            f"{percentile(cr.ttft, 0.95):.2f} s vs {percentile(dr.ttft, 0.95):.2f} s",
+        )
         mine, theirs = statistics.median(cr.restart_ttft), statistics.median(dr.restart_ttft)
-        goal(f"{many} clients, after the restart: (c) TTFT p50 <= 1/5 of {best}'s", mine <= theirs / 5,
-             f"{mine:.2f} s vs {theirs:.2f} s ({theirs / mine:.1f}x)")  # fmt: skip
+        goal(
+            f"{many} clients, after the restart: (c) TTFT p50 <= 1/5 of {best}'s",
+            mine <= theirs / 5,
+            f"{mine:.2f} s vs {theirs:.2f} s ({theirs / mine:.1f}x)",
+        )
     if 1 in counts:
         one_c, one_b = results[c, 1].rate, results[b, 1].rate
-        goal("1 client: (c) within 5% of (b)", one_c >= 0.95 * one_b, f"{one_c:.1f} vs {one_b:.1f} tok/s "
-             f"({one_c / one_b:.2f}x)")  # fmt: skip
+        goal(
+            "1 client: (c) within 5% of (b)",
+            one_c >= 0.95 * one_b,
+            f"{one_c:.1f} vs {one_b:.1f} tok/s ({one_c / one_b:.2f}x)",
+        )
     return 1 if failed else 0
 
 

@@ -210,14 +210,22 @@ def print_tables(results: list[Result], goals: dict[str, bool]) -> None:
 
     console = Console()
     for result in results:
-        table = Table(title=f"{result.workload}: {result.requests:,} requests, {result.mean_tokens:,.0f} tokens "
-                            "on average: fraction of prompt tokens reused")  # fmt: skip
+        table = Table(
+            title=f"{result.workload}: {result.requests:,} requests, {result.mean_tokens:,.0f} tokens "
+            "on average: fraction of prompt tokens reused"
+        )
         for column in ("budget (tokens)", "plain LRU", "sippcache", "gain", "evictions", "goal"):
             table.add_column(column, justify="right")
         for r in result.rows:
             evictions = f"{r.lru_evictions:,} / {r.sippcache_evictions:,}"
-            table.add_row(f"{r.budget_tokens:,}", f"{r.lru:.4f}", f"{r.sippcache:.4f}", f"{r.gain * 100:+.1f}%",
-                          evictions, "PASS" if r.passed else "FAIL")  # fmt: skip
+            table.add_row(
+                f"{r.budget_tokens:,}",
+                f"{r.lru:.4f}",
+                f"{r.sippcache:.4f}",
+                f"{r.gain * 100:+.1f}%",
+                evictions,
+                "PASS" if r.passed else "FAIL",
+            )
         table.caption = f"unlimited space: {result.unlimited:.4f}; evictions: plain LRU / sippcache"
         console.print(table)
     for goal, ok in goals.items():

@@ -55,6 +55,7 @@ def prompt_tokens(llm, n: int, salt: str = "") -> list[int]:
 
 # -- part 1: runs in child processes --------------------------------------------------
 
+
 def child_prefill(model: str, url: str, n: int) -> dict:
     """One fresh process: load the model, time `prefill`; on a hit also time the bare floor."""
     import llama_cpp
@@ -98,8 +99,11 @@ def child_prefill(model: str, url: str, n: int) -> dict:
 def run_child(model: str, url: str, n: int) -> dict:
     out = subprocess.run(
         [sys.executable, __file__, "--child", model, url, str(n)],
-        capture_output=True, text=True, check=True, timeout=900,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=900,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -111,16 +115,24 @@ def part1(model: str, sizes: tuple[int, ...]) -> list[dict]:
             cold = run_child(model, url, n)
             warm = run_child(model, url, n)
         assert cold["reused"] == 0 and warm["reused"] == n - 1, (cold, warm)
-        rows.append({
-            "tokens": n, "cold_s": cold["seconds"], "warm_s": warm["seconds"],
-            "speedup": cold["seconds"] / warm["seconds"], "floor_s": warm["floor_seconds"],
-            "vs_floor": warm["seconds"] / warm["floor_seconds"], "restore_s": warm["restore_seconds"],
-            "set_data_s": warm["set_data_seconds"], "entry_bytes": warm["entry_bytes"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "tokens": n,
+                "cold_s": cold["seconds"],
+                "warm_s": warm["seconds"],
+                "speedup": cold["seconds"] / warm["seconds"],
+                "floor_s": warm["floor_seconds"],
+                "vs_floor": warm["seconds"] / warm["floor_seconds"],
+                "restore_s": warm["restore_seconds"],
+                "set_data_s": warm["set_data_seconds"],
+                "entry_bytes": warm["entry_bytes"],
+            }
+        )
     return rows
 
 
 # -- part 2: one process ---------------------------------------------------------------
+
 
 def part2(model: str) -> list[dict]:
     import llama_cpp
@@ -151,8 +163,15 @@ def part2(model: str) -> list[dict]:
                 started = time.perf_counter()
                 llm.create_completion(text, max_tokens=1, temperature=0.0)
                 times.append(time.perf_counter() - started)
-            rows.append({"cache": name, "first_s": times[0], "second_s": times[1], "third_s": times[2],
-                         "bytes_per_entry": entry_bytes(cache)})  # fmt: skip
+            rows.append(
+                {
+                    "cache": name,
+                    "first_s": times[0],
+                    "second_s": times[1],
+                    "third_s": times[2],
+                    "bytes_per_entry": entry_bytes(cache),
+                }
+            )
             if isinstance(cache, LlamaCache):
                 cache.close()
             llm.close()
@@ -230,13 +249,20 @@ def print_dropin(rows: list[dict], goals: dict[str, bool]) -> None:
 
     console = Console()
     tokens = rows[0]["prompt_tokens"]
-    table = Table(title=f"plain-Llama drop-in: create_completion(max_tokens=1) on A, B, A ({tokens[0]} / {tokens[1]} "
-                        "tokens), seconds per request")  # fmt: skip
+    table = Table(
+        title=f"plain-Llama drop-in: create_completion(max_tokens=1) on A, B, A ({tokens[0]} / {tokens[1]} "
+        "tokens), seconds per request"
+    )
     for column in ("cache", "1st (A)", "2nd (B)", "3rd (A again)", "bytes/entry"):
         table.add_column(column, justify="right")
     for r in rows:
-        table.add_row(r["cache"], f"{r['first_s']:.2f} s", f"{r['second_s']:.2f} s", f"{r['third_s']:.3f} s",
-                      f"{r['bytes_per_entry'] / 1e6:.1f} MB")  # fmt: skip
+        table.add_row(
+            r["cache"],
+            f"{r['first_s']:.2f} s",
+            f"{r['second_s']:.2f} s",
+            f"{r['third_s']:.3f} s",
+            f"{r['bytes_per_entry'] / 1e6:.1f} MB",
+        )
     console.print(table)
     for goal, ok in goals.items():
         console.print(f"{'PASS' if ok else 'FAIL'}  {goal}")
@@ -312,16 +338,29 @@ def print_tables(prefill_rows: list[dict], hook_rows: list[dict], goals: dict[st
     for column in ("tokens", "cold", "warm", "speedup", "floor", "warm/floor", "set_data", "entry"):
         table.add_column(column, justify="right")
     for r in prefill_rows:
-        table.add_row(str(r["tokens"]), f"{r['cold_s'] * 1000:.0f} ms", f"{r['warm_s'] * 1000:.1f} ms",
-                      f"{r['speedup']:.0f}x", f"{r['floor_s'] * 1000:.1f} ms", f"{r['vs_floor']:.2f}",
-                      f"{r['set_data_s'] * 1000:.2f} ms", f"{r['entry_bytes'] / 1e6:.1f} MB")  # fmt: skip
+        table.add_row(
+            str(r["tokens"]),
+            f"{r['cold_s'] * 1000:.0f} ms",
+            f"{r['warm_s'] * 1000:.1f} ms",
+            f"{r['speedup']:.0f}x",
+            f"{r['floor_s'] * 1000:.1f} ms",
+            f"{r['vs_floor']:.2f}",
+            f"{r['set_data_s'] * 1000:.2f} ms",
+            f"{r['entry_bytes'] / 1e6:.1f} MB",
+        )
     console.print(table)
     table = Table(title="create_completion(max_tokens=1) on A, B, A (~1,300 tokens each)")
     for column in ("cache", "1st (A)", "2nd (B)", "3rd (A again)", "1st-call overhead", "bytes/entry"):
         table.add_column(column, justify="right")
     for r in hook_rows:
-        table.add_row(r["cache"], f"{r['first_s']:.2f} s", f"{r['second_s']:.2f} s", f"{r['third_s']:.3f} s",
-                      f"{r['first_call_overhead_s']:+.2f} s", f"{r['bytes_per_entry'] / 1e6:.1f} MB")  # fmt: skip
+        table.add_row(
+            r["cache"],
+            f"{r['first_s']:.2f} s",
+            f"{r['second_s']:.2f} s",
+            f"{r['third_s']:.3f} s",
+            f"{r['first_call_overhead_s']:+.2f} s",
+            f"{r['bytes_per_entry'] / 1e6:.1f} MB",
+        )
     console.print(table)
     for goal, ok in goals.items():
         console.print(f"{'PASS' if ok else 'FAIL'}  {goal}")

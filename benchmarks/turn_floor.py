@@ -35,9 +35,7 @@ NEW_TOKENS = (30, 60)
 
 
 def measure(context: int, runs: int) -> tuple[list[dict[str, float]], bool]:
-    llm = llama_cpp.Llama(
-        model_path=str(gemma_model_path()), n_ctx=4096, n_threads=1, n_threads_batch=2, verbose=False
-    )
+    llm = llama_cpp.Llama(model_path=str(gemma_model_path()), n_ctx=4096, n_threads=1, n_threads_batch=2, verbose=False)
     rng = np.random.default_rng(1)
     base = [llm.token_bos()] + [int(x) for x in rng.integers(100, 20000, context - 1)]
     llm.eval(base)
@@ -63,8 +61,16 @@ def measure(context: int, runs: int) -> tuple[list[dict[str, float]], bool]:
             decodes.append(decoded - evaluated)
         restore, evaluate, decode = (statistics.median(x) for x in (restores, evals, decodes))
         floor = restore + evaluate + decode
-        rows.append({"new_tokens": k, "restore_s": restore, "eval_s": evaluate, "decode_s": decode,
-                     "floor_s": floor, "ram_cache_ttft_for_10x_s": 10 * floor})  # fmt: skip
+        rows.append(
+            {
+                "new_tokens": k,
+                "restore_s": restore,
+                "eval_s": evaluate,
+                "decode_s": decode,
+                "floor_s": floor,
+                "ram_cache_ttft_for_10x_s": 10 * floor,
+            }
+        )
     return rows, behaved
 
 
@@ -80,9 +86,11 @@ def main() -> int:
     else:
         print(f"{args.context:,}-token context restored from memory, median of {args.runs}:")
         for r in rows:
-            print(f"  {r['new_tokens']} new tokens: restore {r['restore_s'] * 1e3:.1f} ms + eval "
-                  f"{r['eval_s'] * 1e3:.0f} ms + one decode {r['decode_s'] * 1e3:.0f} ms = floor "
-                  f"{r['floor_s'] * 1e3:.0f} ms; 10x needs the ram cache at >= {r['ram_cache_ttft_for_10x_s']:.2f} s")
+            print(
+                f"  {r['new_tokens']} new tokens: restore {r['restore_s'] * 1e3:.1f} ms + eval "
+                f"{r['eval_s'] * 1e3:.0f} ms + one decode {r['decode_s'] * 1e3:.0f} ms = floor "
+                f"{r['floor_s'] * 1e3:.0f} ms; 10x needs the ram cache at >= {r['ram_cache_ttft_for_10x_s']:.2f} s"
+            )
         print(("PASS" if behaved else "FAIL") + "  restores and evaluations held exactly the expected positions")
     return 0 if behaved else 1
 

@@ -115,9 +115,7 @@ class BaseBackend(ABC):
         with self._library_errors_translated():
             return self._store(key, view if view.contiguous else memoryview(view.tobytes()), namespace, options)
 
-    def lookup(
-        self, tokens: Tokens, *, namespace: str = "", partial: bool = False, touch: bool = True
-    ) -> Match | None:
+    def lookup(self, tokens: Tokens, *, namespace: str = "", partial: bool = False, touch: bool = True) -> Match | None:
         """See `CacheBackend.lookup`; an empty query is a miss."""
         key = self._query_key(tokens, namespace)
         if not key:

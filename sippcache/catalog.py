@@ -374,10 +374,18 @@ class Catalog:
     def stats(self, *, backend: str, location: str, budget: Budget, damaged: int = 0, **counters: int) -> Stats:
         """A backend's `Stats` under `budget`: the store's sizes from here, its own counters added."""
         return Stats(
-            backend=backend, location=location, entries=len(self), bytes=self.total, max_bytes=budget.max_bytes,
-            max_entries=budget.max_entries, namespaces=len(self.index.namespaces()), damaged=damaged,
-            pinned=self.pinned_count, pinned_bytes=self.pinned_bytes, **counters,
-        )  # fmt: skip
+            backend=backend,
+            location=location,
+            entries=len(self),
+            bytes=self.total,
+            max_bytes=budget.max_bytes,
+            max_entries=budget.max_entries,
+            namespaces=len(self.index.namespaces()),
+            damaged=damaged,
+            pinned=self.pinned_count,
+            pinned_bytes=self.pinned_bytes,
+            **counters,
+        )
 
     def entries(self, namespace: str | None = None) -> list[EntryInfo]:
         """Every entry (of one namespace, if given) as `EntryInfo`, least recently used first."""
@@ -385,8 +393,20 @@ class Catalog:
         for eid in self.by_use(namespace):
             e = self._entries[eid]
             key = _tokens.decode(self.index.key_of(eid))
-            found.append(EntryInfo(e.namespace, key, e.size, e.created / 1e9, e.used / 1e9, e.priority, e.pinned,
-                                   e.generation, e.value, e.superseded))  # fmt: skip
+            found.append(
+                EntryInfo(
+                    e.namespace,
+                    key,
+                    e.size,
+                    e.created / 1e9,
+                    e.used / 1e9,
+                    e.priority,
+                    e.pinned,
+                    e.generation,
+                    e.value,
+                    e.superseded,
+                )
+            )
         return found
 
     def peek(self, namespace: str, key: bytes, partial: bool) -> Peek | None:
@@ -416,9 +436,16 @@ class Catalog:
             mark = self._entries[superseded]
             changes.append(Mark(superseded, mark.value, mark.pinned, True))
         state = EntryState(
-            namespace, tokens, size, options.priority, options.generation, now, now,
-            clock + options.priority / max(tokens, 1), pinned,
-        )  # fmt: skip
+            namespace,
+            tokens,
+            size,
+            options.priority,
+            options.generation,
+            now,
+            now,
+            clock + options.priority / max(tokens, 1),
+            pinned,
+        )
         changes.append(Put(eid, key, state))
         return StorePlan(state, "", tuple(changes))
 

@@ -102,9 +102,15 @@ class Mirror:
     """
 
     def __init__(
-        self, location: str, *, max_bytes: Limit = UNSET, max_entries: Limit = UNSET, default: Budget,
-        policy: EvictionPolicy = DEFAULT_POLICY, claim: bool = True,
-    ) -> None:  # fmt: skip
+        self,
+        location: str,
+        *,
+        max_bytes: Limit = UNSET,
+        max_entries: Limit = UNSET,
+        default: Budget,
+        policy: EvictionPolicy = DEFAULT_POLICY,
+        claim: bool = True,
+    ) -> None:
         self.location = location
         self.catalog = Catalog(policy)
         self.seq = -1

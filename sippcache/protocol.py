@@ -185,9 +185,7 @@ class CacheBackend(Protocol):
         refused with a warning; a pinned one that does not fit raises `CacheFull`).
         See `StoreOptions` for `priority`, `pinned` and `generation`."""
 
-    def lookup(
-        self, tokens: Tokens, *, namespace: str = "", partial: bool = False, touch: bool = True
-    ) -> Match | None:
+    def lookup(self, tokens: Tokens, *, namespace: str = "", partial: bool = False, touch: bool = True) -> Match | None:
         """The entry with the longest stored prefix of `tokens` (or, with
         `partial`, the longest common prefix); ties go to the most recently used.
         A hit counts as a use for eviction unless `touch` is False (for tools

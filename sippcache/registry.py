@@ -114,9 +114,7 @@ def _load(name: str) -> type:
     except MissingDependency:
         raise
     except Exception as exc:
-        raise BrokenPlugin(
-            f"cache backend {name!r} ({source}) failed to load: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise BrokenPlugin(f"cache backend {name!r} ({source}) failed to load: {type(exc).__name__}: {exc}") from exc
     if not isinstance(cls, type):
         raise BrokenPlugin(f"cache backend {name!r} ({source}) is not a class")
     return cls
@@ -214,8 +212,9 @@ def redact_url(url: str) -> str:
         if any("://" in value or name.lower() in SECRET_OPTIONS for name, value in pairs):
             query = urlencode(
                 [(k, "***" if k.lower() in SECRET_OPTIONS else redact_url(v) if "://" in v else v) for k, v in pairs],
-                safe="/:*@", quote_via=quote,
-            )  # fmt: skip
+                safe="/:*@",
+                quote_via=quote,
+            )
         tail = query + hash_ + fragment
     return head + sep + tail
 

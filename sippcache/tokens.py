@@ -49,8 +49,12 @@ def _from_buffer(view: memoryview) -> bytes:
         return view.tobytes()
     if view.itemsize == 8 and not big_endian:
         raw = view.tobytes()
-        if raw[4::8].translate(None, b"\0") or raw[5::8].translate(None, b"\0") or \
-                raw[6::8].translate(None, b"\0") or raw[7::8].translate(None, b"\0"):  # fmt: skip
+        if (
+            raw[4::8].translate(None, b"\0")
+            or raw[5::8].translate(None, b"\0")
+            or raw[6::8].translate(None, b"\0")
+            or raw[7::8].translate(None, b"\0")
+        ):
             raise _error(array(fmt, raw))
         out = bytearray(len(raw) // 2)
         for k in range(4):

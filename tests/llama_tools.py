@@ -63,7 +63,10 @@ def prefill_in_new_process(model: Path, url: str, tokens: list[int], n_ctx: int 
         out = Path(tmp) / "logits.npy"
         result = subprocess.run(
             [sys.executable, "-c", _PREFILL_SCRIPT, str(model), url, str(out), str(n_ctx)],
-            input=json.dumps(tokens), capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            input=json.dumps(tokens),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         return int(result.stdout.strip().splitlines()[-1]), np.load(out)

@@ -123,8 +123,9 @@ def worker_key(proc: int, thread: int, k: int) -> tuple[str, list[int]]:
 # -- processes -------------------------------------------------------------------------
 
 
-def spawn(role: str, *args: Any, stdout: Any = subprocess.PIPE, stderr: Any = None,
-          stdin: Any = subprocess.DEVNULL) -> subprocess.Popen[bytes]:  # fmt: skip
+def spawn(
+    role: str, *args: Any, stdout: Any = subprocess.PIPE, stderr: Any = None, stdin: Any = subprocess.DEVNULL
+) -> subprocess.Popen[bytes]:
     """Start this file as a new Python process in `role`."""
     return subprocess.Popen(
         [sys.executable, str(HELPER), role, *map(str, args)], stdout=stdout, stderr=stderr, stdin=stdin
@@ -152,9 +153,12 @@ def run_verify(url: str) -> tuple[int, Any, str]:
     """Run ``sippcache verify URL --json``: (exit code, its JSON or None, stderr)."""
     assert SCRIPT.exists(), f"the sippcache console script is not installed at {SCRIPT}"
     result = subprocess.run(
-        [str(SCRIPT), "verify", url, "--json"], capture_output=True, text=True, timeout=DEADLOCK_SECONDS,
+        [str(SCRIPT), "verify", url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=DEADLOCK_SECONDS,
         env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
+    )
     try:
         report = json.loads(result.stdout) if result.stdout.strip() else None
     except ValueError:

@@ -42,9 +42,14 @@ class Server:
     """
 
     def __init__(
-        self, args: Sequence[str], log_path: Path, *, module: str = "sippcache.server",
-        env: dict[str, str] | None = None, preexec_fn: Callable[[], None] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        args: Sequence[str],
+        log_path: Path,
+        *,
+        module: str = "sippcache.server",
+        env: dict[str, str] | None = None,
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -55,9 +60,14 @@ class Server:
         env = {"HOST": "127.0.0.1", "PORT": str(self.port), **(env or {})}
         self._log = open(log_path, "ab")  # noqa: SIM115  # the server's log for its whole life: closed in stop()
         self.process = subprocess.Popen(
-            command, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **env}, preexec_fn=preexec_fn,
-        )  # fmt: skip
+            command,
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **env},
+            preexec_fn=preexec_fn,
+        )
 
     def wait_ready(self, timeout: float = 300) -> Server:
         deadline = time.monotonic() + timeout
@@ -125,8 +135,19 @@ class Server:
 def gemma_args(gemma: Path, cache: str, *extra: str, parallel: int = 1) -> list[str]:
     """A gemma server on `cache`; `parallel` 1 (upstream's code path, one request at a time)
     unless a test is about batching."""
-    return ["--model", str(gemma), "--model_alias", "gemma", "--n_ctx", str(N_CTX), "--cache", cache,
-            "--parallel", str(parallel), *extra]  # fmt: skip
+    return [
+        "--model",
+        str(gemma),
+        "--model_alias",
+        "gemma",
+        "--n_ctx",
+        str(N_CTX),
+        "--cache",
+        cache,
+        "--parallel",
+        str(parallel),
+        *extra,
+    ]
 
 
 def parse_metrics(text: str) -> dict[str, float]:

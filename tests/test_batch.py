@@ -44,8 +44,9 @@ def make_engine(llm: llama_cpp.Llama) -> Iterator[object]:
     chains: list[object] = []
 
     def make(slots: int = 4, chunk: int = 512, store_finished: bool = False, url: str = "ram://") -> BatchEngine:
-        cache = SequenceCache(url, fingerprint=llama_fingerprint(llm), n_swa=0, n_vocab=llm.n_vocab(),
-                              options=CacheOptions(scope="test"))
+        cache = SequenceCache(
+            url, fingerprint=llama_fingerprint(llm), n_swa=0, n_vocab=llm.n_vocab(), options=CacheOptions(scope="test")
+        )
         engine = BatchEngine(llm, cache, slots=slots, n_ctx=slots * 1024, chunk=chunk, store_finished=store_finished)
         made.append((engine, cache))
         return engine

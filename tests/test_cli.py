@@ -195,9 +195,12 @@ def test_progress_descriptions_show_file_names_literally() -> None:
         """
     )
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, "FORCE_COLOR": "1", "COLUMNS": "200"},
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr
     assert "Prefilling [/]team[red]x.txt" in result.stderr
 
@@ -215,9 +218,12 @@ def test_stats_json(url: str) -> None:
     by_name = {row["namespace"]: row for row in info["namespaces"]}
     assert set(by_name) == {PLAIN_NS, LLAMA_NS}
     assert by_name[PLAIN_NS] == {
-        "namespace": PLAIN_NS, "model": None, "scope": None, "entries": 2,
+        "namespace": PLAIN_NS,
+        "model": None,
+        "scope": None,
+        "entries": 2,
         "bytes": sum(size for ns, _, size in stored if ns == PLAIN_NS),
-    }  # fmt: skip
+    }
     assert by_name[LLAMA_NS]["model"] == MODEL and by_name[LLAMA_NS]["scope"] == "chat"
     assert by_name[LLAMA_NS]["entries"] == 3
 
@@ -434,8 +440,11 @@ def test_prune_max_bytes_deletes_in_the_stores_eviction_order(url: str) -> None:
     limit = total - sum(size for _, _, size in superseded)
     result = run_json("prune", url, "--max-bytes", str(limit))
     assert result == {
-        "deleted": 2, "bytes": total - limit, "remaining_entries": len(stored) - 2, "remaining_bytes": limit,
-    }  # fmt: skip
+        "deleted": 2,
+        "bytes": total - limit,
+        "remaining_entries": len(stored) - 2,
+        "remaining_bytes": limit,
+    }
     assert sizes(url) == [row for row in stored if row not in superseded]
     assert run_json("prune", url, "--max-bytes", str(limit - stored[1][2]))["deleted"] == 1
     assert sizes(url) == [stored[2], stored[4]]

@@ -18,8 +18,9 @@ SCRIPT = Path(sys.executable).with_name("sippcache")
 
 
 def run(*args: str, env: dict[str, str] | None = None, timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})  # fmt: skip
+    return subprocess.run(
+        [str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
 
 
 def test_demo_twice_second_run_is_served_by_the_first(tmp_path: Path, gemma_model: Path) -> None:
@@ -48,8 +49,14 @@ def test_demo_table(tmp_path: Path, gemma_model: Path) -> None:
     result = run("demo", "--cache", url, env={"COLUMNS": "200"})  # wide: the URL on one line
     assert result.returncode == 0, result.stderr[-2000:]
     assert url in result.stdout
-    for label in ("cold time to first token", "warm time to first token", "speedup", "tokens reused",
-                  "cache entry", "served by an earlier process"):  # fmt: skip
+    for label in (
+        "cold time to first token",
+        "warm time to first token",
+        "speedup",
+        "tokens reused",
+        "cache entry",
+        "served by an earlier process",
+    ):
         assert label in result.stdout
 
 
@@ -62,8 +69,11 @@ def test_warm_prefills_prompt_files(tmp_path: Path, gemma_model: Path) -> None:
     report = json.loads(result.stdout)
     assert report["prompts"][0]["reused"] == 0 and report["prompts"][0]["tokens"] > 300
     assert report["namespace"].endswith("/office")
-    again = json.loads(run("warm", "--model", str(gemma_model), "--prompt-file", str(prompt), "--scope", "office",
-                           url, "--json").stdout)  # fmt: skip
+    again = json.loads(
+        run(
+            "warm", "--model", str(gemma_model), "--prompt-file", str(prompt), "--scope", "office", url, "--json"
+        ).stdout
+    )
     assert again["prompts"][0]["reused"] == report["prompts"][0]["tokens"]  # the whole prompt, with its logits
 
 
@@ -95,4 +105,3 @@ def test_warm_bad_input(tmp_path: Path) -> None:
     model.write_bytes(b"garbage")
     result = run("warm", "--model", str(model), "--prompt-file", str(prompt), f"lmdb://{tmp_path}/cache")
     assert result.returncode != 0 and "Traceback" not in result.stderr
-

@@ -61,8 +61,10 @@ def test_a_failed_assembly_leaves_no_partial_file(tmp_path: Path) -> None:
     )
     result = subprocess.run(
         [sys.executable, "-c", limit + _ASSEMBLE + "gemma_model_path(Path(sys.argv[1]))", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1 and "File too large" in result.stderr, result.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []
 
@@ -93,8 +95,11 @@ def test_ctrl_c_during_assembly_leaves_no_partial_file(tmp_path: Path) -> None:
     with the chunk source held after its first block until the signal comes."""
     child = subprocess.Popen(
         [sys.executable, "-c", _PAUSED_ASSEMBLY, str(tmp_path)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdout is not None and child.stderr is not None and child.stdin is not None
     try:
         ready = child.stdout.readline()  # "" if the child failed before its first write

@@ -31,8 +31,10 @@ def _write_old_store(path: Path, entries: list[tuple[list[int], bytes, int]]) ->
 
 def test_old_layout_loads_with_defaults_and_keeps_its_order(tmp_path: Path) -> None:
     now = time.time_ns()
-    _write_old_store(tmp_path / "store", [([1, 2, 3], b"a" * 1000, now - 3), ([4, 5], b"b" * 1000, now - 2),
-                                          ([6], b"c" * 1000, now - 1)])  # fmt: skip
+    _write_old_store(
+        tmp_path / "store",
+        [([1, 2, 3], b"a" * 1000, now - 3), ([4, 5], b"b" * 1000, now - 2), ([6], b"c" * 1000, now - 1)],
+    )
     with sippcache.open(f"lmdb://{tmp_path}/store?max_bytes=3100") as cache:
         assert len(cache) == 3
         with cache.lookup([1, 2, 3, 9], namespace="old") as match:

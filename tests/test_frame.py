@@ -74,14 +74,38 @@ def _reframe(header: object) -> bytes:
         [1, 2, 3],
         {"tokens": "not bytes"},
         {**msgpack.unpackb(msgpack.packb({}))},
-        {"tokens": b"\x01\x00\x00", "fingerprint": "", "kind": "", "versions": {}, "created": 0.0,
-         "sizes": [], "checksum": xxhash.xxh3_64_intdigest(b""), "meta": {}},
-        {"tokens": b"", "fingerprint": "", "kind": "", "versions": {}, "created": 0.0,
-         "sizes": [-1], "checksum": 0, "meta": {}},
-        {"tokens": b"", "fingerprint": "", "kind": "", "versions": {"a": 1}, "created": 0.0,
-         "sizes": [], "checksum": xxhash.xxh3_64_intdigest(b""), "meta": {}},
+        {
+            "tokens": b"\x01\x00\x00",
+            "fingerprint": "",
+            "kind": "",
+            "versions": {},
+            "created": 0.0,
+            "sizes": [],
+            "checksum": xxhash.xxh3_64_intdigest(b""),
+            "meta": {},
+        },
+        {
+            "tokens": b"",
+            "fingerprint": "",
+            "kind": "",
+            "versions": {},
+            "created": 0.0,
+            "sizes": [-1],
+            "checksum": 0,
+            "meta": {},
+        },
+        {
+            "tokens": b"",
+            "fingerprint": "",
+            "kind": "",
+            "versions": {"a": 1},
+            "created": 0.0,
+            "sizes": [],
+            "checksum": xxhash.xxh3_64_intdigest(b""),
+            "meta": {},
+        },
     ],
-)  # fmt: skip
+)
 def test_well_hashed_but_invalid_headers_are_corrupt(header) -> None:
     """A header with a valid hash but wrong fields (a crafted file) is still refused."""
     with pytest.raises(CorruptEntry):
@@ -115,8 +139,13 @@ def test_encode_decode_round_trip(tokens, sections) -> None:
 
 def _same(a: frame.Frame, b: frame.Frame) -> bool:
     return (a.tokens, a.fingerprint, a.kind, dict(a.versions), a.created, dict(a.meta)) == (
-        b.tokens, b.fingerprint, b.kind, dict(b.versions), b.created, dict(b.meta)
-    ) and [bytes(s) for s in a.sections] == [bytes(s) for s in b.sections]  # fmt: skip
+        b.tokens,
+        b.fingerprint,
+        b.kind,
+        dict(b.versions),
+        b.created,
+        dict(b.meta),
+    ) and [bytes(s) for s in a.sections] == [bytes(s) for s in b.sections]
 
 
 @settings(max_examples=2000, deadline=None)
@@ -218,8 +247,9 @@ def test_a_planted_entry_with_valid_checksums_is_refused_with_a_secret() -> None
 @settings(max_examples=300, deadline=None)
 @given(position=st.integers(min_value=0), mask=st.integers(min_value=1, max_value=255))
 def test_any_flipped_byte_of_an_authenticated_frame_is_refused(position: int, mask: int) -> None:
-    data = bytearray(frame.encode([5, 6, 7], [b"state" * 20, b"logits" * 4], roles=["state", "logits"],
-                                  secret="k", **FIELDS))  # fmt: skip
+    data = bytearray(
+        frame.encode([5, 6, 7], [b"state" * 20, b"logits" * 4], roles=["state", "logits"], secret="k", **FIELDS)
+    )
     data[position % len(data)] ^= mask
     with pytest.raises(CorruptEntry):
         frame.decode(bytes(data), secret="k")

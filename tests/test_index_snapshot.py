@@ -70,8 +70,10 @@ def build(path: Path, entries: int = ENTRIES, scheme: str = "lmdb") -> None:
 
 def contents(cache: Any) -> list[tuple[Any, ...]]:
     """Everything a store says about its entries, in its recency order."""
-    return [(e.namespace, e.key, e.size, e.created, e.last_used, e.priority, e.pinned, e.generation)
-            for e in cache.entries()]  # fmt: skip
+    return [
+        (e.namespace, e.key, e.size, e.created, e.last_used, e.priority, e.pinned, e.generation)
+        for e in cache.entries()
+    ]
 
 
 def lmdb_records(path: Path) -> dict[bytes, bytes]:
@@ -177,7 +179,9 @@ def test_a_read_only_handle_loads_the_snapshot_and_never_writes_one(tmp_path: Pa
 def test_reopen_after_another_process_stored_and_deleted(tmp_path: Path) -> None:
     store = tmp_path / "store"
     build(store)
-    in_another_process(store, f"""
+    in_another_process(
+        store,
+        f"""
         for i in range({ENTRIES}, {ENTRIES} + 30):
             cache.store(key(i), b"late %d" % i, namespace=namespace(i))
         for i in range(0, 60, 2):
@@ -185,7 +189,8 @@ def test_reopen_after_another_process_stored_and_deleted(tmp_path: Path) -> None
         cache.store(key(1), b"replaced", namespace=namespace(1))
         cache.pin(key(3), namespace=namespace(3))
         cache.close()
-    """)  # fmt: skip
+    """,
+    )
     records = lmdb_records(store)
     assert records[b"S"] > records[KEY_INDEX_SNAPSHOT_SEQ], "the other process must not have rewritten the snapshot"
     cache = opened_from_snapshot(store)
@@ -211,11 +216,14 @@ def test_another_process_writing_while_this_one_has_the_store_open(tmp_path: Pat
     build(store)
     cache = opened_from_snapshot(store)
     try:
-        in_another_process(store, """
+        in_another_process(
+            store,
+            """
             assert cache.delete(key(5), namespace=namespace(5))
             cache.store([1, 2, 3], b"new", namespace="c")
             cache.close()
-        """)  # fmt: skip
+        """,
+        )
         match = cache.lookup(key(5), namespace=namespace(5))
         assert match is None or len(match.key) < len(key(5))
         with cache.lookup([1, 2, 3, 4], namespace="c") as match:
@@ -230,13 +238,16 @@ def test_snapshot_older_than_the_trimmed_log_is_not_used(tmp_path: Path) -> None
     store = tmp_path / "store"
     build(store)
     snapshot_at = int.from_bytes(lmdb_records(store)[KEY_INDEX_SNAPSHOT_SEQ], "little")
-    in_another_process(store, f"""
+    in_another_process(
+        store,
+        f"""
         import os
         for n in range({2 * LOG_KEEP + 10}):
             cache.pin(key(7), namespace=namespace(7)) if n % 2 else cache.unpin(key(7), namespace=namespace(7))
         cache.delete(key(8), namespace=namespace(8))
         os._exit(0)  # a writer that never closes (a server, a crash): it saves no snapshot
-    """)  # fmt: skip
+    """,
+    )
     records = lmdb_records(store)
     assert int.from_bytes(records[b"T"], "little") > snapshot_at
     assert int.from_bytes(records[KEY_INDEX_SNAPSHOT_SEQ], "little") == snapshot_at
@@ -290,11 +301,14 @@ def test_damaged_snapshot_falls_back_to_reading_every_entry(
 def test_a_missing_log_record_after_the_snapshot_means_reading_every_entry(tmp_path: Path) -> None:
     store = tmp_path / "store"
     build(store)
-    in_another_process(store, f"""
+    in_another_process(
+        store,
+        f"""
         for i in range({ENTRIES}, {ENTRIES} + 5):
             cache.store(key(i), b"late", namespace=namespace(i))
         cache.close()
-    """)  # fmt: skip
+    """,
+    )
     records = lmdb_records(store)
     after_snapshot = int.from_bytes(records[KEY_INDEX_SNAPSHOT_SEQ], "little") + 2
     edit_lmdb(store, delete=(log_key(after_snapshot),))
@@ -393,8 +407,18 @@ def _random_catalog(seed: int) -> Catalog:
         tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
         raw = b"".join(t.to_bytes(4, "little") for t in tokens)
         ns = rng.choice(["", "x"])
-        state = EntryState(ns, len(tokens), 10 + len(raw), 1.0, n, n, rng.randrange(10**6), rng.random(),
-                           rng.random() < 0.1, rng.random() < 0.2)  # fmt: skip
+        state = EntryState(
+            ns,
+            len(tokens),
+            10 + len(raw),
+            1.0,
+            n,
+            n,
+            rng.randrange(10**6),
+            rng.random(),
+            rng.random() < 0.1,
+            rng.random() < 0.2,
+        )
         catalog.apply(Put(ns.encode() + raw, raw, state))
     catalog.clock = 1.5
     return catalog
@@ -407,8 +431,11 @@ def test_catalog_snapshot_round_trip_answers_the_same(seed: int) -> None:
     assert loaded is not None
     copy, position = loaded
     assert position == 42 and copy.clock == catalog.clock and len(copy) == len(catalog)
-    assert (copy.total, copy.pinned_bytes, copy.pinned_count) == (catalog.total, catalog.pinned_bytes,
-                                                                 catalog.pinned_count)  # fmt: skip
+    assert (copy.total, copy.pinned_bytes, copy.pinned_count) == (
+        catalog.total,
+        catalog.pinned_bytes,
+        catalog.pinned_count,
+    )
     for eid in catalog.ids():
         assert copy.get(eid) == catalog.get(eid)
         assert copy.index.key_of(eid) == catalog.index.key_of(eid)

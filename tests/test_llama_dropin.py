@@ -47,15 +47,20 @@ def complete(llm: Any, text: str, **kwargs: Any) -> dict[str, Any]:
     kwargs.setdefault("max_tokens", 6)
     out = llm.create_completion(text, temperature=0.0, **kwargs)
     return {
-        "choice": out["choices"][0], "evaluated": llama_cpp.llama_perf_context(llm.ctx).n_p_eval,
-        "logits": last_logits(llm), "held": [int(t) for t in llm.input_ids[: llm.n_tokens]],
-    }  # fmt: skip
+        "choice": out["choices"][0],
+        "evaluated": llama_cpp.llama_perf_context(llm.ctx).n_p_eval,
+        "logits": last_logits(llm),
+        "held": [int(t) for t in llm.input_ids[: llm.n_tokens]],
+    }
 
 
 def cold(make_llama, model: Path, text: str, **kwargs: Any) -> dict[str, Any]:
     """The never-cached run: a new model, no cache."""
-    return complete(make_llama(model, **{k: v for k, v in kwargs.items() if k == "logits_all"}), text,
-                    **{k: v for k, v in kwargs.items() if k != "logits_all"})  # fmt: skip
+    return complete(
+        make_llama(model, **{k: v for k, v in kwargs.items() if k == "logits_all"}),
+        text,
+        **{k: v for k, v in kwargs.items() if k != "logits_all"},
+    )
 
 
 def test_plain_llama_with_an_unbound_llama_cache(make_llama, tiny_model, url) -> None:
@@ -150,9 +155,12 @@ _PROCESS_SCRIPT = textwrap.dedent(
 def test_unbound_llama_cache_persists_across_processes(make_llama, tiny_model, url) -> None:
     def run() -> tuple[dict[str, Any], list[str]]:
         done = subprocess.run(
-            [sys.executable, "-c", _PROCESS_SCRIPT, str(tiny_model), url], input=A, capture_output=True, text=True,
+            [sys.executable, "-c", _PROCESS_SCRIPT, str(tiny_model), url],
+            input=A,
+            capture_output=True,
+            text=True,
             timeout=300,
-        )  # fmt: skip
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         said = [line for line in done.stderr.splitlines() if line.startswith("Llama._create_completion: cache")]
         return json.loads(done.stdout.strip().splitlines()[-1]), said

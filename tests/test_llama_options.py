@@ -25,7 +25,10 @@ from sippcache.llama.seqcache import Restored, SequenceCache, check_prompt, chec
 def test_defaults() -> None:
     options = CacheOptions()
     assert (options.scope, options.min_tokens, options.checkpoint_interval, options.max_pending_writes) == (
-        "default", 16, 2048, 4
+        "default",
+        16,
+        2048,
+        4,
     )
     assert options.secret is None
     assert FIELDS == ("scope", "min_tokens", "checkpoint_interval", "max_pending_writes", "secret")
@@ -93,8 +96,7 @@ def test_prefix_cache_takes_options_or_keywords(make_llama, tiny_model: Path) ->
         assert (pc.scope, pc.min_tokens, pc.checkpoint_interval) == ("tenant-a", 8, 64)
         assert pc.namespace.endswith("/tenant-a")
         assert pc._states._writer._max_pending == 2
-    with PrefixCache(llm, "ram://", scope="tenant-a", min_tokens=8, checkpoint_interval=64,
-                     max_pending_writes=2) as pc:  # fmt: skip
+    with PrefixCache(llm, "ram://", scope="tenant-a", min_tokens=8, checkpoint_interval=64, max_pending_writes=2) as pc:
         assert pc.options == options
     with pytest.raises(TypeError, match="not both"):
         PrefixCache(llm, "ram://", options=options, scope="tenant-b")
@@ -132,8 +134,9 @@ def test_session_pool_takes_options_and_passes_other_keywords_to_llama(tiny_mode
         assert pool.options is options and pool._states.options is options
         assert pool.namespace.endswith("/pool") and pool._states._writer._max_pending == 2
     # The fields as keywords build the options; any other keyword is a llama option.
-    with SessionPool(tiny_model, "ram://", slots=1, scope="pool", min_tokens=8, max_pending_writes=2,
-                     n_threads=1) as pool:  # fmt: skip
+    with SessionPool(
+        tiny_model, "ram://", slots=1, scope="pool", min_tokens=8, max_pending_writes=2, n_threads=1
+    ) as pool:
         assert pool.options == options
         assert pool.llm.n_threads == 1
     with pytest.raises(TypeError, match="not both"):

@@ -125,8 +125,9 @@ def test_other_weights_never_hit(make_llama, tiny_model, tiny_model_other_weight
         assert pc.prefill(tokens) == 0
 
 
-@pytest.mark.parametrize("change", [dict(type_k=llama_cpp.GGML_TYPE_F32), dict(type_v=llama_cpp.GGML_TYPE_F32),
-                                    dict(flash_attn=True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "change", [dict(type_k=llama_cpp.GGML_TYPE_F32), dict(type_v=llama_cpp.GGML_TYPE_F32), dict(flash_attn=True)]
+)
 def test_other_cache_settings_never_hit(make_llama, tiny_model, url, change) -> None:
     tokens = prompt(300)
     with PrefixCache(make_llama(tiny_model), url) as pc:

@@ -231,7 +231,12 @@ def test_the_default_map_is_large_and_smaller_where_the_address_space_is_limited
         assert cache.store([1], b"fits")
         assert _map_size(cache) == 64 * 1024**3
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", LIMITED, f"lmdb://{tmp_path}/other?max_bytes=256MiB"],
-                          capture_output=True, text=True, env=env, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", LIMITED, f"lmdb://{tmp_path}/other?max_bytes=256MiB"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) == 2 * 256 * 1024**2 + 256 * 1024**2

@@ -28,10 +28,21 @@ def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         source = tmp_path_factory.mktemp("src") / name
         shutil.copytree(PLUGINS / name, source)
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-             "--no-index", "--target", str(site), str(source)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--no-build-isolation",
+                "--no-index",
+                "--target",
+                str(site),
+                str(source),
+            ],
             check=True,
-        )  # fmt: skip
+        )
     assert list(site.glob("sippcache_sqlite_toy-1.0.dist-info/entry_points.txt"))
     return site
 
@@ -106,10 +117,23 @@ def test_run_time_registration_cannot_take_an_installed_plugins_name(with_plugin
 def test_conformance_suite_passes_on_the_plugin(plugin_site: Path, tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(plugin_site), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-         str(PLUGINS / "sqlite_toy" / "test_conformance.py")],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            str(PLUGINS / "sqlite_toy" / "test_conformance.py"),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     summary = result.stdout.strip().splitlines()[-1]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
@@ -125,8 +149,9 @@ def test_the_route_2_example_in_the_docs_passes_the_conformance_suite(tmp_path: 
     source = tmp_path / "src"
     source.mkdir()
     (source / "sippcache_dict_doc.py").write_text(code)
-    (source / "pyproject.toml").write_text(textwrap.dedent(
-        """
+    (source / "pyproject.toml").write_text(
+        textwrap.dedent(
+            """
         [build-system]
         requires = ["setuptools>=61"]
         build-backend = "setuptools.build_meta"
@@ -139,9 +164,11 @@ def test_the_route_2_example_in_the_docs_passes_the_conformance_suite(tmp_path: 
         [tool.setuptools]
         py-modules = ["sippcache_dict_doc"]
         """
-    ))  # fmt: skip
-    (source / "test_conformance.py").write_text(textwrap.dedent(
-        """
+        )
+    )
+    (source / "test_conformance.py").write_text(
+        textwrap.dedent(
+            """
         import pytest
         from sippcache.testing import BackendTests
 
@@ -150,19 +177,44 @@ def test_the_route_2_example_in_the_docs_passes_the_conformance_suite(tmp_path: 
             def cache_url(self):
                 return "dictdoc://"
         """
-    ))  # fmt: skip
+        )
+    )
     site = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
-         "--target", str(site), str(source)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(site),
+            str(source),
+        ],
         check=True,
-    )  # fmt: skip
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(source),
-         str(source / "test_conformance.py")],
-        env=env, cwd=source, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(source),
+            str(source / "test_conformance.py"),
+        ],
+        env=env,
+        cwd=source,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     summary = result.stdout.strip().splitlines()[-1]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary

@@ -84,7 +84,10 @@ def test_batched_sessions_match_each_alone_on_gemma_within_tolerance(gemma_model
     vocab = llama_cpp.Llama(model_path=str(gemma_model), n_ctx=64, vocab_only=True, verbose=False)
     system = vocab.tokenize(("You are the harbour master's assistant. Answer briefly. " * 20).encode())
     questions = [
-        "Which ship came in first?", "What did the Eider carry?", "Who piloted the ferry?", "When is high tide?"
+        "Which ship came in first?",
+        "What did the Eider carry?",
+        "Who piloted the ferry?",
+        "When is high tide?",
     ]
     prompts = {f"q{i}": system + vocab.tokenize(f" {q}".encode(), add_bos=False) for i, q in enumerate(questions)}
     with SessionPool(gemma_model, "ram://", slots=4, n_ctx=4096) as pool:
@@ -98,7 +101,7 @@ def test_batched_sessions_match_each_alone_on_gemma_within_tolerance(gemma_model
             assert float(np.max(np.abs(mine - theirs))) <= GEMMA_TOLERANCE, (session, step)
             top2 = np.sort(row)[-2:]
             compared += 1
-            if got.tokens[step:step + 1] != expected[step:step + 1]:
+            if got.tokens[step : step + 1] != expected[step : step + 1]:
                 flips += 1
                 assert top2[1] - top2[0] <= 2 * GEMMA_TOLERANCE, (session, step)  # only a near-tie flips
                 break  # the two runs now continue from different tokens
@@ -183,8 +186,14 @@ _CHILD = textwrap.dedent(
 
 def run_in_new_process(model: Path, url: str, prompts: dict[str, list[int]]) -> dict[str, Any]:
     root = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, "-c", _CHILD, str(model), url], input=json.dumps(prompts), cwd=root,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(model), url],
+        input=json.dumps(prompts),
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -280,9 +289,15 @@ def test_seeded_sampling_does_not_depend_on_the_other_sessions(tiny_model: Path,
 
 def test_bad_input(tiny_model: Path) -> None:
     with SessionPool(tiny_model, "ram://", slots=2, n_ctx=512) as pool:
-        for bad, error in (({}, TypeError), ([[1, 2]], TypeError), ({"a": []}, ValueError),
-                           ({"a": [1], "b": [1], "c": [1]}, ValueError), ({"a": [1, 99999]}, ValueError),
-                           ({"a": [1, -1]}, ValueError), ({"a": [1] * 600}, ValueError)):  # fmt: skip
+        for bad, error in (
+            ({}, TypeError),
+            ([[1, 2]], TypeError),
+            ({"a": []}, ValueError),
+            ({"a": [1], "b": [1], "c": [1]}, ValueError),
+            ({"a": [1, 99999]}, ValueError),
+            ({"a": [1, -1]}, ValueError),
+            ({"a": [1] * 600}, ValueError),
+        ):
             with pytest.raises(error):
                 pool.generate(bad, max_tokens=4)
         with pytest.raises(ValueError, match="max_tokens"):

@@ -24,12 +24,14 @@ SQLITE_TOY = Path(__file__).parent / "plugins" / "sqlite_toy"
     [
         ("ram://", ("ram", "", {})),
         ("ram://?max_bytes=2GiB", ("ram", "", {"max_bytes": "2GiB"})),
-        ("lmdb:///var/cache/sipp?max_bytes=20GiB&sync=false",
-         ("lmdb", "/var/cache/sipp", {"max_bytes": "20GiB", "sync": "false"})),
+        (
+            "lmdb:///var/cache/sipp?max_bytes=20GiB&sync=false",
+            ("lmdb", "/var/cache/sipp", {"max_bytes": "20GiB", "sync": "false"}),
+        ),
         ("diskcache://relative/dir", ("diskcache", "relative/dir", {})),
         ("LMDB:///with%20space", ("lmdb", "/with space", {})),
     ],
-)  # fmt: skip
+)
 def test_parse_url(url: str, expected: tuple[str, str, dict[str, str]]) -> None:
     assert parse_url(url) == expected
 
@@ -42,12 +44,21 @@ def test_not_a_url(url: str) -> None:
 
 @pytest.mark.parametrize(
     "url, message",
-    [("ram://?max_bytes=1GiB&max_bytes=2GiB", "twice"), ("ram://?max_bytes", "max_bytes"),
-     ("ram://#frag", "fragment"), ("ram://?max_bytes=-1", "max_bytes"), ("ram://?max_entries=many", "whole number"),
-     ("lmdb:///tmp/x?sync=maybe", "true/false"), ("ram://?colour=red", "no option 'colour'"),
-     ("ram://?max_bytes=0", "max_bytes must be positive"), ("ram://?max_entries=0", "max_entries"),
-     ("ram:///some/path", "takes no path"), ("lmdb://", "needs a directory"), ("diskcache://", "needs a directory")],
-)  # fmt: skip
+    [
+        ("ram://?max_bytes=1GiB&max_bytes=2GiB", "twice"),
+        ("ram://?max_bytes", "max_bytes"),
+        ("ram://#frag", "fragment"),
+        ("ram://?max_bytes=-1", "max_bytes"),
+        ("ram://?max_entries=many", "whole number"),
+        ("lmdb:///tmp/x?sync=maybe", "true/false"),
+        ("ram://?colour=red", "no option 'colour'"),
+        ("ram://?max_bytes=0", "max_bytes must be positive"),
+        ("ram://?max_entries=0", "max_entries"),
+        ("ram:///some/path", "takes no path"),
+        ("lmdb://", "needs a directory"),
+        ("diskcache://", "needs a directory"),
+    ],
+)
 def test_bad_options(url: str, message: str) -> None:
     with pytest.raises(BadOption, match=message):
         sippcache.open(url)
@@ -60,9 +71,15 @@ def test_unknown_scheme_lists_known_backends() -> None:
 
 @pytest.mark.parametrize(
     "text, value",
-    [("1048576", 1048576), ("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("1.5GB", 1_500_000_000),
-     ("10k", 10_000), (" 3 KiB ", 3072)],
-)  # fmt: skip
+    [
+        ("1048576", 1048576),
+        ("512MiB", 512 * 2**20),
+        ("2GiB", 2 * 2**30),
+        ("1.5GB", 1_500_000_000),
+        ("10k", 10_000),
+        (" 3 KiB ", 3072),
+    ],
+)
 def test_sizes(text: str, value: int) -> None:
     assert Size.parse(text) == value
 
@@ -125,7 +142,6 @@ def test_builtins_are_listed_as_usable() -> None:
         assert info[name].usable and info[name].origin == "built-in"
 
 
-
 # -- backends registered at run time -----------------------------------------------------
 
 
@@ -154,20 +170,22 @@ def test_a_registered_class_opens_by_url_and_is_listed(registry_restored: None) 
 
 @pytest.mark.parametrize(
     "name, target, message",
-    [("Memo", "sippcache.backends.ram:RAMBackend", "lowercase URL scheme"),
-     ("my_store", "sippcache.backends.ram:RAMBackend", "lowercase URL scheme"),
-     ("", "sippcache.backends.ram:RAMBackend", "lowercase URL scheme"),
-     ("9lives", "sippcache.backends.ram:RAMBackend", "lowercase URL scheme"),
-     (None, "sippcache.backends.ram:RAMBackend", "lowercase URL scheme"),
-     ("memo", "sippcache.backends.ram.RAMBackend", "package.module:Class"),
-     ("memo", "sippcache.backends.ram:", "package.module:Class"),
-     ("memo", ":RAMBackend", "package.module:Class"),
-     ("memo", "sippcache.backends.ram:RAM:Backend", "package.module:Class"),
-     ("memo", "sippcache-backends.ram:RAMBackend", "package.module:Class"),
-     ("memo", RAMBackend, "package.module:Class"),
-     ("lmdb", "sippcache.backends.ram:RAMBackend", "taken by a built-in"),
-     ("tiered", "sippcache.backends.ram:RAMBackend", "taken by a built-in")],
-)  # fmt: skip
+    [
+        ("Memo", "sippcache.backends.ram:RAMBackend", "lowercase URL scheme"),
+        ("my_store", "sippcache.backends.ram:RAMBackend", "lowercase URL scheme"),
+        ("", "sippcache.backends.ram:RAMBackend", "lowercase URL scheme"),
+        ("9lives", "sippcache.backends.ram:RAMBackend", "lowercase URL scheme"),
+        (None, "sippcache.backends.ram:RAMBackend", "lowercase URL scheme"),
+        ("memo", "sippcache.backends.ram.RAMBackend", "package.module:Class"),
+        ("memo", "sippcache.backends.ram:", "package.module:Class"),
+        ("memo", ":RAMBackend", "package.module:Class"),
+        ("memo", "sippcache.backends.ram:RAM:Backend", "package.module:Class"),
+        ("memo", "sippcache-backends.ram:RAMBackend", "package.module:Class"),
+        ("memo", RAMBackend, "package.module:Class"),
+        ("lmdb", "sippcache.backends.ram:RAMBackend", "taken by a built-in"),
+        ("tiered", "sippcache.backends.ram:RAMBackend", "taken by a built-in"),
+    ],
+)
 def test_register_backend_refuses_bad_names_targets_and_built_in_names(
     registry_restored: None, name: Any, target: Any, message: str
 ) -> None:

@@ -65,8 +65,9 @@ def run_workers(url: str, tmp_path: Path, bounded: bool, seed: int, round_: int)
         err = tmp_path / f"worker-{proc}.stderr"
         with open(err, "wb") as stderr, open(tmp_path / f"worker-{proc}.stdout", "wb") as stdout:
             procs.append(
-                spawn("concurrency-worker", url, proc, seed, OPS, THREADS, int(bounded), out,
-                      stdout=stdout, stderr=stderr)
+                spawn(
+                    "concurrency-worker", url, proc, seed, OPS, THREADS, int(bounded), out, stdout=stdout, stderr=stderr
+                )
             )
         outs.append(out)
         errs.append(err)

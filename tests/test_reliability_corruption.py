@@ -145,9 +145,12 @@ def probe(url: str) -> dict[str, object]:
 def verify(url: str, *flags: str) -> subprocess.CompletedProcess[str]:
     assert SCRIPT.exists(), f"the sippcache console script is not installed at {SCRIPT}"
     result = subprocess.run(
-        [str(SCRIPT), "verify", url, "--json", *flags], capture_output=True, text=True, timeout=300,
+        [str(SCRIPT), "verify", url, "--json", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
+    )
     assert result.returncode >= 0, (
         f"sippcache verify was killed by {signal.Signals(-result.returncode).name}:\n{result.stderr[-3000:]}"
     )
@@ -232,7 +235,7 @@ def _cut_lmdb_entry(store: Path, entry: tuple) -> None:
     env = lmdb.open(str(store), subdir=True, max_dbs=0, map_size=2**30)
     try:
         with env.begin(write=True) as txn:
-            (key, value), = [(bytes(k), bytes(v)) for k, v in txn.cursor() if bytes(v) == blob_of(entry)]
+            ((key, value),) = [(bytes(k), bytes(v)) for k, v in txn.cursor() if bytes(v) == blob_of(entry)]
             txn.put(key, value[: len(value) // 2])
     finally:
         env.close()
@@ -430,7 +433,8 @@ HARMLESS: dict[str, tuple[str, Callable[[Path], object]]] = {
     "lmdb lock.mdb cut to 100 bytes": ("lmdb", lambda d: _cut(d / "lock.mdb", lambda n: 100)),
     "lmdb lock.mdb removed": ("lmdb", lambda d: (d / "lock.mdb").unlink()),
     "diskcache garbage -wal and -shm": (
-        "diskcache", lambda d: (garbage(d / "cache.db-wal", 50_000), garbage(d / "cache.db-shm", 32_768)),
+        "diskcache",
+        lambda d: (garbage(d / "cache.db-wal", 50_000), garbage(d / "cache.db-shm", 32_768)),
     ),
 }
 
@@ -477,7 +481,7 @@ def _damage_llama_entry(store: Path, backend: str, where: str) -> None:
 @pytest.mark.parametrize("where", ["payload", "header"])
 def test_prefix_cache_never_restores_a_damaged_entry(
     make_llama, tiny_model, backend, where, store_dir, monkeypatch
-) -> None:  # fmt: skip
+) -> None:
     import llama_cpp
 
     from sippcache.llama import PrefixCache

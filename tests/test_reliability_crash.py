@@ -140,12 +140,15 @@ def check_store(
     listed_keys = {(e.namespace, tuple(e.key)) for e in listed}
     for namespace, key in sorted(listed_keys):
         if (namespace, key) not in present:
-            problems.append(f"{label}: entries() lists {namespace!r}/{len(key)} tokens ending {key[-2:]}, "
-                            "which no lookup returns (a ghost entry)")  # fmt: skip
+            problems.append(
+                f"{label}: entries() lists {namespace!r}/{len(key)} tokens ending {key[-2:]}, "
+                "which no lookup returns (a ghost entry)"
+            )
     stats = cache.stats()
     if stats.entries != len(present) or len(listed) != len(present):
-        problems.append(f"{label}: stats().entries={stats.entries}, entries() lists {len(listed)}, "
-                        f"lookups find {len(present)}")  # fmt: skip
+        problems.append(
+            f"{label}: stats().entries={stats.entries}, entries() lists {len(listed)}, lookups find {len(present)}"
+        )
     if stats.bytes != sum(e.size for e in listed):
         problems.append(f"{label}: stats().bytes={stats.bytes} != sum of entry sizes {sum(e.size for e in listed)}")
     if stats.evictions:
@@ -170,8 +173,17 @@ def test_sigkill_at_random_moments_loses_nothing_acknowledged(
         # -- start a writer and kill it at a random moment --------------------------------
         stderr_path = tmp_path / f"writer-{run}.stderr"
         with open(stderr_path, "wb") as stderr:
-            writer = spawn("crash-writer", url, run, rng.randrange(2**32), MIN_SIZE, MAX_SIZE, LIVE_CAP,
-                           stdin=subprocess.PIPE, stderr=stderr)  # fmt: skip
+            writer = spawn(
+                "crash-writer",
+                url,
+                run,
+                rng.randrange(2**32),
+                MIN_SIZE,
+                MAX_SIZE,
+                LIVE_CAP,
+                stdin=subprocess.PIPE,
+                stderr=stderr,
+            )
         assert writer.stdin is not None and writer.stdout is not None
         writer.stdin.write(json.dumps(sorted(model.present().items())).encode())
         writer.stdin.close()
@@ -221,8 +233,10 @@ def test_sigkill_at_random_moments_loses_nothing_acknowledged(
         if rc != 0 or not report or report["bad"]:
             problems.append(f"sippcache verify: exit {rc}, report {report}, stderr {err.strip()[-1500:]}")
         elif report["checked"] != sum(1 for v in seen.values() if v is not None):
-            problems.append(f"sippcache verify checked {report['checked']} entries, "
-                            f"lookups find {sum(1 for v in seen.values() if v is not None)}")  # fmt: skip
+            problems.append(
+                f"sippcache verify checked {report['checked']} entries, "
+                f"lookups find {sum(1 for v in seen.values() if v is not None)}"
+            )
 
         # -- new stores work ---------------------------------------------------------------
         probe = f"p.{run}"
@@ -250,10 +264,13 @@ def test_sigkill_at_random_moments_loses_nothing_acknowledged(
             if after[inflight[0]] != seen[inflight[0]]:
                 allowed = {model.state.get(inflight[0]), inflight[1]}
                 if after[inflight[0]] not in allowed:
-                    problems.append(f"in-flight {inflight[0]}: after the next write found {after[inflight[0]]}, "
-                                    f"allowed {allowed}")  # fmt: skip
-                history.append(f"  the in-flight operation became visible only after the next write "
-                               f"({seen[inflight[0]]} -> {after[inflight[0]]})")  # fmt: skip
+                    problems.append(
+                        f"in-flight {inflight[0]}: after the next write found {after[inflight[0]]}, allowed {allowed}"
+                    )
+                history.append(
+                    f"  the in-flight operation became visible only after the next write "
+                    f"({seen[inflight[0]]} -> {after[inflight[0]]})"
+                )
                 seen[inflight[0]] = after[inflight[0]]
 
         assert not problems, f"{context}:\n" + "\n".join(problems) + "\nhistory:\n" + "\n".join(history)

@@ -190,8 +190,9 @@ def test_fork_while_another_thread_uses_the_cache(backend: str, tmp_path: Path, 
 
 
 @pytest.mark.parametrize("backend", ["lmdb", "diskcache"])
-def test_child_opens_its_own_handle_on_a_store_the_parent_has_open(backend: str, tmp_path: Path,
-                                                                    opened: list[CacheBackend]) -> None:  # fmt: skip
+def test_child_opens_its_own_handle_on_a_store_the_parent_has_open(
+    backend: str, tmp_path: Path, opened: list[CacheBackend]
+) -> None:
     """The worker pattern: the parent keeps the store open, each forked child opens it anew."""
     url = f"{backend}://{tmp_path}/store"
     parent = sippcache.open(url)

@@ -37,14 +37,20 @@ ALLOWED = (BadOption, UnknownBackend, ValueError, TypeError)
 
 # -- fuzzing the URL parser and the options ----------------------------------------------------------
 
-_scheme_st = st.one_of(st.sampled_from(["ram", "RAM", "lmdb", "diskcache", "x", "", "ram+x", "r.a-m"]),
-                       st.text(max_size=8))  # fmt: skip
+_scheme_st = st.one_of(
+    st.sampled_from(["ram", "RAM", "lmdb", "diskcache", "x", "", "ram+x", "r.a-m"]), st.text(max_size=8)
+)
 _text_st = st.text(max_size=40)
 _url_st = st.one_of(
     _text_st,
-    st.builds(lambda s, sep, loc, q: f"{s}{sep}{loc}{q}", _scheme_st, st.sampled_from(["://", ":", ":///", "//"]),
-              _text_st, st.one_of(st.just(""), _text_st.map(lambda q: "?" + q), _text_st.map(lambda q: "#" + q))),
-)  # fmt: skip
+    st.builds(
+        lambda s, sep, loc, q: f"{s}{sep}{loc}{q}",
+        _scheme_st,
+        st.sampled_from(["://", ":", ":///", "//"]),
+        _text_st,
+        st.one_of(st.just(""), _text_st.map(lambda q: "?" + q), _text_st.map(lambda q: "#" + q)),
+    ),
+)
 
 
 @FUZZ
@@ -78,9 +84,12 @@ _option_value_st = st.one_of(
     _digits_st,
     st.integers(-(2**70), 2**70).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
-    st.builds(lambda n, u: f"{n}{u}", st.one_of(st.integers(-5, 10**30), st.floats(0, 1e30)),
-              st.sampled_from(["", "b", "k", "KiB", "MiB", "GiB", "TiB", "GB", "tb", "PiB", " x", "%"])),
-)  # fmt: skip
+    st.builds(
+        lambda n, u: f"{n}{u}",
+        st.one_of(st.integers(-5, 10**30), st.floats(0, 1e30)),
+        st.sampled_from(["", "b", "k", "KiB", "MiB", "GiB", "TiB", "GB", "tb", "PiB", " x", "%"]),
+    ),
+)
 
 
 @FUZZ
@@ -127,9 +136,14 @@ def test_size_parse_returns_a_size_or_raises_value_error(text: str) -> None:
 
 
 @FUZZ
-@given(number=st.one_of(st.integers(0, 10**15),
-                        st.decimals(0, 10**9, allow_nan=False, allow_infinity=False, places=3).map(str)),
-       unit=st.sampled_from(sorted(_UNITS)), upper=st.booleans(), space=st.sampled_from(["", " "]))  # fmt: skip
+@given(
+    number=st.one_of(
+        st.integers(0, 10**15), st.decimals(0, 10**9, allow_nan=False, allow_infinity=False, places=3).map(str)
+    ),
+    unit=st.sampled_from(sorted(_UNITS)),
+    upper=st.booleans(),
+    space=st.sampled_from(["", " "]),
+)
 def test_size_parse_well_formed_sizes(number: Any, unit: str, upper: bool, space: str) -> None:
     text = f"{number}{space}{unit.upper() if upper else unit}"
     assert Size.parse(text) == int(float(str(number)) * _UNITS[unit])
@@ -262,8 +276,10 @@ def test_encode_refuses_what_decode_would_refuse(kwargs: dict[str, Any], error: 
         frame.encode([1, 2], [b"state"], **kwargs)
 
 
-@pytest.mark.parametrize("sections, error", [(["text"], TypeError), ([5], TypeError), ([None], TypeError),
-                                             (b"not a list of sections", TypeError)])  # fmt: skip
+@pytest.mark.parametrize(
+    "sections, error",
+    [(["text"], TypeError), ([5], TypeError), ([None], TypeError), (b"not a list of sections", TypeError)],
+)
 def test_encode_bad_sections(sections: Any, error: type) -> None:
     with pytest.raises(error):
         frame.encode([1], sections, fingerprint="f", kind="k")
@@ -432,10 +448,19 @@ def _impossible_paths(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.parametrize("backend", ["lmdb", "diskcache"])
 @pytest.mark.parametrize(
     "what",
-    ["through a regular file", "through /etc/hostname", "through /dev/null", "a regular file", "/dev/null itself",
-     "a name longer than NAME_MAX", "a path longer than PATH_MAX", "3000 levels deep", "an embedded NUL",
-     "under /proc"],
-)  # fmt: skip
+    [
+        "through a regular file",
+        "through /etc/hostname",
+        "through /dev/null",
+        "a regular file",
+        "/dev/null itself",
+        "a name longer than NAME_MAX",
+        "a path longer than PATH_MAX",
+        "3000 levels deep",
+        "an embedded NUL",
+        "under /proc",
+    ],
+)
 def test_impossible_paths_are_refused_clearly_and_create_nothing(tmp_path: Path, backend: str, what: str) -> None:
     location = _impossible_paths(tmp_path)[what]
     before = sorted(str(p) for p in tmp_path.rglob("*"))
@@ -531,8 +556,14 @@ def test_prefill_wrong_token_types(make_llama, tiny_model) -> None:
     from sippcache.llama import PrefixCache
 
     with PrefixCache(make_llama(tiny_model, n_ctx=256), "ram://") as pc:
-        for bad, error in (("hello", TypeError), ([1, 2.5], TypeError), (None, TypeError), ([1, -1], ValueError),
-                           (np.array([1.0]), TypeError), ([1] * 300, ValueError)):  # fmt: skip
+        for bad, error in (
+            ("hello", TypeError),
+            ([1, 2.5], TypeError),
+            (None, TypeError),
+            ([1, -1], ValueError),
+            (np.array([1.0]), TypeError),
+            ([1] * 300, ValueError),
+        ):
             with pytest.raises(error):
                 pc.prefill(bad)
         assert len(pc.cache) == 0

@@ -61,8 +61,19 @@ def big_frame(key: list[int], byte: int = 0x43, size: int = 60_000) -> bytes:
 # -- 1. no code-execution primitives in the package source ---------------------------------------
 
 #: Modules whose loaders run code found in data.
-FORBIDDEN_MODULES = {"pickle", "cPickle", "_pickle", "pickletools", "marshal", "shelve", "dill", "cloudpickle",
-                     "jsonpickle", "joblib", "copyreg"}  # fmt: skip
+FORBIDDEN_MODULES = {
+    "pickle",
+    "cPickle",
+    "_pickle",
+    "pickletools",
+    "marshal",
+    "shelve",
+    "dill",
+    "cloudpickle",
+    "jsonpickle",
+    "joblib",
+    "copyreg",
+}
 #: Builtins that run or import code given as data.
 FORBIDDEN_BUILTINS = {"eval", "exec", "compile", "__import__", "breakpoint"}
 #: Where dynamic imports are allowed, and why: backends are imported by the dotted
@@ -101,26 +112,51 @@ def _scan(source: str, where: str, filename: str) -> list[str]:
         # reached through builtins (builtins.eval, __builtins__["eval"], getattr(builtins, "eval")).
         if isinstance(node, ast.Name) and node.id in FORBIDDEN_BUILTINS:
             problems.append(f"{where}:{node.lineno}: uses the builtin {node.id}")
-        if isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_BUILTINS and \
-                isinstance(node.value, ast.Name) and node.value.id in ("builtins", "__builtins__"):  # fmt: skip
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in FORBIDDEN_BUILTINS
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("builtins", "__builtins__")
+        ):
             problems.append(f"{where}:{node.lineno}: uses builtins.{node.attr}")
-        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and \
-                node.slice.value in FORBIDDEN_BUILTINS:  # fmt: skip
+        if (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.slice, ast.Constant)
+            and node.slice.value in FORBIDDEN_BUILTINS
+        ):
             problems.append(f"{where}:{node.lineno}: looks up {node.slice.value!r}")
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and \
-                any(isinstance(a, ast.Constant) and a.value in FORBIDDEN_BUILTINS for a in node.args):  # fmt: skip
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr"
+            and any(isinstance(a, ast.Constant) and a.value in FORBIDDEN_BUILTINS for a in node.args)
+        ):
             problems.append(f"{where}:{node.lineno}: getattr of a code-running builtin")
-        if isinstance(node, ast.Attribute) and node.attr in ("import_module", "__import__") and \
-                filename not in IMPORT_MODULE_ALLOWED:  # fmt: skip
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in ("import_module", "__import__")
+            and filename not in IMPORT_MODULE_ALLOWED
+        ):
             problems.append(f"{where}:{node.lineno}: importlib.{node.attr} outside registry.py")
-        if isinstance(node, ast.keyword) and node.arg in ("allow_pickle", "shell") and \
-                not (isinstance(node.value, ast.Constant) and node.value.value is False):  # fmt: skip
+        if (
+            isinstance(node, ast.keyword)
+            and node.arg in ("allow_pickle", "shell")
+            and not (isinstance(node.value, ast.Constant) and node.value.value is False)
+        ):
             problems.append(f"{where}:{node.lineno}: {node.arg}={ast.unparse(node.value)}")
-        if isinstance(node, ast.Attribute) and node.attr in ("system", "popen") and \
-                isinstance(node.value, ast.Name) and node.value.id == "os":  # fmt: skip
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in ("system", "popen")
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "os"
+        ):
             problems.append(f"{where}:{node.lineno}: os.{node.attr}")
-        if isinstance(node, ast.Attribute) and node.attr in ("load", "unsafe_load", "full_load") and \
-                isinstance(node.value, ast.Name) and node.value.id == "yaml":  # fmt: skip
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in ("load", "unsafe_load", "full_load")
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "yaml"
+        ):
             problems.append(f"{where}:{node.lineno}: yaml.{node.attr}")
     return problems
 
@@ -327,8 +363,11 @@ _LOG_WRITER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("crafted", [b"\xdd\x80\x00\x00\x00", b"\x92\xa1p\xc6\xff\xff\xff\xff", b"\xc1"],
-                         ids=["array 2**31", "put with bin 2**32-1", "invalid"])  # fmt: skip
+@pytest.mark.parametrize(
+    "crafted",
+    [b"\xdd\x80\x00\x00\x00", b"\x92\xa1p\xc6\xff\xff\xff\xff", b"\xc1"],
+    ids=["array 2**31", "put with bin 2**32-1", "invalid"],
+)
 def test_crafted_log_record_from_another_process_is_survived(tmp_path: Path, crafted: bytes) -> None:
     """Another process appends a crafted change-log record while this one has the
     store open: this handle's next operation neither fails nor allocates much."""
@@ -336,8 +375,9 @@ def test_crafted_log_record_from_another_process_is_survived(tmp_path: Path, cra
     with sippcache.open(f"lmdb://{store}?max_bytes=256MiB&map_size=1GiB") as cache:
         cache.store([1, 2], b"one", namespace="n")
         cache.store([1, 2, 3], b"two", namespace="n")
-        result = subprocess.run([sys.executable, "-c", _LOG_WRITER, str(store), crafted.hex()],
-                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-c", _LOG_WRITER, str(store), crafted.hex()], capture_output=True, text=True, timeout=120
+        )
         assert result.returncode == 0, result.stderr
         tracemalloc.start()
         try:
@@ -465,9 +505,7 @@ STORE_FILES = {"lmdb": ["data.mdb", "lock.mdb"], "diskcache": ["cache.db", "cach
 
 
 @pytest.mark.parametrize("target_exists", [True, False], ids=["to-a-file", "dangling"])
-@pytest.mark.parametrize(
-    "backend, name", [(backend, name) for backend, names in STORE_FILES.items() for name in names]
-)
+@pytest.mark.parametrize("backend, name", [(backend, name) for backend, names in STORE_FILES.items() for name in names])
 def test_planted_symlink_store_file_is_refused(tmp_path: Path, backend: str, name: str, target_exists: bool) -> None:
     store = tmp_path / "store"
     store.mkdir(mode=0o700)
@@ -572,10 +610,12 @@ def test_store_with_a_tampered_value_row_stays_usable_and_repairable(tmp_path: P
     failures = []
     with sippcache.open(url + "?max_entries=2") as cache:
         for name, action in (
-            ("store (evicting the tampered entry)", lambda: (cache.store([6], b"x", namespace="n"),
-                                                             cache.store([7], b"y", namespace="n"))),
+            (
+                "store (evicting the tampered entry)",
+                lambda: (cache.store([6], b"x", namespace="n"), cache.store([7], b"y", namespace="n")),
+            ),
             ("clear", cache.clear),
-        ):  # fmt: skip
+        ):
             try:
                 action()
             except SippcacheError as exc:
@@ -620,8 +660,9 @@ def test_tampered_diskcache_row_is_never_unpickled_and_does_not_break_the_store(
         if row == "key":
             db.execute(
                 "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, "
-                "filename, value) VALUES (?, 0, 0, NULL, 0, 0, NULL, 0, 1, NULL, ?)", (planted, b"x"),
-            )  # fmt: skip
+                "filename, value) VALUES (?, 0, 0, NULL, 0, 0, NULL, 0, 1, NULL, ?)",
+                (planted, b"x"),
+            )
         else:
             record = (b"B" if row == "entry value" else b"M") + eid
             assert db.execute("UPDATE Cache SET mode = 4, value = ? WHERE key = ?", (planted, record)).rowcount == 1

@@ -43,8 +43,9 @@ def requests_of_every_kind(server: Server) -> dict[str, Any]:
     reply = client.chat.completions.create(
         model="gemma", messages=asked, temperature=0, max_tokens=6, logprobs=True, top_logprobs=2
     )
-    out["chat_logprobs"] = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
-                            for t in reply.choices[0].logprobs.content]  # fmt: skip
+    out["chat_logprobs"] = [
+        (t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in reply.choices[0].logprobs.content
+    ]
     # Short: upstream computes prompt logprobs in pure Python (a sort of the vocabulary per token).
     prompt = "The keeper's log, day 12, at dawn: the schooner Eider passed the cape under a grey sky, and"
     completion = client.completions.create(model="gemma", prompt=prompt, temperature=0, max_tokens=16)

@@ -32,8 +32,9 @@ def file_size_limit(limit: int) -> Callable[[], None]:
 
 @pytest.mark.parametrize("parallel", [1, 4])
 def test_a_full_disk_costs_speed_only(gemma_model: Path, servers, tmp_path: Path, parallel: int) -> None:
-    server = servers(gemma_args(gemma_model, f"lmdb://{tmp_path}/store", parallel=parallel),
-                     preexec_fn=file_size_limit(6_000_000))  # fmt: skip
+    server = servers(
+        gemma_args(gemma_model, f"lmdb://{tmp_path}/store", parallel=parallel), preexec_fn=file_size_limit(6_000_000)
+    )
     client = server.client()
     # A short prompt: its entries (under 2 MB each: state and logits) still fit.
     short = "The keeper's log, day 12, at dawn: the schooner Eider passed the cape under a grey sky, and"
@@ -52,8 +53,9 @@ def test_a_full_disk_costs_speed_only(gemma_model: Path, servers, tmp_path: Path
     # Lookups go on working (the store evicts to make room when a write fails, so
     # what they find may be gone), and the answers do not change.
     before = server.model_stats()
-    client.completions.create(model="gemma", prompt="Unrelated text to move the live context elsewhere, please.",
-                              temperature=0, max_tokens=2)  # fmt: skip
+    client.completions.create(
+        model="gemma", prompt="Unrelated text to move the live context elsewhere, please.", temperature=0, max_tokens=2
+    )
     again = client.completions.create(model="gemma", prompt=short, temperature=0, max_tokens=8).choices[0].text
     assert again == first
     after = server.model_stats()

@@ -23,12 +23,30 @@ def test_two_models_and_alias_swapping(
 ) -> None:
     store, tiny_store = f"lmdb://{tmp_path}/store", f"lmdb://{tmp_path}/tiny-store"
     config = tmp_path / "models.json"
-    config.write_text(json.dumps({"models": [
-        {"model": str(gemma_model), "model_alias": "gemma", "n_ctx": 2048, "verbose": False},
-        # The same file with a quantized K cache: another fingerprint, so another namespace.
-        {"model": str(gemma_model), "model_alias": "gemma-q8k", "n_ctx": 1024, "type_k": 8, "verbose": False},
-        {"model": str(tiny_model), "model_alias": "tiny", "n_ctx": 512, "verbose": False, "cache_url": tiny_store},
-    ]}))  # fmt: skip
+    config.write_text(
+        json.dumps(
+            {
+                "models": [
+                    {"model": str(gemma_model), "model_alias": "gemma", "n_ctx": 2048, "verbose": False},
+                    # The same file with a quantized K cache: another fingerprint, so another namespace.
+                    {
+                        "model": str(gemma_model),
+                        "model_alias": "gemma-q8k",
+                        "n_ctx": 1024,
+                        "type_k": 8,
+                        "verbose": False,
+                    },
+                    {
+                        "model": str(tiny_model),
+                        "model_alias": "tiny",
+                        "n_ctx": 512,
+                        "verbose": False,
+                        "cache_url": tiny_store,
+                    },
+                ]
+            }
+        )
+    )
     server = servers(["--config_file", str(config), "--cache", store, "--parallel", parallel])
     client = server.client()
     messages = [briefed("Which ship passed at noon?")]

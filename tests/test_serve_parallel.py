@@ -59,8 +59,12 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 
 def chat(question: str, **fields: Any) -> tuple[str, dict[str, Any]]:
-    return "chat", {"messages": [{"role": "user", "content": SYSTEM + question}], "max_tokens": 16,
-                    "temperature": 0, **fields}  # fmt: skip
+    return "chat", {
+        "messages": [{"role": "user", "content": SYSTEM + question}],
+        "max_tokens": 16,
+        "temperature": 0,
+        **fields,
+    }
 
 
 def completion(question: str, **fields: Any) -> tuple[str, dict[str, Any]]:
@@ -202,13 +206,16 @@ def test_no_request_sees_another_s_tokens(gemma_model: Path, servers, tmp_path: 
     secrets = [f"{word}-{311 + 83 * i}" for i, word in enumerate(words)]
     prompts = [turn(f"The secret code is {secret}. What is the secret code?") for secret in secrets]
     client = server.client()
-    alone = [client.completions.create(model="gemma", prompt=p, max_tokens=16, temperature=0).choices[0].text
-             for p in prompts]  # fmt: skip
+    alone = [
+        client.completions.create(model="gemma", prompt=p, max_tokens=16, temperature=0).choices[0].text
+        for p in prompts
+    ]
     together: dict[int, str] = {}
 
     def run(i: int) -> None:
-        stream = server.client().completions.create(model="gemma", prompt=prompts[i], max_tokens=16, temperature=0,
-                                                    stream=True)  # fmt: skip
+        stream = server.client().completions.create(
+            model="gemma", prompt=prompts[i], max_tokens=16, temperature=0, stream=True
+        )
         together[i] = "".join(chunk.choices[0].text for chunk in stream)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
@@ -242,11 +249,13 @@ def test_a_cancelled_stream_gives_its_slot_back(gemma_model: Path, servers, tmp_
     server = servers(parallel_args(gemma_model, f"lmdb://{tmp_path}/store", 2))
     client = server.client()
     long = turn(SYSTEM + "Write the whole log of day 40, hour by hour.")
-    kept = client.completions.create(model="gemma", prompt=long, max_tokens=300, temperature=0, stream=True,
-                                     logit_bias=NO_END)  # fmt: skip
+    kept = client.completions.create(
+        model="gemma", prompt=long, max_tokens=300, temperature=0, stream=True, logit_bias=NO_END
+    )
     next(iter(kept))
-    gone = client.completions.create(model="gemma", prompt=long + "Day 41.", max_tokens=300, temperature=0,
-                                     stream=True, logit_bias=NO_END)  # fmt: skip
+    gone = client.completions.create(
+        model="gemma", prompt=long + "Day 41.", max_tokens=300, temperature=0, stream=True, logit_bias=NO_END
+    )
     for received, _ in enumerate(gone, start=1):
         if received == 3:
             break
@@ -263,8 +272,10 @@ def test_a_full_queue_answers_503_with_retry_after(gemma_model: Path, servers, t
     server = servers(parallel_args(gemma_model, f"lmdb://{tmp_path}/store", 2, "--max_queue", "1"))
     client = server.client()
     long = turn(SYSTEM + "Write the whole log of day 40, hour by hour.")
-    streams = [client.completions.create(model="gemma", prompt=long, max_tokens=200, temperature=0, stream=True)
-               for _ in range(3)]  # two run, one waits: the door is full  # fmt: skip
+    streams = [
+        client.completions.create(model="gemma", prompt=long, max_tokens=200, temperature=0, stream=True)
+        for _ in range(3)
+    ]  # two run, one waits: the door is full
     with pytest.raises(openai.APIStatusError) as refused:
         client.completions.create(model="gemma", prompt=turn("Hello."), max_tokens=4)
     assert refused.value.status_code == 503
@@ -282,8 +293,14 @@ def test_a_prompt_too_long_for_a_slot_is_a_400_and_the_others_finish(
 ) -> None:
     server = servers(parallel_args(gemma_model, f"lmdb://{tmp_path}/store", 2))
     client = server.client()
-    running = client.completions.create(model="gemma", prompt=turn(SYSTEM + "Describe the sea."), max_tokens=64,
-                                        temperature=0, stream=True, logit_bias=NO_END)  # fmt: skip
+    running = client.completions.create(
+        model="gemma",
+        prompt=turn(SYSTEM + "Describe the sea."),
+        max_tokens=64,
+        temperature=0,
+        stream=True,
+        logit_bias=NO_END,
+    )
     first = next(iter(running))
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model="gemma", prompt="ship " * 1500, max_tokens=8)
@@ -298,8 +315,9 @@ def test_sigterm_lets_a_stream_finish_and_stores_it(gemma_model: Path, servers, 
     server = servers(parallel_args(gemma_model, url, 4))
     client = server.client()
     prompt = turn(SYSTEM + "Write the log of day 7.")
-    stream = client.completions.create(model="gemma", prompt=prompt, max_tokens=48, temperature=0, stream=True,
-                                       logit_bias=NO_END)  # fmt: skip
+    stream = client.completions.create(
+        model="gemma", prompt=prompt, max_tokens=48, temperature=0, stream=True, logit_bias=NO_END
+    )
     chunks = [next(iter(stream))]
     os.killpg(server.process.pid, signal.SIGTERM)
     chunks += list(stream)
@@ -308,8 +326,9 @@ def test_sigterm_lets_a_stream_finish_and_stores_it(gemma_model: Path, servers, 
     assert server.process.wait(120) == 0
     again = servers(parallel_args(gemma_model, url, 4))
     before = again.model_stats()
-    reply = again.client().completions.create(model="gemma", prompt=prompt + answer + "\nGo on.", max_tokens=4,
-                                              temperature=0)  # fmt: skip
+    reply = again.client().completions.create(
+        model="gemma", prompt=prompt + answer + "\nGo on.", max_tokens=4, temperature=0
+    )
     after = again.model_stats()
     assert reply.choices[0].text
     assert after["tokens_reused"] - before["tokens_reused"] >= reply.usage.prompt_tokens - 16, (before, after)
@@ -345,9 +364,17 @@ def test_streams_are_not_cut_unless_asked(gemma_model: Path, servers, tmp_path: 
     for parallel in ("1", "2"):
         server = servers(parallel_args(gemma_model, f"lmdb://{tmp_path}/store-{parallel}", int(parallel)))
         client = server.client()
-        streams = [client.completions.create(model="gemma", prompt=turn(f"Count to {n}."), max_tokens=24,
-                                             temperature=0, stream=True, logit_bias=NO_END)
-                   for n in (10, 20, 30)]  # fmt: skip
+        streams = [
+            client.completions.create(
+                model="gemma",
+                prompt=turn(f"Count to {n}."),
+                max_tokens=24,
+                temperature=0,
+                stream=True,
+                logit_bias=NO_END,
+            )
+            for n in (10, 20, 30)
+        ]
         for stream in streams:
             chunks = list(stream)
             assert chunks[-1].choices[0].finish_reason == "length", parallel
@@ -360,10 +387,18 @@ def test_metrics_of_the_scheduler(gemma_model: Path, servers, tmp_path: Path) ->
     client.completions.create(model="gemma", prompt=turn(SYSTEM + "Hello."), max_tokens=8, temperature=0)
     idle(server)  # the request's job has left the engine: it is counted
     metrics = server.metrics()
-    for name in ("sippcache_slots", "sippcache_requests_running", "sippcache_requests_queued", "sippcache_slots_busy",
-                 "sippcache_prompt_tokens_per_second", "sippcache_generated_tokens_per_second",
-                 "sippcache_requests_rejected_total", "sippcache_batched_prompt_tokens_total",
-                 "sippcache_batched_generated_tokens_total", "sippcache_batch_tokens_count"):  # fmt: skip
+    for name in (
+        "sippcache_slots",
+        "sippcache_requests_running",
+        "sippcache_requests_queued",
+        "sippcache_slots_busy",
+        "sippcache_prompt_tokens_per_second",
+        "sippcache_generated_tokens_per_second",
+        "sippcache_requests_rejected_total",
+        "sippcache_batched_prompt_tokens_total",
+        "sippcache_batched_generated_tokens_total",
+        "sippcache_batch_tokens_count",
+    ):
         assert f'{name}{{model="gemma"}}' in metrics, name
     assert metrics['sippcache_slots{model="gemma"}'] == 3
     assert metrics['sippcache_batched_generated_tokens_total{model="gemma"}'] >= 8
@@ -387,11 +422,20 @@ def test_a_client_gone_before_its_answer_gives_its_slot_back(gemma_model: Path, 
     """Upstream never notices a client of a request that is not streamed hanging up: the
     answer is computed for nobody. Here the slot is freed at the next step."""
     server = servers(parallel_args(gemma_model, f"lmdb://{tmp_path}/store", 2))
-    body = json.dumps({"model": "gemma", "prompt": turn(SYSTEM + "Write the log of day 9."), "max_tokens": 400,
-                       "temperature": 0, "logit_bias": NO_END}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": "gemma",
+            "prompt": turn(SYSTEM + "Write the log of day 9."),
+            "max_tokens": 400,
+            "temperature": 0,
+            "logit_bias": NO_END,
+        }
+    ).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as connection:
-        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        connection.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         wait_for(lambda: gauge(server, "sippcache_batched_generated_tokens_total") >= 5, "the request generating")
     wait_for(lambda: gauge(server, "sippcache_slots_busy") == 0, "the slot freed")
     assert gauge(server, "sippcache_batched_generated_tokens_total") < 400 - 100
@@ -404,8 +448,9 @@ def test_interrupt_requests_when_asked_ends_the_oldest_stream_for_a_waiting_one(
     client = server.client()
 
     def stream(n: int) -> Any:
-        return client.completions.create(model="gemma", prompt=turn(f"Count to {n}."), max_tokens=120,
-                                         temperature=0, stream=True, logit_bias=NO_END)  # fmt: skip
+        return client.completions.create(
+            model="gemma", prompt=turn(f"Count to {n}."), max_tokens=120, temperature=0, stream=True, logit_bias=NO_END
+        )
 
     oldest, other = stream(100), stream(200)
     oldest_chunks, other_chunks = [next(iter(oldest))], [next(iter(other))]

@@ -37,28 +37,49 @@ def test_upstream_symbols_are_where_serve_expects_them() -> None:
 
     need(callable(getattr(app, "create_app", None)), "llama_cpp.server.app.create_app", "it builds the app")
     parameters = inspect.signature(app.create_app).parameters if hasattr(app, "create_app") else {}
-    need({"server_settings", "model_settings"} <= set(parameters),
-         "create_app(server_settings=, model_settings=)", "serve passes the parsed settings")  # fmt: skip
-    need(getattr(app, "LlamaProxy", None) is model.LlamaProxy or getattr(app, "LlamaProxy", None) is not None,
-         "llama_cpp.server.app.LlamaProxy",
-         "install() replaces this module global, which create_app instantiates")  # fmt: skip
-    need("LlamaProxy(models=" in inspect.getsource(app.set_llama_proxy),
-         "llama_cpp.server.app.set_llama_proxy",
-         "it must build the proxy by the module-global name LlamaProxy")  # fmt: skip
+    need(
+        {"server_settings", "model_settings"} <= set(parameters),
+        "create_app(server_settings=, model_settings=)",
+        "serve passes the parsed settings",
+    )
+    need(
+        getattr(app, "LlamaProxy", None) is model.LlamaProxy or getattr(app, "LlamaProxy", None) is not None,
+        "llama_cpp.server.app.LlamaProxy",
+        "install() replaces this module global, which create_app instantiates",
+    )
+    need(
+        "LlamaProxy(models=" in inspect.getsource(app.set_llama_proxy),
+        "llama_cpp.server.app.set_llama_proxy",
+        "it must build the proxy by the module-global name LlamaProxy",
+    )
     need(hasattr(app, "_llama_proxy"), "llama_cpp.server.app._llama_proxy", "the proxy the endpoints use")
-    need(callable(getattr(app, "authenticate", None)), "llama_cpp.server.app.authenticate",
-         "the API key check on /metrics")  # fmt: skip
+    need(
+        callable(getattr(app, "authenticate", None)),
+        "llama_cpp.server.app.authenticate",
+        "the API key check on /metrics",
+    )
     loader = inspect.getattr_static(model.LlamaProxy, "load_llama_from_model_settings", None)
-    need(isinstance(loader, staticmethod), "LlamaProxy.load_llama_from_model_settings (a staticmethod)",
-         "CachingLlamaProxy overrides it")  # fmt: skip
+    need(
+        isinstance(loader, staticmethod),
+        "LlamaProxy.load_llama_from_model_settings (a staticmethod)",
+        "CachingLlamaProxy overrides it",
+    )
     source = inspect.getsource(model.LlamaProxy)
-    need(source.count("self.load_llama_from_model_settings(") >= 2, "LlamaProxy.__init__/__call__",
-         "they must load models through self.load_llama_from_model_settings")  # fmt: skip
-    need("settings.cache" in inspect.getsource(model.LlamaProxy.load_llama_from_model_settings),
-         "ModelSettings.cache in the loader", "serve turns upstream's cache off with cache=False")  # fmt: skip
-    need(callable(getattr(cli, "add_args_from_model", None)) and callable(getattr(cli, "parse_model_from_args", None)),
-         "llama_cpp.server.cli.add_args_from_model/parse_model_from_args",
-         "serve parses arguments with them")  # fmt: skip
+    need(
+        source.count("self.load_llama_from_model_settings(") >= 2,
+        "LlamaProxy.__init__/__call__",
+        "they must load models through self.load_llama_from_model_settings",
+    )
+    need(
+        "settings.cache" in inspect.getsource(model.LlamaProxy.load_llama_from_model_settings),
+        "ModelSettings.cache in the loader",
+        "serve turns upstream's cache off with cache=False",
+    )
+    need(
+        callable(getattr(cli, "add_args_from_model", None)) and callable(getattr(cli, "parse_model_from_args", None)),
+        "llama_cpp.server.cli.add_args_from_model/parse_model_from_args",
+        "serve parses arguments with them",
+    )
     for name in ("Settings", "ServerSettings", "ModelSettings", "ConfigFileSettings"):
         need(hasattr(settings, name), f"llama_cpp.server.settings.{name}", "serve parses settings with it")
     from sippcache.server.settings import STATE_SETTINGS, UPSTREAM_CACHE_SETTINGS
@@ -160,8 +181,9 @@ def test_logprobs_are_upstream_s(tiny_model: Path, tmp_path: Path) -> None:
     settings = ModelSettings(model=str(tiny_model), model_alias="t", n_ctx=512, verbose=False)
     assert settings.logits_all
     plain = llama_cpp.Llama(model_path=str(tiny_model), n_ctx=512, logits_all=True, verbose=False)
-    pool = CachePool.open(Settings(ServerSettings(), [settings], {"t": ModelOptions(parallel=1)}),
-                          f"lmdb://{tmp_path}/store")  # fmt: skip
+    pool = CachePool.open(
+        Settings(ServerSettings(), [settings], {"t": ModelOptions(parallel=1)}), f"lmdb://{tmp_path}/store"
+    )
     install(pool)
     try:
         served = CachingLlamaProxy.load_llama_from_model_settings(settings)
@@ -176,7 +198,9 @@ def test_logprobs_are_upstream_s(tiny_model: Path, tmp_path: Path) -> None:
                 assert have["tokens"] == want["tokens"]
                 for a, b in zip(have["token_logprobs"], want["token_logprobs"], strict=False):
                     assert (a is None and b is None) or abs(a - b) < 1e-3, (
-                        echo, have["token_logprobs"], want["token_logprobs"]
+                        echo,
+                        have["token_logprobs"],
+                        want["token_logprobs"],
                     )
         row = pool.model_rows()[0]
         assert row["hits"] >= 2  # the warm one, and the other prompt's
@@ -232,8 +256,17 @@ def test_flash_attention_is_on_for_parallel_unless_set(tmp_path: Path, capsys) -
     assert "flash attention" not in capsys.readouterr().err
     assert flash("--parallel", "1", "--flash_attn", "true")
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"models": [{"model": "a.gguf", "parallel": 2},
-                                             {"model": "b.gguf", "flash_attn": False}, {"model": "c.gguf", "parallel": 1}]}))  # fmt: skip
+    config.write_text(
+        json.dumps(
+            {
+                "models": [
+                    {"model": "a.gguf", "parallel": 2},
+                    {"model": "b.gguf", "flash_attn": False},
+                    {"model": "c.gguf", "parallel": 1},
+                ]
+            }
+        )
+    )
     loaded = load_settings(build_parser().parse_args(["--config_file", str(config)]))
     assert [m.flash_attn for m in loaded.models] == [True, False, False]
 
@@ -274,9 +307,13 @@ def test_redact_url() -> None:
 
 def run_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "sippcache.server", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "sippcache.server", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize(
@@ -318,8 +355,9 @@ def test_the_sippcache_command_serves_with_upstream_options() -> None:
     for option in ("--model", "--n_ctx", "--chat_format", "--config_file", "--api_key", "--cache URL"):
         assert option in result.stdout
     assert result.stdout.startswith("usage: sippcache serve")
-    result = subprocess.run([str(SCRIPT), "serve", "--model", "m.gguf", "--cache", "nosuch://"], capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [str(SCRIPT), "serve", "--model", "m.gguf", "--cache", "nosuch://"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2 and result.stderr.startswith("error: cannot open the cache nosuch://")
     assert result.stderr.count("\n") == 1
 
@@ -339,8 +377,9 @@ def test_metrics_need_the_api_key_when_one_is_set(tiny_model: Path, tmp_path: Pa
         except urllib.error.HTTPError as exc:
             return int(exc.code)
 
-    server = Server(["--model", str(tiny_model), "--n_ctx", "512", "--api_key", "k3y", "--cache", "ram://"],
-                    tmp_path / "server.log")  # fmt: skip
+    server = Server(
+        ["--model", str(tiny_model), "--n_ctx", "512", "--api_key", "k3y", "--cache", "ram://"], tmp_path / "server.log"
+    )
     try:
         deadline = time.monotonic() + 120
         while True:  # up when it answers at all (401 included)
@@ -370,8 +409,9 @@ def test_a_batched_request_answers_as_upstream_s_llama(tiny_model: Path, tmp_pat
     from sippcache.server.upstream import CachingLlamaProxy, LlamaProxy, install
 
     settings = ModelSettings(model=str(tiny_model), model_alias="t", n_ctx=512, verbose=False, chat_format="chatml")
-    pool = CachePool.open(Settings(ServerSettings(), [settings], {"t": ModelOptions(parallel=2)}),
-                          f"lmdb://{tmp_path}/store")  # fmt: skip
+    pool = CachePool.open(
+        Settings(ServerSettings(), [settings], {"t": ModelOptions(parallel=2)}), f"lmdb://{tmp_path}/store"
+    )
     install(pool)
     plain = llama_cpp.Llama(model_path=str(tiny_model), n_ctx=512, logits_all=True, verbose=False, chat_format="chatml")
     proxy = CachingLlamaProxy([settings])

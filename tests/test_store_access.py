@@ -116,8 +116,10 @@ def test_read_only_reads_everything_and_writes_nothing(scheme: str, tmp_path: Pa
         stats = cache.stats()
         assert (stats.entries, stats.namespaces, stats.pinned) == (3, 2, 1)
         assert sorted((e.namespace, e.key) for e in cache.entries()) == [
-            ("a", (1, 2, 3)), ("a", (1, 2, 3, 4, 5)), ("b", (7,))
-        ]  # fmt: skip
+            ("a", (1, 2, 3)),
+            ("a", (1, 2, 3, 4, 5)),
+            ("b", (7,)),
+        ]
         for _ in range(600):  # more uses than one recency batch: none may be saved
             match = cache.lookup([1, 2, 3, 4, 5, 6], namespace="a")
             assert match is not None and match.length == 5 and bytes(match.blob) == BLOB + b"!"
@@ -253,9 +255,13 @@ def _run_unprivileged(code: str) -> dict[str, object]:
     preexec = _without_permission_overrides if os.geteuid() == 0 else None
     try:
         result = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code)], preexec_fn=preexec, capture_output=True, text=True,
-            timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-        )  # fmt: skip
+            [sys.executable, "-c", textwrap.dedent(code)],
+            preexec_fn=preexec,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
     except subprocess.SubprocessError as exc:  # only preexec_fn raises this: prctl needs CAP_SETPCAP
         pytest.skip(f"running as root without the right to drop capabilities (prctl failed: {exc})")
     assert result.returncode == 0, result.stderr
@@ -293,14 +299,17 @@ _PROBE = """
 def test_opening_an_unwritable_store_for_writing_says_so(unwritable_store: tuple[str, Path]) -> None:
     url, path = unwritable_store
     before = _fingerprint(path)
-    out = _run_unprivileged(_PROBE.format(url=url, path=str(path)) + """
+    out = _run_unprivileged(
+        _PROBE.format(url=url, path=str(path))
+        + """
     try:
         sippcache.open(url).close()
         out["error"] = None
     except Exception as exc:
         out["error"], out["message"] = type(exc).__name__, str(exc)
     print(json.dumps(out))
-    """)  # fmt: skip
+    """
+    )
     assert out["denied"], "the child could write the store: the test would prove nothing"
     assert out["error"] == "ReadOnlyStore", out
     message = str(out["message"])
@@ -311,7 +320,9 @@ def test_opening_an_unwritable_store_for_writing_says_so(unwritable_store: tuple
 def test_an_unwritable_store_can_be_read(unwritable_store: tuple[str, Path], scheme: str) -> None:
     url, path = unwritable_store
     before = _fingerprint(path)
-    out = _run_unprivileged(_PROBE.format(url=url, path=str(path)) + """
+    out = _run_unprivileged(
+        _PROBE.format(url=url, path=str(path))
+        + """
     with sippcache.open(url, read_only=True) as cache:
         out["entries"] = sorted([e.namespace, list(e.key)] for e in cache.entries())
         out["stats"] = [cache.stats().entries, cache.stats().pinned]
@@ -322,7 +333,8 @@ def test_an_unwritable_store_can_be_read(unwritable_store: tuple[str, Path], sch
         except ReadOnlyStore as exc:
             out["store"] = str(exc)
     print(json.dumps(out))
-    """)  # fmt: skip
+    """
+    )
     assert out["denied"], "the child could write the store: the test would prove nothing"
     assert out["entries"] == [["a", [1, 2, 3]], ["a", [1, 2, 3, 4, 5]], ["b", [7]]]
     assert out["stats"] == [3, 1]
@@ -339,9 +351,13 @@ def _cli(*args: str, unprivileged: bool = False) -> subprocess.CompletedProcess[
     preexec = _without_permission_overrides if unprivileged and os.geteuid() == 0 else None
     try:
         return subprocess.run(
-            [sys.executable, "-m", "sippcache.cli", *args], preexec_fn=preexec, capture_output=True, text=True,
-            timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "COLUMNS": "200"},
-        )  # fmt: skip
+            [sys.executable, "-m", "sippcache.cli", *args],
+            preexec_fn=preexec,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "COLUMNS": "200"},
+        )
     except subprocess.SubprocessError as exc:
         pytest.skip(f"running as root without the right to drop capabilities (prctl failed: {exc})")
 

@@ -38,7 +38,7 @@ SAMPLERS: dict[str, dict[str, Any]] = {
     "min-p": dict(temp=1.2, top_k=0, top_p=1.0, min_p=0.2, seed=5),
     "repeat penalty": dict(temp=0.7, repeat_penalty=1.5, seed=3),
     "logit bias": dict(temp=0.9, seed=21, logit_bias={"65": 8.0, "66": 6.0}),
-    "grammar": dict(temp=0.9, seed=8, grammar='root ::= [a-c] [x-z]+'),
+    "grammar": dict(temp=0.9, seed=8, grammar="root ::= [a-c] [x-z]+"),
 }
 
 #: Runs in a new process: prefill the prompt (restoring from the cache), record
@@ -96,9 +96,13 @@ def warm_in_new_process(
 ) -> dict[str, Any]:
     root = Path(__file__).resolve().parent.parent
     result = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(model), url, str(n_ctx)], cwd=root,
-        input=json.dumps([tokens, samplers or SAMPLERS, count]), capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [sys.executable, "-c", _CHILD, str(model), url, str(n_ctx)],
+        cwd=root,
+        input=json.dumps([tokens, samplers or SAMPLERS, count]),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -208,11 +212,15 @@ def test_continuation_after_a_stored_logits_hit(make_llama, tiny_model, url) -> 
 #: llama-cpp-python's completion paths, each with sampler settings that matter.
 COMPLETIONS = {
     "completion": lambda llm, text, stream: llm.create_completion(
-        text, max_tokens=6, temperature=0.9, top_k=20, seed=99, logit_bias={65: 3.0}, stream=stream),
+        text, max_tokens=6, temperature=0.9, top_k=20, seed=99, logit_bias={65: 3.0}, stream=stream
+    ),
     "chat": lambda llm, text, stream: llm.create_chat_completion(
         [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": text}],
-        max_tokens=6, temperature=0.0, stream=stream),
-}  # fmt: skip
+        max_tokens=6,
+        temperature=0.0,
+        stream=stream,
+    ),
+}
 
 
 def completion_text(response: Any, stream: bool) -> str:

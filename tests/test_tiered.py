@@ -38,10 +38,14 @@ def test_url_helper_round_trips_inner_urls(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "url, message",
-    [("tiered://?l1=ram://", "l2"), ("tiered:///x?l1=ram://&l2=ram://", "location"),
-     ("tiered://?l1=ram://&l2=ram://&queue=0", "queue"), ("tiered://?l1=ram://&l2=ram://&speed=1", "speed"),
-     ("tiered://?l1=ram://&l2=nope://", None)],
-)  # fmt: skip
+    [
+        ("tiered://?l1=ram://", "l2"),
+        ("tiered:///x?l1=ram://&l2=ram://", "location"),
+        ("tiered://?l1=ram://&l2=ram://&queue=0", "queue"),
+        ("tiered://?l1=ram://&l2=ram://&speed=1", "speed"),
+        ("tiered://?l1=ram://&l2=nope://", None),
+    ],
+)
 def test_bad_urls(url: str, message: str) -> None:
     with pytest.raises(sippcache.SippcacheError, match=message):
         sippcache.open(url)

@@ -20,19 +20,30 @@ def test_encode_is_little_endian_uint32() -> None:
 
 @pytest.mark.parametrize(
     "value",
-    [numpy.array([3, 4], dtype=numpy.int16), numpy.array([3, 4], dtype=numpy.uint64), array("b", [3, 4]),
-     numpy.array([3, 4], dtype=">i4"), numpy.arange(10)[3:5]],
-)  # fmt: skip
+    [
+        numpy.array([3, 4], dtype=numpy.int16),
+        numpy.array([3, 4], dtype=numpy.uint64),
+        array("b", [3, 4]),
+        numpy.array([3, 4], dtype=">i4"),
+        numpy.arange(10)[3:5],
+    ],
+)
 def test_integer_buffers_accepted(value) -> None:
     assert tokens.encode(value) == tokens.encode([3, 4])
 
 
 @pytest.mark.parametrize(
     "value, error",
-    [(numpy.array([1.0, 2.0]), TypeError), (numpy.zeros((2, 2), dtype=numpy.int32), TypeError),
-     (numpy.array([1, -3], dtype=numpy.int32), ValueError), (numpy.array([1, 2**32], dtype=numpy.int64), ValueError),
-     (None, TypeError), (5, TypeError), ([True, 2**31], ValueError)],
-)  # fmt: skip
+    [
+        (numpy.array([1.0, 2.0]), TypeError),
+        (numpy.zeros((2, 2), dtype=numpy.int32), TypeError),
+        (numpy.array([1, -3], dtype=numpy.int32), ValueError),
+        (numpy.array([1, 2**32], dtype=numpy.int64), ValueError),
+        (None, TypeError),
+        (5, TypeError),
+        ([True, 2**31], ValueError),
+    ],
+)
 def test_bad_token_inputs(value, error) -> None:
     with pytest.raises(error):
         tokens.encode(value)

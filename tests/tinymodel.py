@@ -34,9 +34,7 @@ UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 N_VOCAB = 3 + 256 + 1
 
 
-def write_tiny_model(
-    path: str | os.PathLike[str], *, seed: int = 0, n_ctx_train: int = 4096
-) -> pathlib.Path:
+def write_tiny_model(path: str | os.PathLike[str], *, seed: int = 0, n_ctx_train: int = 4096) -> pathlib.Path:
     """Write the tiny llama GGUF model to `path` and return the path.
 
     The same `seed` always writes the same file, byte for byte; another

@@ -260,9 +260,15 @@ class DiskCacheBackend(KVBackend):
     def _open_for_writing(self, timeout: float) -> None:
         prepare_directory(self.path, STORE_FILES)
         self._cache = diskcache.Cache(
-            self.path, timeout=timeout, disk=BytesOnlyDisk,
-            eviction_policy="none", size_limit=2**62, cull_limit=0, statistics=False, tag_index=False,
-        )  # fmt: skip
+            self.path,
+            timeout=timeout,
+            disk=BytesOnlyDisk,
+            eviction_policy="none",
+            size_limit=2**62,
+            cull_limit=0,
+            statistics=False,
+            tag_index=False,
+        )
         for name in STORE_FILES:  # SQLite creates them 0644
             if os.path.exists(os.path.join(self.path, name)):
                 os.chmod(os.path.join(self.path, name), 0o600)

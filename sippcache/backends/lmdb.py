@@ -201,9 +201,19 @@ def _open_environment(
         for map_size in map_sizes:
             try:
                 return lmdb.open(
-                    path, map_size=map_size, subdir=True, sync=sync, max_readers=max_readers, readahead=False,
-                    meminit=False, mode=0o600, max_dbs=0, max_spare_txns=0, readonly=read_only, lock=lock,
-                )  # fmt: skip
+                    path,
+                    map_size=map_size,
+                    subdir=True,
+                    sync=sync,
+                    max_readers=max_readers,
+                    readahead=False,
+                    meminit=False,
+                    mode=0o600,
+                    max_dbs=0,
+                    max_spare_txns=0,
+                    readonly=read_only,
+                    lock=lock,
+                )
             except lmdb.MemoryError:  # no address space for this map (``ulimit -v``)
                 if map_size == map_sizes[-1]:
                     raise
@@ -277,8 +287,14 @@ class LMDBBackend(KVBackend):
     """A persistent, multi-process cache in an LMDB environment at `location` (a directory)."""
 
     persistent: ClassVar[bool] = True
-    damage_errors = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
-                     lmdb.PanicError, lmdb.BadTxnError)  # fmt: skip
+    damage_errors = (
+        lmdb.CorruptedError,
+        lmdb.PageNotFoundError,
+        lmdb.InvalidError,
+        lmdb.VersionMismatchError,
+        lmdb.PanicError,
+        lmdb.BadTxnError,
+    )
     library_errors = (lmdb.Error,)
     options: ClassVar[dict[str, type]] = {
         "max_bytes": Size, "max_entries": int, "map_size": Size, "sync": bool, "max_readers": int,
@@ -304,10 +320,14 @@ class LMDBBackend(KVBackend):
         path = directory_path("lmdb", location)
         super().__init__(max_bytes=max_bytes, max_entries=max_entries, location=f"lmdb://{path}", read_only=read_only)
         budget = max_bytes if isinstance(max_bytes, int) else DEFAULT_MAX_BYTES
-        map_sizes = (map_size,) if map_size is not None else (
-            min(MAX_MAP_SIZE, max(DEFAULT_MAP_FACTOR * budget, DEFAULT_MAP_FLOOR)),
-            min(MAX_MAP_SIZE, 2 * budget + MAP_HEADROOM),
-        )  # fmt: skip
+        map_sizes = (
+            (map_size,)
+            if map_size is not None
+            else (
+                min(MAX_MAP_SIZE, max(DEFAULT_MAP_FACTOR * budget, DEFAULT_MAP_FLOOR)),
+                min(MAX_MAP_SIZE, 2 * budget + MAP_HEADROOM),
+            )
+        )
         self.path = path
         self._env_args = (path, map_sizes, sync, max_readers, read_only)
         self._owner = object()  # tags this handle's read transactions (`_SharedEnv.snapshots`)

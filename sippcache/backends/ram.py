@@ -55,9 +55,13 @@ class RAMBackend(KVBackend):
     default_max_bytes: ClassVar[int | None] = DEFAULT_MAX_BYTES
 
     def __init__(
-        self, location: str = "", *, max_bytes: Limit = UNSET, max_entries: Limit = UNSET,
+        self,
+        location: str = "",
+        *,
+        max_bytes: Limit = UNSET,
+        max_entries: Limit = UNSET,
         eviction: EvictionPolicy = DEFAULT_POLICY,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if location:
             raise ValueError(f"ram:// takes no path, got {location!r}")
         super().__init__(max_bytes=max_bytes, max_entries=max_entries, location="ram://", eviction=eviction)

@@ -238,7 +238,9 @@ class TieredBackend(BaseBackend):
             raise BadOption(f"tiered:// takes no location (got {location!r}); give the tiers as l1= and l2=")
         missing = [name for name in ("l1", "l2") if not kwargs.get(name)]
         if missing:
-            raise BadOption(f"tiered:// needs {' and '.join(missing)}, e.g. {tiered_url('lmdb:///var/cache/sipp', 'redis://cache:6379/0')}")
+            raise BadOption(
+                f"tiered:// needs {' and '.join(missing)}, e.g. {tiered_url('lmdb:///var/cache/sipp', 'redis://cache:6379/0')}"
+            )
         budgets: dict[str, Any] = {name: kwargs.pop(name) for name in ("max_bytes", "max_entries") if name in kwargs}
         l1_url, l2_url = _with_options(kwargs.pop("l1"), budgets), _with_options(kwargs.pop("l2"), budgets)
         l1 = open_url(l1_url)
@@ -322,17 +324,27 @@ class TieredBackend(BaseBackend):
     def _store(self, key: bytes, blob: memoryview, namespace: str, options: StoreOptions) -> bool:
         tokens = _tokens(key)
         stored = self.l1.store(
-            tokens, blob, namespace=namespace, priority=options.priority, pinned=options.pinned,
+            tokens,
+            blob,
+            namespace=namespace,
+            priority=options.priority,
+            pinned=options.pinned,
             generation=options.generation,
-        )  # fmt: skip
+        )
         owner = blob.obj
         # A copy unless the blob is a whole bytes object: the caller may reuse its buffer.
         data = owner if type(owner) is bytes and len(owner) == blob.nbytes else blob.tobytes()
         self._submit(
-            lambda: self.l2.store(tokens, data, namespace=namespace, priority=options.priority,
-                                  pinned=options.pinned, generation=options.generation),
+            lambda: self.l2.store(
+                tokens,
+                data,
+                namespace=namespace,
+                priority=options.priority,
+                pinned=options.pinned,
+                generation=options.generation,
+            ),
             nbytes=len(data),
-        )  # fmt: skip
+        )
         if stored:
             with self._lock:
                 self._counters["stores"] += 1

@@ -53,9 +53,14 @@ class AbsentStore(BaseBackend):
 
     def _stats(self) -> Stats:
         return Stats(
-            backend=self._backend, location=self.location, entries=0, bytes=0, max_bytes=self._max_bytes,
-            max_entries=None, namespaces=0,
-        )  # fmt: skip
+            backend=self._backend,
+            location=self.location,
+            entries=0,
+            bytes=0,
+            max_bytes=self._max_bytes,
+            max_entries=None,
+            namespaces=0,
+        )
 
     def _len(self) -> int:
         return 0

@@ -24,6 +24,7 @@ from .absent import absent_store
 P = ParamSpec("P")
 R = TypeVar("R")
 
+
 class CLIError(click.ClickException):
     """A failure reported as one ``error: ...`` line on stderr, exit code 2."""
 

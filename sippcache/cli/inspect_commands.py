@@ -143,8 +143,10 @@ def stats(url: str | None, cache_option: str | None, as_json: bool) -> None:
             add_row(split, label, row["model"] or "", row["scope"] or "", *numbers)
             add_row(whole, namespace_label(row["namespace"]), *numbers)
         labels = [namespace_label(row["namespace"]) for row in namespaces]
-        split_folding = [["llama" if row["model"] else label for row, label in zip(namespaces, labels, strict=True)],
-                         [row["scope"] or "" for row in namespaces]]  # fmt: skip
+        split_folding = [
+            ["llama" if row["model"] else label for row, label in zip(namespaces, labels, strict=True)],
+            [row["scope"] or "" for row in namespaces],
+        ]
         table = first_that_fits([(split, split_folding), (whole, [labels])])
         llama_rows = table is split and any(row["model"] for row in namespaces)
         print_table(table, "llama rows: namespace llama:<model>/<scope>" if llama_rows else None)
@@ -162,7 +164,7 @@ def _counts_table(*names: str) -> Table:
 
 @click.command(name="ls")
 @url_argument
-@click.option("--namespace", "-n", metavar="N", help="Only this namespace (\"\" is the default one).")
+@click.option("--namespace", "-n", metavar="N", help='Only this namespace ("" is the default one).')
 @json_option
 @one_line_errors
 def ls(url: str | None, cache_option: str | None, namespace: str | None, as_json: bool) -> None:
@@ -186,8 +188,10 @@ def ls(url: str | None, cache_option: str | None, namespace: str | None, as_json
         return
     labels = [namespace_label(entry.namespace) for entry in listed]
     # Roomiest first: with creation times; without; with the last-use time on two lines (date, time).
-    layouts = [(_entries_table(listed, created=created, wrap_times=wrap), [labels])
-               for created, wrap in ((True, False), (False, False), (False, True))]  # fmt: skip
+    layouts = [
+        (_entries_table(listed, created=created, wrap_times=wrap), [labels])
+        for created, wrap in ((True, False), (False, False), (False, True))
+    ]
     table = first_that_fits(layouts)
     pinned = sum(e.pinned for e in listed)
     caption = f"{entries(len(listed))}, {human_size(sum(e.size for e in listed))}"
@@ -215,9 +219,15 @@ def _entries_table(listed: list[EntryInfo], *, created: bool, wrap_times: bool) 
     for entry in listed:
         times = [local_time(entry.created)] if created else []
         add_row(
-            table, entry_id(entry), namespace_label(entry.namespace), f"{len(entry.key):,}", short_size(entry.size),
-            *times, local_time(entry.last_used), "pinned" if entry.pinned else "",
-        )  # fmt: skip
+            table,
+            entry_id(entry),
+            namespace_label(entry.namespace),
+            f"{len(entry.key):,}",
+            short_size(entry.size),
+            *times,
+            local_time(entry.last_used),
+            "pinned" if entry.pinned else "",
+        )
     return table
 
 

@@ -22,9 +22,11 @@ from .params import json_option, parse_age, parse_size, resolve_url, url_argumen
 @click.command()
 @url_argument
 @click.option(
-    "--max-bytes", metavar="SIZE", callback=parse_size,
+    "--max-bytes",
+    metavar="SIZE",
+    callback=parse_size,
     help="Delete entries down to SIZE (2GiB), in the order the store evicts them.",
-)  # fmt: skip
+)
 @click.option(
     "--older-than", metavar="AGE", callback=parse_age, help="Delete entries unused for AGE (30s, 15m, 12h, 7d, 2w)."
 )
@@ -32,9 +34,13 @@ from .params import json_option, parse_age, parse_size, resolve_url, url_argumen
 @json_option
 @one_line_errors
 def prune(
-    url: str | None, cache_option: str | None, max_bytes: int | None, older_than: float | None,
-    namespace: str | None, as_json: bool,
-) -> None:  # fmt: skip
+    url: str | None,
+    cache_option: str | None,
+    max_bytes: int | None,
+    older_than: float | None,
+    namespace: str | None,
+    as_json: bool,
+) -> None:
     """Delete old entries, or entries beyond a size; pinned entries stay.
 
     --older-than goes first, then --max-bytes; sizes count as in stats
@@ -81,9 +87,11 @@ def prune(
 @click.command()
 @click.argument("ids", nargs=-1, required=True, metavar="ID...")
 @click.option(
-    "--cache", "cache_option", metavar="URL",
+    "--cache",
+    "cache_option",
+    metavar="URL",
     help="The cache URL (default: $SIPPCACHE_URL, else LMDB in the user cache folder).",
-)  # fmt: skip
+)
 @click.option("--unpin", is_flag=True, help="Make the entries evictable again.")
 @json_option
 @one_line_errors
@@ -132,8 +140,9 @@ def clear(url: str | None, cache_option: str | None, yes: bool, as_json: bool) -
         if not yes:
             click.confirm(
                 f"Remove all {entries(info.entries)} ({human_size(info.bytes)}) from {info.location}?",
-                abort=True, err=True,
-            )  # fmt: skip
+                abort=True,
+                err=True,
+            )
         cache.clear()
     if as_json:
         echo_json({"deleted": info.entries, "bytes": info.bytes})
@@ -163,9 +172,13 @@ def _copy_entries(
                 match.release()
             try:
                 dst.store(
-                    key, blob, namespace=entry.namespace, priority=entry.priority, generation=entry.generation,
+                    key,
+                    blob,
+                    namespace=entry.namespace,
+                    priority=entry.priority,
+                    generation=entry.generation,
                     pinned=entry.pinned,
-                )  # fmt: skip
+                )
             except CacheFull:  # more pinned entries than the destination's budget: copy it unpinned
                 dst.store(key, blob, namespace=entry.namespace, priority=entry.priority, generation=entry.generation)
                 unpinned += 1

@@ -74,9 +74,14 @@ def _print_demo_report(r: DemoReport) -> None:
 @_json_report
 @one_line_errors
 def warm(
-    model_path: str, prompt_files: tuple[str, ...], scope: str, pin: bool,
-    url: str | None, cache_option: str | None, as_json: bool,
-) -> None:  # fmt: skip
+    model_path: str,
+    prompt_files: tuple[str, ...],
+    scope: str,
+    pin: bool,
+    url: str | None,
+    cache_option: str | None,
+    as_json: bool,
+) -> None:
     """Precompute and store the states of prompts for a model."""
     from ..demo.warm import warm as prefill_prompts
 

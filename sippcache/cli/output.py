@@ -156,6 +156,11 @@ def byte_progress(what: str) -> Progress:
     """A progress bar in bytes on stderr (stdout stays clean for --json); silent when stderr is not a terminal."""
     console = Console(stderr=True)
     return Progress(
-        TextColumn(what), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-        console=console, transient=True, disable=not console.is_terminal,
-    )  # fmt: skip
+        TextColumn(what),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )

@@ -21,9 +21,14 @@ if TYPE_CHECKING:
 def progress_bars() -> Progress:
     """Spinners and bars on stderr, gone when done."""
     return Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=Console(stderr=True), transient=True,
-    )  # fmt: skip
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
 
 
 @contextmanager
@@ -37,9 +42,14 @@ def step(progress: Progress, description: str) -> Iterator[None]:
 
 
 def prefill_with_bar(
-    progress: Progress, description: str, cache: PrefixCache, tokens: list[int], *, restore: bool = True,
+    progress: Progress,
+    description: str,
+    cache: PrefixCache,
+    tokens: list[int],
+    *,
+    restore: bool = True,
     pin: bool = False,
-) -> int:  # fmt: skip
+) -> int:
     """`cache.prefill(tokens)` with a bar of the tokens evaluated; the tokens reused."""
     task = progress.add_task(escape(description), total=len(tokens))
 

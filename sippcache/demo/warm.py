@@ -31,9 +31,13 @@ class WarmReport:
 
 
 def warm(
-    model_path: str, prompt_files: Sequence[str], cache_url: str | None = None, *, scope: str = "default",
+    model_path: str,
+    prompt_files: Sequence[str],
+    cache_url: str | None = None,
+    *,
+    scope: str = "default",
     pin: bool = False,
-) -> WarmReport:  # fmt: skip
+) -> WarmReport:
     """Prefill each prompt file into the cache (and, with `pin`, pin their entries).
 
     The model is loaded with llama-cpp-python's default cache settings; a

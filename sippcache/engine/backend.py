@@ -59,17 +59,26 @@ class KVBackend(BaseBackend):
     default_max_bytes: ClassVar[int | None] = 8 * 1024**3
 
     def __init__(
-        self, *, max_bytes: Limit, max_entries: Limit, location: str, read_only: bool = False,
+        self,
+        *,
+        max_bytes: Limit,
+        max_entries: Limit,
+        location: str,
+        read_only: bool = False,
         eviction: EvictionPolicy = DEFAULT_POLICY,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(read_only=read_only)
         check_limits(max_bytes, max_entries)
         self.location = location
         self._lock = threading.RLock()
         self._replica = Replica(
-            location, max_bytes=max_bytes, max_entries=max_entries, default=Budget(self.default_max_bytes),
-            policy=eviction, claim=not read_only,
-        )  # fmt: skip
+            location,
+            max_bytes=max_bytes,
+            max_entries=max_entries,
+            default=Budget(self.default_max_bytes),
+            policy=eviction,
+            claim=not read_only,
+        )
         forking.hold_across_forks(self)
 
     @property
@@ -229,9 +238,12 @@ class KVBackend(BaseBackend):
             self._refresh()
             replica = self._replica
             return replica.catalog.stats(
-                backend=type(self).__name__, location=self.location, budget=replica.budget,
-                damaged=len(replica.damaged), **replica.counters,
-            )  # fmt: skip
+                backend=type(self).__name__,
+                location=self.location,
+                budget=replica.budget,
+                damaged=len(replica.damaged),
+                **replica.counters,
+            )
 
     def _entries(self, namespace: str | None) -> list[EntryInfo]:
         with self._lock:

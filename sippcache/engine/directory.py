@@ -52,4 +52,3 @@ def check_store_files(path: str, files: tuple[str, ...]) -> None:
             continue
         if not stat.S_ISREG(mode):
             raise CorruptStore(f"{os.path.join(path, name)} is not a regular file (a link or a folder?); refusing it")
-

@@ -75,13 +75,21 @@ def read_meta(eid: bytes, raw: Blob) -> Meta | None:
     except Exception:
         return None
     if not (
-        isinstance(namespace, str) and isinstance(key, bytes) and key and len(key) % 4 == 0
-        and isinstance(size, int) and size > 0 and isinstance(created, int)
-        and isinstance(priority, (int, float)) and not isinstance(priority, bool)
-        and math.isfinite(priority) and priority >= 0
-        and isinstance(generation, int) and not isinstance(generation, bool)
+        isinstance(namespace, str)
+        and isinstance(key, bytes)
+        and key
+        and len(key) % 4 == 0
+        and isinstance(size, int)
+        and size > 0
+        and isinstance(created, int)
+        and isinstance(priority, (int, float))
+        and not isinstance(priority, bool)
+        and math.isfinite(priority)
+        and priority >= 0
+        and isinstance(generation, int)
+        and not isinstance(generation, bool)
         and entry_id(namespace, key) == eid
-    ):  # fmt: skip
+    ):
         return None
     return Meta(namespace, key, size, created, float(priority), generation)
 
@@ -99,8 +107,9 @@ def read_values(raw: Blob | None) -> tuple[float, bool, bool] | None:
         value, pinned, superseded = msgpack.unpackb(raw, raw=False)
     except Exception:
         return None
-    if not (isinstance(value, float) and math.isfinite(value) and isinstance(pinned, bool)
-            and isinstance(superseded, bool)):  # fmt: skip
+    if not (
+        isinstance(value, float) and math.isfinite(value) and isinstance(pinned, bool) and isinstance(superseded, bool)
+    ):
         return None
     return value, pinned, superseded
 
@@ -135,13 +144,27 @@ def read_record(raw: Blob) -> list[Any] | None:
         record = msgpack.unpackb(raw, raw=False)
     except Exception:
         return None
-    valid = isinstance(record, list) and record and (
-        (record[0] in (Op.PUT, Op.DELETE, Op.VALUES) and len(record) == 2 and isinstance(record[1], bytes))
-        or (record[0] == Op.TOUCH and len(record) == 2 and isinstance(record[1], list)
-            and all(isinstance(t, list) and len(t) in (2, 3) and isinstance(t[0], bytes) and isinstance(t[1], int)
-                    and (len(t) == 2 or isinstance(t[2], float)) for t in record[1]))
-        or record in ([Op.CLEAR], [Op.BUDGET])
-    )  # fmt: skip
+    valid = (
+        isinstance(record, list)
+        and record
+        and (
+            (record[0] in (Op.PUT, Op.DELETE, Op.VALUES) and len(record) == 2 and isinstance(record[1], bytes))
+            or (
+                record[0] == Op.TOUCH
+                and len(record) == 2
+                and isinstance(record[1], list)
+                and all(
+                    isinstance(t, list)
+                    and len(t) in (2, 3)
+                    and isinstance(t[0], bytes)
+                    and isinstance(t[1], int)
+                    and (len(t) == 2 or isinstance(t[2], float))
+                    for t in record[1]
+                )
+            )
+            or record in ([Op.CLEAR], [Op.BUDGET])
+        )
+    )
     return record if valid else None
 
 

@@ -224,8 +224,11 @@ class Replica(Mirror):
         self.unconfirmed.clear()
         found = [put for key, raw in txn.scan(PREFIX_META) if (put := self._load(txn, bytes(key[1:]), raw))]
         if self.damaged:
-            log.warning("sippcache: %s has %d damaged entries; they are removed on the next write",
-                        self.location, len(self.damaged))  # fmt: skip
+            log.warning(
+                "sippcache: %s has %d damaged entries; they are removed on the next write",
+                self.location,
+                len(self.damaged),
+            )
         self.reload(found, seq, read_f64(txn.get(KEY_CLOCK)))
 
     def _load(self, txn: KVTxn, eid: bytes, raw: Blob | None = None) -> Put | None:
@@ -242,6 +245,16 @@ class Replica(Mirror):
         used = read_u64(txn.get(PREFIX_USED + eid)) or meta.created
         values = read_values(txn.get(PREFIX_VALUES + eid))
         value, pinned, superseded = values if values is not None else (meta.priority / tokens, False, False)
-        state = EntryState(meta.namespace, tokens, meta.size, meta.priority, meta.generation, meta.created, used,
-                           value, pinned, superseded)  # fmt: skip
+        state = EntryState(
+            meta.namespace,
+            tokens,
+            meta.size,
+            meta.priority,
+            meta.generation,
+            meta.created,
+            used,
+            value,
+            pinned,
+            superseded,
+        )
         return Put(eid, meta.key, state)

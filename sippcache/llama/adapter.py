@@ -127,9 +127,12 @@ class PrefixCache:
         self.llm = llm
         self.fingerprint: Fingerprint = llama_fingerprint(llm)
         self._states = SequenceCache(
-            cache, fingerprint=self.fingerprint, n_swa=int(llama_cpp.llama_model_n_swa(llm.model)),
-            n_vocab=llm.n_vocab(), options=options,
-        )  # fmt: skip
+            cache,
+            fingerprint=self.fingerprint,
+            n_swa=int(llama_cpp.llama_model_n_swa(llm.model)),
+            n_vocab=llm.n_vocab(),
+            options=options,
+        )
         self.options = options
         self.cache, self.namespace, self.scope = self._states.cache, self._states.namespace, options.scope
         self.min_tokens, self.checkpoint_interval = options.min_tokens, options.checkpoint_interval
@@ -220,9 +223,13 @@ class PrefixCache:
         return ids
 
     def _prefill(
-        self, ids: list[int], *, restore: bool = True, progress: Callable[[int, int], None] | None = None,
+        self,
+        ids: list[int],
+        *,
+        restore: bool = True,
+        progress: Callable[[int, int], None] | None = None,
         pin: bool = False,
-    ) -> PrefillResult:  # fmt: skip
+    ) -> PrefillResult:
         llm, stats = self.llm, self._states.stats
         with self._lock:
             restore_before = stats.restore_seconds
@@ -244,8 +251,9 @@ class PrefixCache:
                 self._evaluate(ids, start, branch, progress=progress, pin=pin, replace_final=restore)
             elif pin:
                 self._states.set_pinned(self._final_key(ids), True)
-            result = PrefillResult(restored, start - restored, len(ids) - start, logits is not None,
-                                   stats.restore_seconds - restore_before)  # fmt: skip
+            result = PrefillResult(
+                restored, start - restored, len(ids) - start, logits is not None, stats.restore_seconds - restore_before
+            )
         if self.on_prefill is not None:
             try:
                 self.on_prefill(result)
@@ -280,9 +288,15 @@ class PrefixCache:
     # -- evaluating and storing -------------------------------------------------
 
     def _evaluate(
-        self, ids: list[int], start: int, branch: int, *,
-        progress: Callable[[int, int], None] | None = None, pin: bool = False, replace_final: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        ids: list[int],
+        start: int,
+        branch: int,
+        *,
+        progress: Callable[[int, int], None] | None = None,
+        pin: bool = False,
+        replace_final: bool = False,
+    ) -> None:
         """Evaluate `ids[start:]`, snapshotting at checkpoint boundaries, where the
         prompt leaves the entry it shares most with (`branch`), and at the end: the
         whole prompt with its logits (over an entry without them if `replace_final`),
@@ -305,9 +319,14 @@ class PrefixCache:
         cache.stats.tokens_evaluated += n - start
 
     def _eval(
-        self, ids: list[int], begin: int, stop: int, start: int, end: int,
+        self,
+        ids: list[int],
+        begin: int,
+        stop: int,
+        start: int,
+        end: int,
         progress: Callable[[int, int], None] | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`llm.eval(ids[begin:stop])` in pieces that end at multiples of n_batch: after a
         restore or a kept live prefix, the pieces a cold prefill would evaluate (measured
         on gemma-3-270m: 2,000 tokens after 2 kept ones took 2.2% longer in pieces
@@ -512,9 +531,13 @@ class _PromptState(llama_cpp.llama.LlamaState):
 
     def __init__(self, ids: list[int], prefix_cache: PrefixCache | None = None) -> None:
         super().__init__(
-            input_ids=np.asarray(ids, dtype=np.intc), scores=np.empty((0, 0), dtype=np.single), n_tokens=len(ids),
-            llama_state=b"", llama_state_size=0, seed=0,
-        )  # fmt: skip
+            input_ids=np.asarray(ids, dtype=np.intc),
+            scores=np.empty((0, 0), dtype=np.single),
+            n_tokens=len(ids),
+            llama_state=b"",
+            llama_state_size=0,
+            seed=0,
+        )
         self.ids, self.prefix_cache = ids, prefix_cache
 
 

@@ -190,9 +190,16 @@ class BatchEngine:
         self._running: list[Job] = []  # in admission order
         self._clock = 0
         self.counters = dict(
-            admitted_live=0, admitted_warm=0, admitted_shared=0, admitted_cold=0, parked=0, borrowed_tokens=0,
-            decode_calls=0, tokens_generated=0, prompt_tokens_evaluated=0,
-        )  # fmt: skip
+            admitted_live=0,
+            admitted_warm=0,
+            admitted_shared=0,
+            admitted_cold=0,
+            parked=0,
+            borrowed_tokens=0,
+            decode_calls=0,
+            tokens_generated=0,
+            prompt_tokens_evaluated=0,
+        )
 
     @property
     def ctx(self) -> Any:
@@ -517,8 +524,11 @@ class BatchEngine:
     def idle_tokens(self, sessions: set[Hashable]) -> list[tuple[Hashable | None, int]]:
         """(session, tokens held) of every idle slot holding a sequence, but those of
         `sessions`, least recently used first."""
-        return [(s.session, len(s.tokens)) for s in sorted(self._slots, key=lambda s: s.used)
-                if s.job is None and s.tokens and (s.session is None or s.session not in sessions)]  # fmt: skip
+        return [
+            (s.session, len(s.tokens))
+            for s in sorted(self._slots, key=lambda s: s.used)
+            if s.job is None and s.tokens and (s.session is None or s.session not in sessions)
+        ]
 
     def park(self, session: Hashable) -> bool:
         """Snapshot the idle slot of `session` into the cache and free it; False if no
@@ -561,4 +571,3 @@ class BatchEngine:
         if self._ctx is not None:
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
-

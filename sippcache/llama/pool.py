@@ -108,8 +108,11 @@ class Sampling:
         def add(sampler: Any) -> None:
             llama_cpp.llama_sampler_chain_add(chain, sampler)
 
-        add(llama_cpp.llama_sampler_init_penalties(
-            n_vocab, PENALTY_LAST_N, self.repeat_penalty, self.frequency_penalty, self.presence_penalty))  # fmt: skip
+        add(
+            llama_cpp.llama_sampler_init_penalties(
+                n_vocab, PENALTY_LAST_N, self.repeat_penalty, self.frequency_penalty, self.presence_penalty
+            )
+        )
         seed = self.seed if self.seed is not None else random.randrange(2**32)
         if self.temperature == 0.0:
             add(llama_cpp.llama_sampler_init_greedy())
@@ -167,17 +170,27 @@ class SessionPool:
             self._owns_llm, self.llm = False, model
         else:  # a small context of its own: the pool's context is the engine's
             self._owns_llm = True
-            self.llm = llama_cpp.Llama(model_path=os.fspath(model), n_ctx=n_batch, n_batch=n_batch, verbose=False,
-                                       **llama_options)  # fmt: skip
+            self.llm = llama_cpp.Llama(
+                model_path=os.fspath(model), n_ctx=n_batch, n_batch=n_batch, verbose=False, **llama_options
+            )
         self._engine: BatchEngine | None = None
         try:
             self.fingerprint = llama_fingerprint(self.llm)  # the engine's context has the same K/V types and kernels
             self._states = SequenceCache(
-                cache, fingerprint=self.fingerprint, n_swa=int(llama_cpp.llama_model_n_swa(self.llm.model)),
-                n_vocab=self.llm.n_vocab(), options=options,
-            )  # fmt: skip
-            self._engine = BatchEngine(self.llm, self._states, slots=slots, n_ctx=n_ctx or 2048 * slots,
-                                       n_batch=n_batch, chunk=max(n_batch, 32) // 32 * 32)  # fmt: skip
+                cache,
+                fingerprint=self.fingerprint,
+                n_swa=int(llama_cpp.llama_model_n_swa(self.llm.model)),
+                n_vocab=self.llm.n_vocab(),
+                options=options,
+            )
+            self._engine = BatchEngine(
+                self.llm,
+                self._states,
+                slots=slots,
+                n_ctx=n_ctx or 2048 * slots,
+                n_batch=n_batch,
+                chunk=max(n_batch, 32) // 32 * 32,
+            )
         except BaseException:
             self._free()
             raise
@@ -190,9 +203,14 @@ class SessionPool:
     # -- public API ------------------------------------------------------------
 
     def generate(
-        self, prompts: Mapping[Hashable, Sequence[int]], *, max_tokens: int = 32, stop: Sequence[int] = (),
-        logits: bool = False, **sampling: Any,
-    ) -> dict[Hashable, Completion]:  # fmt: skip
+        self,
+        prompts: Mapping[Hashable, Sequence[int]],
+        *,
+        max_tokens: int = 32,
+        stop: Sequence[int] = (),
+        logits: bool = False,
+        **sampling: Any,
+    ) -> dict[Hashable, Completion]:
         """Run every session in `prompts` ({session: prompt tokens}) together; return
         {session: Completion}. At most `slots` sessions per call. A prompt continues
         a session's conversation when it starts with what the session holds (its
@@ -205,9 +223,13 @@ class SessionPool:
         return completions
 
     def stream(
-        self, prompts: Mapping[Hashable, Sequence[int]], *, max_tokens: int = 32, stop: Sequence[int] = (),
+        self,
+        prompts: Mapping[Hashable, Sequence[int]],
+        *,
+        max_tokens: int = 32,
+        stop: Sequence[int] = (),
         **sampling: Any,
-    ) -> Iterator[tuple[Hashable, int]]:  # fmt: skip
+    ) -> Iterator[tuple[Hashable, int]]:
         """`generate`, yielding (session, token) as each token is sampled (a stop token
         is not yielded)."""
         return self._run(prompts, max_tokens, stop, Sampling(**sampling), {}, False)
@@ -256,9 +278,14 @@ class SessionPool:
     # -- one call ------------------------------------------------------------------
 
     def _run(
-        self, prompts: Mapping[Hashable, Sequence[int]], max_tokens: int, stop: Sequence[int], sampling: Sampling,
-        completions: dict[Hashable, Completion], keep_logits: bool,
-    ) -> Iterator[tuple[Hashable, int]]:  # fmt: skip
+        self,
+        prompts: Mapping[Hashable, Sequence[int]],
+        max_tokens: int,
+        stop: Sequence[int],
+        sampling: Sampling,
+        completions: dict[Hashable, Completion],
+        keep_logits: bool,
+    ) -> Iterator[tuple[Hashable, int]]:
         checked = self._checked(prompts, max_tokens)
         stop_tokens = frozenset(int(t) for t in _tokens.decode(_tokens.encode(list(stop))))
         with self._lock:
@@ -270,10 +297,17 @@ class SessionPool:
             sampled: deque[tuple[Job, int, np.ndarray | None]] = deque()
             rows: dict[Hashable, list[np.ndarray]] = {session: [] for session in checked}
             jobs = [
-                Job(ids, sampling.chain(self._states.n_vocab), max_tokens, session=session, stop=stop_tokens,
-                    keep_logits=keep_logits, on_token=lambda job, token, logits: sampled.append((job, token, logits)))
+                Job(
+                    ids,
+                    sampling.chain(self._states.n_vocab),
+                    max_tokens,
+                    session=session,
+                    stop=stop_tokens,
+                    keep_logits=keep_logits,
+                    on_token=lambda job, token, logits: sampled.append((job, token, logits)),
+                )
                 for session, ids in checked.items()
-            ]  # fmt: skip
+            ]
             try:
                 for job in jobs:
                     engine.submit(job)
@@ -297,10 +331,15 @@ class SessionPool:
                 if job.error is not None:
                     raise job.error
                 completions[job.session] = Completion(
-                    job.generated[:-1] if job.finish_reason == "stop" else list(job.generated), job.admitted,
-                    job.reused, len(job.prompt) - job.reused, job.logits_from_store, job.finish_reason or "",
-                    (job.first_token_at or started) - started, rows[job.session] if keep_logits else None,
-                )  # fmt: skip
+                    job.generated[:-1] if job.finish_reason == "stop" else list(job.generated),
+                    job.admitted,
+                    job.reused,
+                    len(job.prompt) - job.reused,
+                    job.logits_from_store,
+                    job.finish_reason or "",
+                    (job.first_token_at or started) - started,
+                    rows[job.session] if keep_logits else None,
+                )
 
     def _checked(self, prompts: Mapping[Hashable, Sequence[int]], max_tokens: int) -> dict[Hashable, list[int]]:
         """Prompts as lists of ids this model and pool can run; ValueError/TypeError otherwise."""
@@ -311,8 +350,9 @@ class SessionPool:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         n_vocab = self._states.n_vocab
-        checked = {session: check_prompt(tokens, n_vocab, what=f"session {session!r}: ")
-                   for session, tokens in prompts.items()}  # fmt: skip
+        checked = {
+            session: check_prompt(tokens, n_vocab, what=f"session {session!r}: ") for session, tokens in prompts.items()
+        }
         need = sum(len(ids) + max_tokens for ids in checked.values())
         if need > self.n_ctx:
             raise ValueError(

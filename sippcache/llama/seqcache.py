@@ -325,8 +325,9 @@ class SequenceCache:
         started = time.perf_counter()
         key = match.key
         try:
-            entry = states.decode_entry(match.blob, key, fingerprint=self.fingerprint.digest, n_vocab=self.n_vocab,
-                                        secret=self.secret)  # fmt: skip
+            entry = states.decode_entry(
+                match.blob, key, fingerprint=self.fingerprint.digest, n_vocab=self.n_vocab, secret=self.secret
+            )
         except UnsupportedEntry as exc:  # a newer sippcache's entry: not ours to delete
             log.info("sippcache: skipping a cache entry (%d tokens): %s", len(key), exc)
             return None
@@ -366,8 +367,9 @@ class SequenceCache:
     def plan(self, start: int, branch: int, final: int) -> CheckpointPlan:
         """The checkpoints of an evaluation from `start` to `final` (`checkpoint_positions`
         with this cache's options), sharing one `checkpoint_budget`."""
-        positions = checkpoint_positions(start, branch, final, interval=self.options.checkpoint_interval,
-                                         min_tokens=self.min_tokens)  # fmt: skip
+        positions = checkpoint_positions(
+            start, branch, final, interval=self.options.checkpoint_interval, min_tokens=self.min_tokens
+        )
         return CheckpointPlan(positions, self.checkpoint_budget() if positions else None)
 
     def checkpoint(self, plan: CheckpointPlan, ctx: Any, seq: int, key: list[int]) -> None:
@@ -386,9 +388,16 @@ class SequenceCache:
         return None if max_bytes is None else max_bytes // 2
 
     def snapshot(
-        self, ctx: Any, seq: int, key: list[int], *, budget: int | None = None,
-        logits: np.ndarray | None = None, pinned: bool = False, replace: bool = False,
-    ) -> int:  # fmt: skip
+        self,
+        ctx: Any,
+        seq: int,
+        key: list[int],
+        *,
+        budget: int | None = None,
+        logits: np.ndarray | None = None,
+        pinned: bool = False,
+        replace: bool = False,
+    ) -> int:
         """Copy sequence `seq`'s state (and `logits`, the last position's) now, on the
         thread that owns the context, and store it in the background, unless `key`
         is stored already (and not to be replaced) or the state is larger than

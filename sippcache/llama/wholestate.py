@@ -126,9 +126,15 @@ class WholeStateCache:
                 "seed": int(value.seed), "scope": self.scope, "pid": os.getpid(),
             }  # fmt: skip
             blob = frame.encode(
-                key, sections, fingerprint=self.namespace, kind=KIND, meta=meta, roles=roles, secret=self.secret,
+                key,
+                sections,
+                fingerprint=self.namespace,
+                kind=KIND,
+                meta=meta,
+                roles=roles,
+                secret=self.secret,
                 versions={"llama_cpp_python": llama_cpp.__version__},
-            )  # fmt: skip
+            )
             if self._safely("store", lambda: self.cache.store(key, blob, namespace=self.namespace), False):
                 self.stats.entries_written += 1
                 self.stats.bytes_written += len(blob)
@@ -225,4 +231,3 @@ class WholeStateCache:
             self.stats.backend_errors += 1
             log.warning("sippcache: cache %s failed, continuing uncached: %s: %s", what, type(exc).__name__, exc)
             return default
-

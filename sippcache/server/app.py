@@ -40,7 +40,12 @@ def create_server_app(server_settings: ServerSettings, model_settings: list[Mode
         "/metrics", metrics, methods=["GET"], dependencies=auth, include_in_schema=False, response_model=None
     )
     app.add_api_route(
-        "/v1/cache/stats", cache_stats, methods=["GET"], dependencies=auth, response_model=None,
-        summary="Cache stats", tags=["sippcache"],
-    )  # fmt: skip
+        "/v1/cache/stats",
+        cache_stats,
+        methods=["GET"],
+        dependencies=auth,
+        response_model=None,
+        summary="Cache stats",
+        tags=["sippcache"],
+    )
     return app

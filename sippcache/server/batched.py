@@ -126,11 +126,22 @@ class BatchedLlama(llama_cpp.Llama):
         sampler chain for these arguments, in a batch with the other requests'."""
         prompt = [int(t) for t in tokens]
         sampler = self._init_sampler(
-            top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temp, repeat_penalty=repeat_penalty,
-            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, tfs_z=tfs_z,
-            mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
-            penalize_nl=penalize_nl, logits_processor=logits_processor, grammar=grammar,
-        )  # fmt: skip
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            typical_p=typical_p,
+            temp=temp,
+            repeat_penalty=repeat_penalty,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            tfs_z=tfs_z,
+            mirostat_mode=mirostat_mode,
+            mirostat_tau=mirostat_tau,
+            mirostat_eta=mirostat_eta,
+            penalize_nl=penalize_nl,
+            logits_processor=logits_processor,
+            grammar=grammar,
+        )
         rows = self._wants_rows or stopping_criteria is not None
         if rows:  # logprobs read a row per position; zeroed pages cost nothing until written
             self.scores = np.zeros((self._n_ctx, self._n_vocab), dtype=np.single)
@@ -141,8 +152,15 @@ class BatchedLlama(llama_cpp.Llama):
                 self.scores[job.evaluated - 1, :] = logits
             tokens_out.put(token)
 
-        job = Job(prompt, sampler.sampler, max_new=max(1, self._n_ctx - len(prompt)), keep_logits=rows,
-                  on_token=on_token, on_finish=lambda job: tokens_out.put(None), keepalive=sampler)  # fmt: skip
+        job = Job(
+            prompt,
+            sampler.sampler,
+            max_new=max(1, self._n_ctx - len(prompt)),
+            keep_logits=rows,
+            on_token=on_token,
+            on_finish=lambda job: tokens_out.put(None),
+            keepalive=sampler,
+        )
         self._job = job
         self._scheduler.submit(job, CURRENT.get())
         try:
@@ -205,4 +223,3 @@ class BatchedLlama(llama_cpp.Llama):
 
     def __del__(self) -> None:
         pass
-

@@ -45,8 +45,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     server_settings, model_settings = settings.server, settings.models
     ignored = sorted({name for s in model_settings for name in UPSTREAM_CACHE_SETTINGS if name in s.model_fields_set})
     if ignored:
-        print(f"sippcache serve: ignoring llama-cpp-python's own cache settings ({', '.join(ignored)}): "
-              "the cache is sippcache's (--cache URL)", file=sys.stderr)  # fmt: skip
+        print(
+            f"sippcache serve: ignoring llama-cpp-python's own cache settings ({', '.join(ignored)}): "
+            "the cache is sippcache's (--cache URL)",
+            file=sys.stderr,
+        )
     try:
         try:
             app = create_server_app(server_settings, model_settings, pool)

@@ -178,16 +178,26 @@ async def _watch(receive: Receive, context: RequestContext, hung_up: asyncio.Eve
 
 
 async def _busy(send: Send, alias: str, retry_after: int) -> None:
-    body = json.dumps({
-        "error": {
-            "message": f"model {alias} is busy: every slot is running and its queue is full; retry after "
-            f"{retry_after} s",
-            "type": "server_busy", "param": None, "code": "queue_full",
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"model {alias} is busy: every slot is running and its queue is full; retry after "
+                f"{retry_after} s",
+                "type": "server_busy",
+                "param": None,
+                "code": "queue_full",
+            }
         }
-    }).encode()  # fmt: skip
-    await send({
-        "type": "http.response.start", "status": 503,
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                    (b"retry-after", str(retry_after).encode())],
-    })  # fmt: skip
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", str(retry_after).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -30,9 +30,15 @@ from prometheus_client.registry import Collector
 from ..protocol import CacheBackend
 
 __all__ = [
-    "CONTENT_TYPE_LATEST", "MODEL_COUNTERS", "SERVING_COUNTERS", "SERVING_GAUGES", "STORE_COUNTERS", "STORE_GAUGES",
-    "ServeMetrics", "StoreReader",
-]  # fmt: skip
+    "CONTENT_TYPE_LATEST",
+    "MODEL_COUNTERS",
+    "SERVING_COUNTERS",
+    "SERVING_GAUGES",
+    "STORE_COUNTERS",
+    "STORE_GAUGES",
+    "ServeMetrics",
+    "StoreReader",
+]
 
 #: (PrefixCache.stats() key, metric name without _total, help): one series per model alias.
 MODEL_COUNTERS: tuple[tuple[str, str, str], ...] = (
@@ -48,8 +54,11 @@ MODEL_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("bytes_written", "sippcache_bytes_written", "Bytes of entries this server wrote to the store."),
     ("bytes_read", "sippcache_bytes_read", "Bytes of entries restored from the store."),
     ("corrupt_entries", "sippcache_corrupt_entries", "Entries dropped because they failed their checks."),
-    ("rejected_entries", "sippcache_rejected_entries",
-     "Entries llama.cpp refused or that could not be cut back exactly."),
+    (
+        "rejected_entries",
+        "sippcache_rejected_entries",
+        "Entries llama.cpp refused or that could not be cut back exactly.",
+    ),
 )
 #: (model row key, metric name, help): how each model is serving, read at scrape time.
 SERVING_GAUGES: tuple[tuple[str, str, str], ...] = (
@@ -57,18 +66,27 @@ SERVING_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("running", "sippcache_requests_running", "Requests running now."),
     ("queued", "sippcache_requests_queued", "Requests admitted and waiting to run."),
     ("busy_slots", "sippcache_slots_busy", "Slots running a request now (slot occupancy: this / sippcache_slots)."),
-    ("prompt_tokens_per_second", "sippcache_prompt_tokens_per_second",
-     "Prompt tokens the batched path evaluated per second, over the last 10 s."),
-    ("generated_tokens_per_second", "sippcache_generated_tokens_per_second",
-     "Tokens the batched path generated per second, over the last 10 s."),
+    (
+        "prompt_tokens_per_second",
+        "sippcache_prompt_tokens_per_second",
+        "Prompt tokens the batched path evaluated per second, over the last 10 s.",
+    ),
+    (
+        "generated_tokens_per_second",
+        "sippcache_generated_tokens_per_second",
+        "Tokens the batched path generated per second, over the last 10 s.",
+    ),
 )
 #: (model row key, metric name without _total, help), read at scrape time.
 SERVING_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("prompt_tokens_evaluated", "sippcache_batched_prompt_tokens", "Prompt tokens the batched path evaluated."),
     ("tokens_generated", "sippcache_batched_generated_tokens", "Tokens the batched path generated."),
     ("decode_calls", "sippcache_batched_steps", "Batched steps (llama_decode calls)."),
-    ("borrowed_tokens", "sippcache_borrowed_tokens",
-     "Prompt tokens shared from another slot's sequence (llama_memory_seq_cp) instead of evaluated."),
+    (
+        "borrowed_tokens",
+        "sippcache_borrowed_tokens",
+        "Prompt tokens shared from another slot's sequence (llama_memory_seq_cp) instead of evaluated.",
+    ),
     ("rejected", "sippcache_requests_rejected", "Requests turned away with 503: every slot busy and the queue full."),
 )
 #: Tokens per batched step (a decode token per running request plus prompt tokens).
@@ -89,8 +107,11 @@ STORE_GAUGES: tuple[tuple[str, str, str], ...] = (
 STORE_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("evictions", "sippcache_store_evictions", "Entries this server's store handle evicted to stay within budget."),
     ("refused", "sippcache_store_refused", "Entries this server's store handle refused (too large, or no room)."),
-    ("errors", "sippcache_store_errors",
-     "Operations the store could not do (e.g. server down), answered as misses or dropped."),
+    (
+        "errors",
+        "sippcache_store_errors",
+        "Operations the store could not do (e.g. server down), answered as misses or dropped.",
+    ),
 )
 #: Restore times: a memory copy (about 2 ms for 12 MB) up to a slow network store.
 RESTORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -156,22 +177,31 @@ class ServeMetrics:
         self.restore_seconds = Histogram(
             "sippcache_restore_seconds",
             "Time to restore a prefix from the cache into the llama context, per prefill that restored one.",
-            ["model"], registry=self.registry, buckets=RESTORE_BUCKETS,
-        )  # fmt: skip
+            ["model"],
+            registry=self.registry,
+            buckets=RESTORE_BUCKETS,
+        )
         self.batch_tokens = Histogram(
-            "sippcache_batch_tokens", "Tokens in each batched step (llama_decode): decode tokens plus prompt tokens.",
-            ["model"], registry=self.registry, buckets=BATCH_BUCKETS,
-        )  # fmt: skip
+            "sippcache_batch_tokens",
+            "Tokens in each batched step (llama_decode): decode tokens plus prompt tokens.",
+            ["model"],
+            registry=self.registry,
+            buckets=BATCH_BUCKETS,
+        )
         self.ttft = Histogram(
             "sippcache_time_to_first_token_seconds",
             "From a completion request's arrival to its first token (path: batched or serialized).",
-            ["model", "path"], registry=self.registry, buckets=TTFT_BUCKETS,
-        )  # fmt: skip
+            ["model", "path"],
+            registry=self.registry,
+            buckets=TTFT_BUCKETS,
+        )
         self.tpot = Histogram(
             "sippcache_time_per_output_token_seconds",
             "Time per generated token after the first, per completion (path: batched or serialized).",
-            ["model", "path"], registry=self.registry, buckets=TPOT_BUCKETS,
-        )  # fmt: skip
+            ["model", "path"],
+            registry=self.registry,
+            buckets=TPOT_BUCKETS,
+        )
         self._serialized: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         for alias in aliases:
@@ -250,13 +280,14 @@ class _Collector(Collector):
             "Requests of a --parallel model run on the shared model, one at a time (reason: prompt_logprobs, "
             "embedding, model: the model cannot run batched).",
             labels=["model", "reason"],
-        )  # fmt: skip
+        )
         counts = self.metrics.serialized_counts()
         for row in rows:
             for key, value in row.items():
                 if key.startswith("serialized_"):
-                    counts[row["model"], key.removeprefix("serialized_")] = counts.get(
-                        (row["model"], key.removeprefix("serialized_")), 0) + value  # fmt: skip
+                    counts[row["model"], key.removeprefix("serialized_")] = (
+                        counts.get((row["model"], key.removeprefix("serialized_")), 0) + value
+                    )
         for (model, reason), value in sorted(counts.items()):
             serialized.add_metric([model, reason], value)
         yield serialized
@@ -265,7 +296,7 @@ class _Collector(Collector):
             "Store failures the adapter saw (kind=lookup: lookups, deletes, touches; kind=write: background "
             "writes); the request went on uncached.",
             labels=["model", "kind"],
-        )  # fmt: skip
+        )
         for row in rows:
             for key, kind in BACKEND_ERRORS:
                 errors.add_metric([row["model"], kind], row.get(key, 0))
@@ -274,9 +305,10 @@ class _Collector(Collector):
             "sippcache_model_loaded", "1 for the model alias the server has loaded.", labels=["model"]
         )
         info = GaugeMetricFamily(
-            "sippcache_model_cache_info", "The store and scope each model alias uses (value 1).",
+            "sippcache_model_cache_info",
+            "The store and scope each model alias uses (value 1).",
             labels=["model", "store", "scope"],
-        )  # fmt: skip
+        )
         for row in rows:
             loaded.add_metric([row["model"]], 1 if row["loaded"] else 0)
             info.add_metric([row["model"], row["store"] or "", row["scope"] or ""], 1)

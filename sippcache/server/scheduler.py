@@ -81,9 +81,14 @@ class Scheduler:
     ) -> None:
         self.model, self.sequences = model, sequences
         self.engine = BatchEngine(
-            model, sequences, slots=slots, n_ctx=slots * model.n_ctx(), n_batch=model.n_batch, chunk=chunk,
+            model,
+            sequences,
+            slots=slots,
+            n_ctx=slots * model.n_ctx(),
+            n_batch=model.n_batch,
+            chunk=chunk,
             store_finished=True,
-        )  # fmt: skip
+        )
         self.stats = SchedulerStats(slots)
         self.on_step, self.on_done = on_step, on_done
         self._incoming: list[tuple[Job, RequestContext | None]] = []
@@ -216,7 +221,7 @@ class Scheduler:
         running = sorted(
             ((job, request) for job, request in self._requests.items() if job.state in ("prefill", "decode")),
             key=lambda item: item[0].submitted_at,
-        )  # fmt: skip
+        )
         for _, request in running:
             if owed <= 0:
                 return

@@ -55,9 +55,17 @@ FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no", "none"})
 #: (sippcache.llama.fingerprint) does not cover: a model loaded with other values gets
 #: another scope, so its entries never mix with the defaults'.
 STATE_SETTINGS = (
-    "rope_scaling_type", "rope_freq_base", "rope_freq_scale", "yarn_ext_factor", "yarn_attn_factor",
-    "yarn_beta_fast", "yarn_beta_slow", "yarn_orig_ctx", "kv_overrides", "lora_base",
-)  # fmt: skip
+    "rope_scaling_type",
+    "rope_freq_base",
+    "rope_freq_scale",
+    "yarn_ext_factor",
+    "yarn_attn_factor",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_orig_ctx",
+    "kv_overrides",
+    "lora_base",
+)
 #: Upstream's own cache settings: accepted (so config files keep validating), unused.
 UPSTREAM_CACHE_SETTINGS = ("cache", "cache_type", "cache_size")
 
@@ -113,29 +121,37 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add_args_from_model(parser, UpstreamSettings)
     parser.add_argument("--config_file", type=str, help="Path to a config file to load.")
     parser.add_argument(
-        "--cache", dest="cache_url", metavar="URL",
+        "--cache",
+        dest="cache_url",
+        metavar="URL",
         help="The sippcache store every model uses (a model in --config_file may name its own with "
         f"'{CACHE_URL_KEY}'): lmdb:///path, diskcache:///path, ram://, redis://host, tiered://... "
         "(default: $SIPPCACHE_URL, else LMDB in the user cache folder). 'true' means the default; "
         "'false' serves without a cache. Upstream's cache_type and cache_size are ignored.",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--parallel", type=int, metavar="N",
+        "--parallel",
+        type=int,
+        metavar="N",
         help="Requests each model runs at once, batched in one llama.cpp context whose KV cache holds N x n_ctx "
         f"tokens (a model in --config_file may set its own 'parallel'). Default {DEFAULT_PARALLEL}; 1 serves one "
         "request at a time, as llama-cpp-python's server does.",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--max_queue", type=int, metavar="M",
+        "--max_queue",
+        type=int,
+        metavar="M",
         help=f"Requests per model that may wait beyond the N running; more get 503 with Retry-After "
         f"(default {DEFAULT_MAX_QUEUE}; 'max_queue' per model in --config_file).",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--prefill_chunk", type=int, metavar="K",
+        "--prefill_chunk",
+        type=int,
+        metavar="K",
         help=f"With --parallel > 1: prompt tokens evaluated per step, at most, so a long new prompt holds the "
         f"others' decoding back by one chunk at most (a multiple of 32; default {DEFAULT_PREFILL_CHUNK}; "
         "'prefill_chunk' per model in --config_file).",
-    )  # fmt: skip
+    )
     return parser
 
 
@@ -151,9 +167,10 @@ def load_settings(args: argparse.Namespace) -> Settings:
     the model ends a stream in progress, without an error or a finish reason.
     """
     defaults: dict[str, Any] = {
-        name: getattr(args, name) for name in ("parallel", "max_queue", "prefill_chunk")
+        name: getattr(args, name)
+        for name in ("parallel", "max_queue", "prefill_chunk")
         if getattr(args, name, None) is not None
-    }  # fmt: skip
+    }
     config_file = os.environ.get("CONFIG_FILE", args.config_file)
     try:
         if not config_file:
@@ -199,8 +216,11 @@ def load_settings(args: argparse.Namespace) -> Settings:
             # CPU kernels compute attention over all of them and mask, so a step costs more with
             # every other conversation held (llama-server's default is on, too): docs/serve.md.
             settings.flash_attn = True
-            print(f"sippcache serve: {alias}: flash attention on for --parallel {options[alias].parallel} "
-                  "(--flash_attn false to turn it off)", file=sys.stderr)  # fmt: skip
+            print(
+                f"sippcache serve: {alias}: flash attention on for --parallel {options[alias].parallel} "
+                "(--flash_attn false to turn it off)",
+                file=sys.stderr,
+            )
     return Settings(server_settings, model_settings, options)
 
 

@@ -148,9 +148,11 @@ class CachePool:
         chosen = chat_format_for(served, settings)
         if chosen is not None:
             served.chat_format = chosen
-            print(f"sippcache serve: {alias} has no chat template; using chat_format '{chosen}' for its "
-                  f"architecture '{served.metadata.get('general.architecture')}' (--chat_format to choose)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"sippcache serve: {alias} has no chat template; using chat_format '{chosen}' for its "
+                f"architecture '{served.metadata.get('general.architecture')}' (--chat_format to choose)",
+                file=sys.stderr,
+            )
         if entry.store is None or settings.vocab_only:
             served.set_cache(None)
         else:
@@ -174,9 +176,11 @@ class CachePool:
             # as for logits_all=False.
             served._logits_all = False
             cache = LlamaCache(
-                self._stores[entry.store or ""], llm=served, options=entry.cache_options,
+                self._stores[entry.store or ""],
+                llm=served,
+                options=entry.cache_options,
                 on_prefill=self.metrics.prefill_observer(entry.alias),
-            )  # fmt: skip
+            )
             prefix_cache = cache.prefix_cache(served)
         except Exception as exc:  # a store that fails now costs speed only: serve uncached
             log.warning("sippcache: serving %s without a cache: %s: %s", entry.alias, type(exc).__name__, exc)
@@ -196,16 +200,24 @@ class CachePool:
         cache = served.sippcache_cache
         store: str | CacheBackend = cache.cache if cache is not None else NO_CACHE_STORE
         sequences = SequenceCache(
-            store, fingerprint=llama_fingerprint(served), n_swa=int(llama_cpp.llama_model_n_swa(served.model)),
-            n_vocab=served.n_vocab(), options=entry.cache_options,
-        )  # fmt: skip
+            store,
+            fingerprint=llama_fingerprint(served),
+            n_swa=int(llama_cpp.llama_model_n_swa(served.model)),
+            n_vocab=served.n_vocab(),
+            options=entry.cache_options,
+        )
         alias = entry.alias
         try:
             return Scheduler(
-                served, sequences, slots=entry.options.parallel, chunk=entry.options.prefill_chunk, name=alias,
+                served,
+                sequences,
+                slots=entry.options.parallel,
+                chunk=entry.options.prefill_chunk,
+                name=alias,
                 on_step=lambda report: self.metrics.observe_step(alias, report),
-                on_done=lambda job, request: self._finished(alias, job, request), interrupting=self.interrupting,
-            )  # fmt: skip
+                on_done=lambda job, request: self._finished(alias, job, request),
+                interrupting=self.interrupting,
+            )
         except BaseException:
             sequences.close()
             raise
@@ -295,14 +307,23 @@ class CachePool:
                 totals = _added(totals, {**scheduler.sequences.counters(), **scheduler.engine.counters})
                 totals = _added(totals, {f"serialized_{k}": v for k, v in scheduler.stats.serialized.items()})
                 prompt_rate, generated_rate = scheduler.stats.rates()
-            rows.append({
-                "model": entry.alias, "store": entry.store, "scope": entry.scope, "namespace": entry.namespace,
-                "loaded": live is not None, "parallel": entry.options.parallel if entry.obstacle is None else 1,
-                "running": running, "queued": max(0, inside - running),
-                "busy_slots": scheduler.stats.busy_slots if scheduler is not None else running,
-                "prompt_tokens_per_second": prompt_rate, "generated_tokens_per_second": generated_rate,
-                "rejected": self.admission.rejected.get(entry.alias, 0), **totals,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "model": entry.alias,
+                    "store": entry.store,
+                    "scope": entry.scope,
+                    "namespace": entry.namespace,
+                    "loaded": live is not None,
+                    "parallel": entry.options.parallel if entry.obstacle is None else 1,
+                    "running": running,
+                    "queued": max(0, inside - running),
+                    "busy_slots": scheduler.stats.busy_slots if scheduler is not None else running,
+                    "prompt_tokens_per_second": prompt_rate,
+                    "generated_tokens_per_second": generated_rate,
+                    "rejected": self.admission.rejected.get(entry.alias, 0),
+                    **totals,
+                }
+            )
         return rows
 
     def store_readers(self) -> list[StoreReader]:
@@ -314,4 +335,3 @@ def _added(totals: dict[str, Any], more: dict[str, int | float]) -> dict[str, An
     for key, value in more.items():
         out[key] = out.get(key, 0) + value
     return out
-

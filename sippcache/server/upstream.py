@@ -101,9 +101,11 @@ class Gate:
     """
 
     def __init__(
-        self, admission: Admission, parallel: Callable[[str], bool],
+        self,
+        admission: Admission,
+        parallel: Callable[[str], bool],
         interrupted: Callable[[str, RequestContext], bool],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._admission = admission
         self._parallel = parallel
         self._interrupted = interrupted

@@ -1,5 +1,4 @@
-"""Generations: an entry is never replaced by one computed earlier.
-"""
+"""Generations: an entry is never replaced by one computed earlier."""
 
 from __future__ import annotations
 

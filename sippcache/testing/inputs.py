@@ -21,9 +21,16 @@ class InputTests(BackendFixtures):
     def test_token_sequence_types(self, cache: CacheBackend) -> None:
         numpy = pytest.importorskip("numpy")
         cache.store(array("i", [9, 8, 7]), b"x")
-        for query in ([9, 8, 7], (9, 8, 7), array("I", [9, 8, 7]), array("q", [9, 8, 7]),
-                      numpy.array([9, 8, 7], dtype=numpy.int32), numpy.array([9, 8, 7], dtype=numpy.int64),
-                      numpy.array([9, 8, 7], dtype=numpy.uint32), range(9, 6, -1)):  # fmt: skip
+        for query in (
+            [9, 8, 7],
+            (9, 8, 7),
+            array("I", [9, 8, 7]),
+            array("q", [9, 8, 7]),
+            numpy.array([9, 8, 7], dtype=numpy.int32),
+            numpy.array([9, 8, 7], dtype=numpy.int64),
+            numpy.array([9, 8, 7], dtype=numpy.uint32),
+            range(9, 6, -1),
+        ):
             assert blob_of(cache.lookup(query)) == b"x", type(query)
         assert cache.delete(numpy.array([9, 8, 7], dtype=numpy.int64))
 
@@ -34,15 +41,20 @@ class InputTests(BackendFixtures):
 
     @pytest.mark.parametrize(
         "tokens, error, position",
-        [([1, -1, 2], ValueError, "position 1"), ([0, 1, 2**31], ValueError, "position 2"),
-         ([1, 2**70], ValueError, "position 1"), ([1.0, 2], TypeError, "position 0"),
-         ("abc", TypeError, "str"), (b"abc", TypeError, "bytes"), ([1, None], TypeError, "position 1")],
-    )  # fmt: skip
+        [
+            ([1, -1, 2], ValueError, "position 1"),
+            ([0, 1, 2**31], ValueError, "position 2"),
+            ([1, 2**70], ValueError, "position 1"),
+            ([1.0, 2], TypeError, "position 0"),
+            ("abc", TypeError, "str"),
+            (b"abc", TypeError, "bytes"),
+            ([1, None], TypeError, "position 1"),
+        ],
+    )
     def test_bad_tokens_rejected_and_nothing_written(
         self, cache: CacheBackend, tokens: Any, error: type, position: str
     ) -> None:
-        for call in (lambda: cache.store(tokens, b"x"), lambda: cache.lookup(tokens),
-                     lambda: cache.delete(tokens)):  # fmt: skip
+        for call in (lambda: cache.store(tokens, b"x"), lambda: cache.lookup(tokens), lambda: cache.delete(tokens)):
             with pytest.raises(error, match=position):
                 call()
         assert len(cache) == 0
@@ -72,10 +84,18 @@ class InputTests(BackendFixtures):
 
     @pytest.mark.parametrize(
         "options, error",
-        [({"priority": -1}, ValueError), ({"priority": float("nan")}, ValueError), ({"priority": "high"}, TypeError),
-         ({"priority": True}, TypeError), ({"pinned": 1}, TypeError), ({"pinned": None}, TypeError),
-         ({"generation": -1}, ValueError), ({"generation": 2**63}, ValueError), ({"generation": 1.5}, TypeError)],
-    )  # fmt: skip
+        [
+            ({"priority": -1}, ValueError),
+            ({"priority": float("nan")}, ValueError),
+            ({"priority": "high"}, TypeError),
+            ({"priority": True}, TypeError),
+            ({"pinned": 1}, TypeError),
+            ({"pinned": None}, TypeError),
+            ({"generation": -1}, ValueError),
+            ({"generation": 2**63}, ValueError),
+            ({"generation": 1.5}, TypeError),
+        ],
+    )
     def test_bad_retention_options_rejected(self, cache: CacheBackend, options: dict[str, Any], error: type) -> None:
         with pytest.raises(error):
             cache.store([1, 2], b"x", **options)

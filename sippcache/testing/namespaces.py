@@ -1,5 +1,4 @@
-"""Namespaces: the same tokens in two namespaces are two entries that never meet.
-"""
+"""Namespaces: the same tokens in two namespaces are two entries that never meet."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Pinned entries: never evicted, counted against the budgets, refused beyond them.
-"""
+"""Pinned entries: never evicted, counted against the budgets, refused beyond them."""
 
 from __future__ import annotations
 

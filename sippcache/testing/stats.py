@@ -1,5 +1,4 @@
-"""What a store reports about itself: `stats()` counters and the `entries()` listing.
-"""
+"""What a store reports about itself: `stats()` counters and the `entries()` listing."""
 
 from __future__ import annotations
 
@@ -28,7 +27,9 @@ class StatsTests(BackendFixtures):
         assert cache.lookup([1, 2], namespace="x") is not None  # now the most recent
         listed = list(cache.entries())
         assert [(e.namespace, tuple(e.key), e.size) for e in listed] == [
-            ("y", (3,), 3 + 4), ("x", (4, 5, 6), 1 + 12), ("x", (1, 2), 2 + 8)
+            ("y", (3,), 3 + 4),
+            ("x", (4, 5, 6), 1 + 12),
+            ("x", (1, 2), 2 + 8),
         ]
         assert all(before - 1 <= e.created <= e.last_used <= time.time() + 1 for e in listed)
         assert [tuple(e.key) for e in cache.entries(namespace="x")] == [(4, 5, 6), (1, 2)]

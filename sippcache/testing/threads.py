@@ -1,5 +1,4 @@
-"""One handle shared by many threads.
-"""
+"""One handle shared by many threads."""
 
 from __future__ import annotations
 

@@ -105,9 +105,13 @@ _TLS_OPTIONS: dict[str, type] = {
 #: ASK or TRYAGAIN reply is not one: the cluster client has updated its slot map, so the
 #: operation is a miss and the next one goes to the right node.)
 _UNAVAILABLE: tuple[type[BaseException], ...] = (
-    rexc.ConnectionError, rexc.TimeoutError, rexc.ReadOnlyError, rexc.ClusterError, rexc.RedisClusterException,
+    rexc.ConnectionError,
+    rexc.TimeoutError,
+    rexc.ReadOnlyError,
+    rexc.ClusterError,
+    rexc.RedisClusterException,
     OSError,
-)  # fmt: skip
+)
 
 
 def _tls_failure(exc: BaseException) -> bool:
@@ -292,10 +296,14 @@ class RedisBackend(BaseBackend):
         """A client for the server, or for the cluster it belongs to (detected unless forced)."""
         address = self.address
         common: dict[str, Any] = dict(
-            username=address.username, password=address.password,
-            socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0, driver_info=None,
-        )  # fmt: skip
+            username=address.username,
+            password=address.password,
+            socket_timeout=self.timeout,
+            socket_connect_timeout=self.timeout,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+            driver_info=None,
+        )
         if address.tls:
             common["ssl"] = True
             common.update(self._tls_options)
@@ -336,8 +344,11 @@ class RedisBackend(BaseBackend):
             self.round_trips += 2
         except rexc.ResponseError as exc:
             text = str(exc)
-            if not isinstance(exc, rexc.NoPermissionError) and "no permissions" not in text.lower() \
-                    and "acl failure" not in text.lower():  # fmt: skip
+            if (
+                not isinstance(exc, rexc.NoPermissionError)
+                and "no permissions" not in text.lower()
+                and "acl failure" not in text.lower()
+            ):
                 raise
             user = self.address.username or "default"
             text = " ".join(text.split())  # one line
@@ -400,8 +411,9 @@ class RedisBackend(BaseBackend):
             self._outage = text
             log.warning(
                 "sippcache: %s is unavailable (%s); lookups miss and stores are dropped until it answers again",
-                self.location, text,
-            )  # fmt: skip
+                self.location,
+                text,
+            )
         else:
             self._backoff = min(BACKOFF_MAX, self._backoff * 2)
         self._retry_at = self.clock() + self._backoff
@@ -560,8 +572,11 @@ class RedisBackend(BaseBackend):
             self._take_budget(reply)
             self._refs, self._epoch = {entry.put.eid: entry.ref for entry in found}, epoch
             if damaged:
-                log.warning("sippcache: %s has %d damaged entries; they are invisible and removed now",
-                            self.location, len(damaged))  # fmt: skip
+                log.warning(
+                    "sippcache: %s has %d damaged entries; they are invisible and removed now",
+                    self.location,
+                    len(damaged),
+                )
             for _ in range(64):
                 reply = self._script("sync", [])
                 status = self._absorb(reply)
@@ -750,10 +765,20 @@ class RedisBackend(BaseBackend):
                 marks += [change.eid, pack_values(used, change.value, change.pinned, change.superseded)]
             elif isinstance(change, Put) and ref is not None:
                 state = change.state
-                puts += [change.eid, pack_meta(change.key, state, ref),
-                         pack_values(state.used, state.value, state.pinned, state.superseded)]  # fmt: skip
-        args = [repr(catalog.clock_after(changes)), len(deletes), *deletes, len(marks) // 2, *marks, len(puts) // 3,
-                *puts]  # fmt: skip
+                puts += [
+                    change.eid,
+                    pack_meta(change.key, state, ref),
+                    pack_values(state.used, state.value, state.pinned, state.superseded),
+                ]
+        args = [
+            repr(catalog.clock_after(changes)),
+            len(deletes),
+            *deletes,
+            len(marks) // 2,
+            *marks,
+            len(puts) // 3,
+            *puts,
+        ]
         reply = self._script("commit", args)
         if reply[5] != 1:
             self._catch_up(reply)
@@ -932,9 +957,12 @@ class RedisBackend(BaseBackend):
             self._refresh()
             mirror = self._mirror
             return mirror.catalog.stats(
-                backend=type(self).__name__, location=self.location, budget=mirror.budget,
-                damaged=len(mirror.damaged), **mirror.counters,
-            )  # fmt: skip
+                backend=type(self).__name__,
+                location=self.location,
+                budget=mirror.budget,
+                damaged=len(mirror.damaged),
+                **mirror.counters,
+            )
 
     def _len(self) -> int:
         with self._lock:
@@ -958,7 +986,6 @@ class RedisBackend(BaseBackend):
                 except Exception:  # closing must not fail
                     pass
                 self._redis = None
-
 
 
 class RedisTLSBackend(RedisBackend):

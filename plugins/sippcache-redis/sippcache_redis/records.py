@@ -79,8 +79,16 @@ class Logged:
 
 def pack_meta(key: bytes, state: EntryState, ref: BlobRef) -> bytes:
     """A `cat` value: the blob id, then msgpack of the entry's fixed fields and its chunking."""
-    body = [state.namespace, key, state.size, state.created, state.priority, state.generation, ref.chunk_size,
-            ref.checksum]  # fmt: skip
+    body = [
+        state.namespace,
+        key,
+        state.size,
+        state.created,
+        state.priority,
+        state.generation,
+        ref.chunk_size,
+        ref.checksum,
+    ]
     packed: bytes = msgpack.packb(body, use_bin_type=True)
     return ref.blob_id + packed
 
@@ -97,15 +105,26 @@ def read_entry(eid: bytes, meta: Any, values: Any) -> StoredEntry | None:
     except Exception:
         return None
     if not (
-        isinstance(namespace, str) and isinstance(key, bytes) and key and len(key) % 4 == 0
+        isinstance(namespace, str)
+        and isinstance(key, bytes)
+        and key
+        and len(key) % 4 == 0
         and len(namespace.encode("utf-8", "surrogatepass")) <= 1024
-        and type(size) is int and size > len(key) and type(created) is int and created >= 0
-        and isinstance(priority, (int, float)) and not isinstance(priority, bool)
-        and math.isfinite(priority) and priority >= 0
-        and type(generation) is int and 0 <= generation < 2**63
-        and type(chunk_size) is int and MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE
-        and type(checksum) is int and 0 <= checksum < 2**64
-    ):  # fmt: skip
+        and type(size) is int
+        and size > len(key)
+        and type(created) is int
+        and created >= 0
+        and isinstance(priority, (int, float))
+        and not isinstance(priority, bool)
+        and math.isfinite(priority)
+        and priority >= 0
+        and type(generation) is int
+        and 0 <= generation < 2**63
+        and type(chunk_size) is int
+        and MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE
+        and type(checksum) is int
+        and 0 <= checksum < 2**64
+    ):
         return None
     try:
         if entry_id(namespace, key) != eid:
@@ -114,8 +133,9 @@ def read_entry(eid: bytes, meta: Any, values: Any) -> StoredEntry | None:
         return None
     tokens = len(key) // 4
     used, value, pinned, superseded = read_values(values) or Values(created, priority / tokens, False, False)
-    state = EntryState(namespace, tokens, size, float(priority), generation, created, max(used, created), value,
-                       pinned, superseded)  # fmt: skip
+    state = EntryState(
+        namespace, tokens, size, float(priority), generation, created, max(used, created), value, pinned, superseded
+    )
     return StoredEntry(Put(eid, key, state), BlobRef(meta[:_BLOB_ID], size - len(key), chunk_size, checksum))
 
 

@@ -143,8 +143,11 @@ end
 # ARGV: client epoch, client seq, candidate epoch, max records, then (id, used+value) pairs to touch.
 # Result: the number of entries in `cat`; fewer than the caller's mirror holds means that
 # metadata was lost outside the log (the server evicted `cat` under allkeys-lru): rebuild.
-SYNC = """#!lua flags=allow-oom
-""" + _COMMON + """
+SYNC = (
+    """#!lua flags=allow-oom
+"""
+    + _COMMON
+    + """
 open_store(ARGV[3])
 if epoch == ARGV[1] and #ARGV > 4 then
   local applied = {}
@@ -162,13 +165,17 @@ finish()
 local status, recs = records(ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4]))
 return {epoch, seq, clock, status, recs, redis.call('HLEN', C), budget}
 """
+)
 
 # ARGV: client epoch, expected seq, candidate epoch, max records, clock,
 #       n deletes, ids..., n values, (id, values)..., n puts, (id, meta, values)...
 # Changes nothing unless the store is exactly at `expected seq` (the caller planned on
 # that state); otherwise returns the records to catch up with and result 0.
-COMMIT = """#!lua
-""" + _COMMON + """
+COMMIT = (
+    """#!lua
+"""
+    + _COMMON
+    + """
 open_store(ARGV[3])
 local expected = tonumber(ARGV[2])
 if epoch ~= ARGV[1] or seq ~= expected then
@@ -201,12 +208,16 @@ clock = ARGV[5]
 finish()
 return {epoch, seq, clock, 'ok', {}, 1, budget}
 """
+)
 
 # ARGV: client epoch, client seq, candidate epoch, max records, then (id, blob id or '') pairs.
 # Deletes each entry (only if it still holds that blob, when one is given); returns the
 # deleted metadata (false where nothing was deleted) so the caller can unlink the chunks.
-DELETE = """#!lua flags=allow-oom
-""" + _COMMON + """
+DELETE = (
+    """#!lua flags=allow-oom
+"""
+    + _COMMON
+    + """
 open_store(ARGV[3])
 local deleted = {}
 for i = 5, #ARGV - 1, 2 do
@@ -224,12 +235,16 @@ finish()
 local status, recs = records(ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4]))
 return {epoch, seq, clock, status, recs, deleted, budget}
 """
+)
 
 # ARGV: client epoch, expected seq, candidate epoch, max records, force ('1': clear whatever the seq).
 # Without force, clears only at the expected seq, so the caller knows every entry whose
 # chunks it must unlink.
-CLEAR = """#!lua flags=allow-oom
-""" + _COMMON + """
+CLEAR = (
+    """#!lua flags=allow-oom
+"""
+    + _COMMON
+    + """
 open_store(ARGV[3])
 local expected = tonumber(ARGV[2])
 if ARGV[5] ~= '1' and (epoch ~= ARGV[1] or seq ~= expected) then
@@ -242,17 +257,22 @@ append(CLEAR, 'e', '')
 finish()
 return {epoch, seq, clock, 'ok', {}, 1, budget}
 """
+)
 
 # ARGV: client epoch, client seq, candidate epoch, max records, max_bytes, max_entries
 # (digits or "none"). Saves the budget with the store; every later reply returns it.
-BUDGET = """#!lua flags=allow-oom
-""" + _COMMON + """
+BUDGET = (
+    """#!lua flags=allow-oom
+"""
+    + _COMMON
+    + """
 open_store(ARGV[3])
 budget = {ARGV[5], ARGV[6]}
 redis.call('HSET', S, 'max_bytes', budget[1], 'max_entries', budget[2])
 local status, recs = records(ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[4]))
 return {epoch, seq, clock, status, recs, 1, budget}
 """
+)
 
 # KEYS: a hash and a stream in the store's slot that nothing else uses. Runs every
 # command the other scripts run, so an ACL that denies one fails here, at open.
@@ -290,6 +310,11 @@ def _script(name: str, source: str) -> Script:
 SCRIPTS = {
     name: _script(name, source)
     for name, source in {
-        "sync": SYNC, "commit": COMMIT, "delete": DELETE, "clear": CLEAR, "budget": BUDGET, "probe": PROBE,
+        "sync": SYNC,
+        "commit": COMMIT,
+        "delete": DELETE,
+        "clear": CLEAR,
+        "budget": BUDGET,
+        "probe": PROBE,
     }.items()
 }

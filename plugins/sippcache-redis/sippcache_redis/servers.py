@@ -97,20 +97,47 @@ class ValkeyServer:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def command_line(self) -> list[str]:
-        line = [str(server_binary()), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-                "--save", "", "--appendonly", "no", "--logfile", str(self.directory / "server.log"),
-                "--daemonize", "no", "--protected-mode", "no"]  # fmt: skip
+        line = [
+            str(server_binary()),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.directory),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--logfile",
+            str(self.directory / "server.log"),
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
+        ]
         if self.password:
             line += ["--requirepass", self.password]
         if self.cluster:
-            line += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                     "--cluster-node-timeout", "2000"]
+            line += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "2000",
+            ]
         return line + self.args
 
     def start(self, timeout: float = 15.0) -> None:
         """Start the server (again) and wait until it answers PING."""
-        self.process = subprocess.Popen(self.command_line(), cwd=self.directory, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        self.process = subprocess.Popen(
+            self.command_line(),
+            cwd=self.directory,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
@@ -179,8 +206,9 @@ class ValkeyServer:
     def __enter__(self) -> ValkeyServer:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.kill()
 
 

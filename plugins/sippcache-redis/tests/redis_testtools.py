@@ -138,14 +138,55 @@ def make_certificates(directory: Any) -> dict[str, str]:
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-        "-subj", "/CN=sippcache test CA")
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=sippcache test CA",
+    )
     run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost")
     (d / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "server.crt", "-days", "2", "-extfile", "ext.cnf")
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "other.key", "-out", "other.crt", "-days", "2",
-        "-subj", "/CN=some other CA")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    )
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "other.key",
+        "-out",
+        "other.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=some other CA",
+    )
     return {name: str(d / f"{name}") for name in ("ca.crt", "server.crt", "server.key", "other.crt")}
 
 

@@ -212,8 +212,10 @@ def test_wrong_password_is_a_clear_error_at_open(make_server: Callable[..., Valk
     with sippcache.open(f"{server.url}&prefix={prefix}".replace("/0&", "/0?")) as cache:
         assert cache.store([1], b"authenticated") and len(cache) == 1
         assert password not in cache.stats().location and "***" in cache.stats().location
-    for url in (f"redis://:wrong@127.0.0.1:{server.port}/0?prefix={prefix}",
-                f"redis://127.0.0.1:{server.port}/0?prefix={prefix}"):  # fmt: skip
+    for url in (
+        f"redis://:wrong@127.0.0.1:{server.port}/0?prefix={prefix}",
+        f"redis://127.0.0.1:{server.port}/0?prefix={prefix}",
+    ):
         with pytest.raises(AccessDenied) as info:
             sippcache.open(url)
         message = str(info.value)
@@ -226,10 +228,33 @@ def test_acl_denials_are_clear_errors_at_open(make_server: Callable[..., ValkeyS
     with server.client() as admin:
         admin.execute_command("ACL", "SETUSER", "noxadd", "on", ">secret1", "~*", "+@all", "-xadd")
         admin.execute_command("ACL", "SETUSER", "otherkeys", "on", ">secret2", "~elsewhere:*", "+@all")
-        admin.execute_command("ACL", "SETUSER", "exact", "on", ">secret3", f"~{{{prefix}}}:*", f"~{prefix}:*",
-                              "+evalsha", "+eval", "+info", "+get", "+set", "+pexpire", "+unlink", "+hscan",
-                              "+type", "+hget", "+hmget", "+hlen", "+hset", "+hdel", "+hexists", "+del", "+xadd",
-                              "+xrange")
+        admin.execute_command(
+            "ACL",
+            "SETUSER",
+            "exact",
+            "on",
+            ">secret3",
+            f"~{{{prefix}}}:*",
+            f"~{prefix}:*",
+            "+evalsha",
+            "+eval",
+            "+info",
+            "+get",
+            "+set",
+            "+pexpire",
+            "+unlink",
+            "+hscan",
+            "+type",
+            "+hget",
+            "+hmget",
+            "+hlen",
+            "+hset",
+            "+hdel",
+            "+hexists",
+            "+del",
+            "+xadd",
+            "+xrange",
+        )
     with pytest.raises(AccessDenied, match=r"(?i)'noxadd'.*xadd") as info:
         sippcache.open(f"redis://noxadd:secret1@127.0.0.1:{server.port}/0?prefix={prefix}")
     assert "\n" not in str(info.value) and "secret1" not in str(info.value)

@@ -52,8 +52,12 @@ def _garbage(prefix: str) -> dict[str, Callable[[Any], None]]:
         "cat value wrong fields": lambda c: c.hset(cat, first, b"12345678" + msgpack.packb(["", b"\x00" * 4, -1])),
         "cat value truncated": lambda c: c.hset(cat, first, c.hget(cat, first)[:20]),
         "cat field not an id": lambda c: c.hset(cat, b"short", b"whatever"),
-        "cat huge chunk size": lambda c: c.hset(cat, first, c.hget(cat, first)[:8] + msgpack.packb(
-            ["", _tokens.encode((0, 1, 2)), 3012, 1, 3.0, 1, 2**40, 5], use_bin_type=True)),
+        "cat huge chunk size": lambda c: c.hset(
+            cat,
+            first,
+            c.hget(cat, first)[:8]
+            + msgpack.packb(["", _tokens.encode((0, 1, 2)), 3012, 1, 3.0, 1, 2**40, 5], use_bin_type=True),
+        ),
         "val garbage": lambda c: c.hset(val, first, b"\xff" * 18),
         "val wrong length": lambda c: c.hset(val, first, b"\x00" * 5),
         "val nan value": lambda c: c.hset(val, first, b"\x00" * 8 + b"\x7f\xf8" + b"\x00" * 6 + b"\x00\x00"),

@@ -41,8 +41,13 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 def _prefill_in_new_process(model: Path, url: str, tokens: list[int], tmp: Path) -> tuple[int, np.ndarray]:
     out = tmp / f"logits-{random.randrange(10**9)}.npy"
-    result = subprocess.run([sys.executable, "-c", _PREFILL, str(model), url, str(out)], input=json.dumps(tokens),
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", _PREFILL, str(model), url, str(out)],
+        input=json.dumps(tokens),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return int(result.stdout.strip().splitlines()[-1]), np.load(out)
 

@@ -35,8 +35,9 @@ class Worker:
     """Another Python process holding the store open and running one command per request."""
 
     def __init__(self, url: str) -> None:
-        self.process = subprocess.Popen([sys.executable, "-c", _WORKER, url], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)  # fmt: skip
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _WORKER, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
 
     def run(self, line: str) -> str:
         assert self.process.stdin is not None and self.process.stdout is not None

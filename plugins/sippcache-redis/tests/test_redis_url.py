@@ -33,8 +33,9 @@ def test_locations(location: str, expected: RedisAddress) -> None:
     assert parsed == expected and parsed.password == expected.password
 
 
-@pytest.mark.parametrize("location", ["host:0", "host:65536", "host:port", "host/db", "::1:6379", "[::1",
-                                      "[::1]x", "bad host", "host/-1"])  # fmt: skip
+@pytest.mark.parametrize(
+    "location", ["host:0", "host:65536", "host:port", "host/db", "::1:6379", "[::1", "[::1]x", "bad host", "host/-1"]
+)
 def test_bad_locations(location: str) -> None:
     with pytest.raises(ValueError):
         parse_location(location, tls=False)
@@ -48,11 +49,20 @@ def test_display_never_shows_the_password() -> None:
 
 @pytest.mark.parametrize(
     "query, message",
-    [("prefix=a b", "prefix"), ("prefix={x}", "prefix"), ("prefix=" + "x" * 65, "prefix"), ("timeout=0", "timeout"),
-     ("timeout=nan", "timeout"), ("chunk_size=10", "chunk_size"), ("max_bytes=0", "max_bytes"),
-     ("max_entries=0", "max_entries"), ("ssl_ca_certs=/x", "rediss"), ("cluster=1", "database 0"),
-     ("cluster=maybe", "cluster")],
-)  # fmt: skip
+    [
+        ("prefix=a b", "prefix"),
+        ("prefix={x}", "prefix"),
+        ("prefix=" + "x" * 65, "prefix"),
+        ("timeout=0", "timeout"),
+        ("timeout=nan", "timeout"),
+        ("chunk_size=10", "chunk_size"),
+        ("max_bytes=0", "max_bytes"),
+        ("max_entries=0", "max_entries"),
+        ("ssl_ca_certs=/x", "rediss"),
+        ("cluster=1", "database 0"),
+        ("cluster=maybe", "cluster"),
+    ],
+)
 def test_bad_options_are_bad_options(query: str, message: str) -> None:
     with pytest.raises(sippcache.BadOption, match=message):
         sippcache.open(f"redis://127.0.0.1:1/2?{query}")
@@ -110,8 +120,9 @@ def test_tls(valkey_server: ValkeyServer, tmp_path: Any, prefix: str, opened: li
             sippcache.open(f"rediss://localhost:{proxy.port}/0?prefix={prefix}&ssl_ca_certs={certs['other.crt']}")
         assert "\n" not in str(info.value)
         # ...unless verification is switched off (redis-py's own option, passed through).
-        with sippcache.open(f"rediss://localhost:{proxy.port}/0?prefix={prefix}&ssl_cert_reqs=none"
-                            "&ssl_check_hostname=false") as unverified:  # fmt: skip
+        with sippcache.open(
+            f"rediss://localhost:{proxy.port}/0?prefix={prefix}&ssl_cert_reqs=none&ssl_check_hostname=false"
+        ) as unverified:
             assert bytes(unverified.lookup([1, 2, 3]).blob) == b"over TLS"
     finally:
         proxy.close()
