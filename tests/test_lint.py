@@ -1,4 +1,5 @@
-"""Typing and lint are part of the test command: `mypy --strict` and ruff (rule set in pyproject.toml)."""
+"""Typing, lint and formatting are part of the test command: `mypy --strict`, `ruff check` (rule set in
+pyproject.toml) and `ruff format --check`."""
 
 from __future__ import annotations
 
@@ -24,4 +25,10 @@ def test_mypy_strict_finds_nothing() -> None:
 
 def test_ruff_finds_nothing() -> None:
     done = _run("ruff", "check", "--no-cache", *LINTED)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_ruff_format_changes_nothing() -> None:
+    """Formatting is ruff's (`ruff format`); `# fmt: skip` only keeps a data table in rows."""
+    done = _run("ruff", "format", "--check", "--no-cache", *LINTED)
     assert done.returncode == 0, done.stdout + done.stderr
