@@ -86,7 +86,7 @@ def _plugins() -> dict[str, tuple[str, str]]:
     return found
 
 
-def _load(name: str) -> type:
+def backend_class(name: str) -> type:
     """Import the class registered as `name`; raise one of the documented errors."""
     if name in BUILTINS:
         target, package, requirement = BUILTINS[name]
@@ -137,7 +137,7 @@ def backends() -> dict[str, BackendInfo]:
     out = {}
     for name, (target, origin) in sorted(table.items()):
         try:
-            _load(name)
+            backend_class(name)
         except Exception as exc:
             out[name] = BackendInfo(name, target, origin, False, str(exc))
         else:
@@ -255,7 +255,7 @@ def open(url: str | None = None, *, read_only: bool = False, must_exist: bool = 
     """
     url = default_url() if url is None else url
     name, location, options = parse_url(url)
-    cls = _load(name)
+    cls = backend_class(name)
     if must_exist or read_only:
         _require_store(cls, url, location)
     opener = (getattr(cls, "open_read_only", None) if read_only else None) or getattr(cls, "from_url", None)

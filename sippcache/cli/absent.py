@@ -16,7 +16,7 @@ from typing import ClassVar
 from ..base import BaseBackend
 from ..engine.directory import directory_path
 from ..protocol import EntryInfo, Match, Stats, StoreOptions
-from ..registry import _load, parse_url
+from ..registry import backend_class, parse_url
 
 
 class AbsentStore(BaseBackend):
@@ -81,7 +81,7 @@ def absent_store(url: str) -> AbsentStore | None:
     name, location, options = parse_url(url)
     if options:
         return None
-    backend = _load(name)
+    backend = backend_class(name)
     missing = getattr(backend, "missing_store", None)
     reason = missing(location) if missing is not None else None
     if not isinstance(reason, str):
