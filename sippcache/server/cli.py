@@ -43,6 +43,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     except ServeError as exc:
         _fail(str(exc))
     server_settings, model_settings = settings.server, settings.models
+    for note in settings.notes:
+        print(f"sippcache serve: {note}", file=sys.stderr)
     ignored = sorted({name for s in model_settings for name in UPSTREAM_CACHE_SETTINGS if name in s.model_fields_set})
     if ignored:
         print(

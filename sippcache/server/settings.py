@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import xxhash
@@ -108,6 +107,8 @@ class Settings:
     server: ServerSettings
     models: list[ModelSettings]
     options: dict[str, ModelOptions]
+    #: Lines to print at start once the server can start (defaults sippcache chose).
+    notes: list[str] = field(default_factory=list)
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -201,6 +202,7 @@ def load_settings(args: argparse.Namespace) -> Settings:
     if "interrupt_requests" not in server_settings.model_fields_set:
         server_settings.interrupt_requests = False  # upstream's default cuts streams short, silently
     options: dict[str, ModelOptions] = {}
+    notes: list[str] = []
     for settings, mine in zip(model_settings, own, strict=False):
         alias = settings.model_alias or settings.model  # the key LlamaProxy files the model under
         url = mine.pop(CACHE_URL_KEY, None)
@@ -216,12 +218,9 @@ def load_settings(args: argparse.Namespace) -> Settings:
             # CPU kernels compute attention over all of them and mask, so a step costs more with
             # every other conversation held (llama-server's default is on, too): docs/serve.md.
             settings.flash_attn = True
-            print(
-                f"sippcache serve: {alias}: flash attention on for --parallel {options[alias].parallel} "
-                "(--flash_attn false to turn it off)",
-                file=sys.stderr,
-            )
-    return Settings(server_settings, model_settings, options)
+            parallel = options[alias].parallel
+            notes.append(f"{alias}: flash attention on for --parallel {parallel} (--flash_attn false to turn it off)")
+    return Settings(server_settings, model_settings, options, notes)
 
 
 _Settings = TypeVar("_Settings", ServerSettings, ModelSettings)
