@@ -161,6 +161,23 @@ def open_cache_argument(cache: str | CacheBackend | None) -> tuple[CacheBackend,
     return cache, False
 
 
+def decode_or_drop(
+    decode: Callable[[], _T], key: TokenIds, stats: PrefixStats, drop: Callable[[], object]
+) -> _T | None:
+    """`decode()` of a stored entry, or None: an entry of a newer format is skipped (not
+    ours to delete), a corrupt one is counted and dropped. One policy for every reader."""
+    try:
+        return decode()
+    except UnsupportedEntry as exc:
+        log.info("sippcache: skipping a cache entry (%d tokens): %s", len(key), exc)
+        return None
+    except CorruptEntry as exc:
+        log.warning("sippcache: dropping a corrupt cache entry (%d tokens): %s", len(key), exc)
+        stats.corrupt_entries += 1
+        drop()
+        return None
+
+
 def common_length(a: TokenIds, b: TokenIds) -> int:
     """How many leading tokens `a` and `b` share."""
     n = min(len(a), len(b))
@@ -324,17 +341,15 @@ class SequenceCache:
         of its last position: `Restored.logits` holds them (a copy)."""
         started = time.perf_counter()
         key = match.key
-        try:
-            entry = states.decode_entry(
+        entry = decode_or_drop(
+            lambda: states.decode_entry(
                 match.blob, key, fingerprint=self.fingerprint.digest, n_vocab=self.n_vocab, secret=self.secret
-            )
-        except UnsupportedEntry as exc:  # a newer sippcache's entry: not ours to delete
-            log.info("sippcache: skipping a cache entry (%d tokens): %s", len(key), exc)
-            return None
-        except CorruptEntry as exc:
-            log.warning("sippcache: dropping a corrupt cache entry (%d tokens): %s", len(key), exc)
-            self.stats.corrupt_entries += 1
-            self.drop(key)
+            ),
+            key,
+            self.stats,
+            lambda: self.drop(key),
+        )
+        if entry is None:
             return None
         if with_logits and entry.logits is None:
             return None  # usable only with an evaluation of the last token: find a shorter entry

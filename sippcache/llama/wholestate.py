@@ -47,11 +47,11 @@ import llama_cpp
 import numpy as np
 
 from .. import frame
-from ..errors import CorruptEntry, UnsupportedEntry
+from ..errors import CorruptEntry
 from ..frame import secret_from_environment
 from ..protocol import CacheBackend
 from .options import CacheOptions
-from .seqcache import PrefixStats, common_length
+from .seqcache import PrefixStats, common_length, decode_or_drop
 
 log = logging.getLogger("sippcache")
 
@@ -173,15 +173,12 @@ class WholeStateCache:
             if match.length < self.min_tokens:
                 return None
             key = match.key
-            try:
-                state = self._decode(match.blob, key)
-            except UnsupportedEntry as exc:  # a newer sippcache's entry: not ours to delete
-                log.info("sippcache: skipping a cache entry (%d tokens): %s", len(key), exc)
-                return None
-            except CorruptEntry as exc:
-                log.warning("sippcache: dropping a corrupt cache entry (%d tokens): %s", len(key), exc)
-                self.stats.corrupt_entries += 1
+
+            def drop() -> None:
                 self._safely("delete of a bad entry", lambda: self.cache.delete(key, namespace=self.namespace), None)
+
+            state = decode_or_drop(lambda: self._decode(match.blob, key), key, self.stats, drop)
+            if state is None:
                 return None
             self.stats.bytes_read += len(match.blob)
         if self.layout is not None and self.layout != (state.scores.shape[1], len(state.input_ids)):
