@@ -426,6 +426,8 @@ def test_a_batched_request_answers_as_upstream_s_llama(tiny_model: Path, tmp_pat
             {"max_tokens": 8, "temperature": 0.9, "seed": 11, "top_k": 20, "repeat_penalty": 1.2},
             {"max_tokens": 12, "temperature": 0, "stop": ["w"]},
             {"max_tokens": 8, "temperature": 0, "logit_bias": {"100": -100.0, "101": 5.0}},
+            # a bias on a prompt token the repetition penalty also scales: upstream biases first
+            {"max_tokens": 8, "temperature": 0, "repeat_penalty": 1.5, "logit_bias": {"55": 4.0}},
             {"max_tokens": 8, "temperature": 0, "echo": True, "logprobs": 2},  # the serialized path
             {"max_tokens": 6, "temperature": 0, "grammar": llama_cpp.LlamaGrammar.from_string('root ::= "ab"+')},
         ]
@@ -438,6 +440,15 @@ def test_a_batched_request_answers_as_upstream_s_llama(tiny_model: Path, tmp_pat
             streamed = list(proxy("t").create_completion(prompt, stream=True, **case))
             expected = list(plain.create_completion(prompt, stream=True, **case))
             assert [c["choices"][0]["text"] for c in streamed] == [c["choices"][0]["text"] for c in expected], case
+        request = proxy("t")  # one request's second completion (a chat handler may make several) has its own bias
+        biased = {"max_tokens": 8, "temperature": 0, "repeat_penalty": 1.5, "logit_bias": {"55": 4.0}}
+        assert_same_completion(
+            request.create_completion(prompt, **biased), plain.create_completion(prompt, **biased), biased
+        )
+        unbiased = {"max_tokens": 8, "temperature": 0, "repeat_penalty": 1.5}
+        assert_same_completion(
+            request.create_completion(prompt, **unbiased), plain.create_completion(prompt, **unbiased), unbiased
+        )
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
         got = proxy("t").create_chat_completion(messages=messages, max_tokens=8, temperature=0)
         want = plain.create_chat_completion(messages=messages, max_tokens=8, temperature=0)

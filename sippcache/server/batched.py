@@ -12,7 +12,9 @@ usage, streaming chunks, logprobs, seeds, logit bias, grammars and JSON
 schemas). Only `generate` differs: it builds upstream's sampler chain for the
 request (``Llama._init_sampler``, so sampling means what it means upstream),
 hands the prompt and the chain to the model's `Scheduler`, and yields the
-tokens the scheduler samples, batched with every other request's.
+tokens the scheduler samples, batched with every other request's. A
+``logit_bias`` is added by llama.cpp's logit-bias sampler where upstream's
+Python logits processor would add it (see `create_completion`).
 
 What cannot run batched runs on the shared model, behind its lock, as with
 ``--parallel 1`` (`serialized`): a completion asking for the prompt's own
@@ -65,6 +67,7 @@ class BatchedLlama(llama_cpp.Llama):
         self.scores = np.empty((0, 0), dtype=np.single)  # rows only for logprobs: see `generate`
         self._job: Job | None = None
         self._wants_rows = False  # logprobs or a stopping criterion read a row of logits per token
+        self._logit_bias: dict[int, float] = {}  # applied by llama.cpp's own sampler: see `create_completion`
 
     def __getattr__(self, name: str) -> Any:
         """Anything this request does not own is the model's (weights, tokenizer, settings)."""
@@ -98,6 +101,16 @@ class BatchedLlama(llama_cpp.Llama):
         if reason is not None:
             return self._scheduler.serialized(reason, lambda: self._base.create_completion(*args, **kwargs))
         self._wants_rows = arguments.get("logprobs") is not None or arguments.get("stopping_criteria") is not None
+        self._logit_bias = {}
+        if arguments.get("logit_bias") and arguments.get("logits_processor") is None:
+            # Upstream adds a bias with a Python logits processor that copies the whole
+            # vocabulary's logits for every token, called back from llama.cpp's sampling (on
+            # the scheduler's thread, for every request in the step). llama.cpp's logit-bias
+            # sampler, first in the chain where upstream puts its processor, adds the same
+            # float32 values in place (`generate`).
+            self._logit_bias = {int(k): float(v) for k, v in arguments.pop("logit_bias").items()}
+            del arguments["self"]
+            return super().create_completion(**arguments)
         return super().create_completion(*args, **kwargs)
 
     def generate(  # type: ignore[override]
@@ -142,6 +155,8 @@ class BatchedLlama(llama_cpp.Llama):
             logits_processor=logits_processor,
             grammar=grammar,
         )
+        if self._logit_bias:
+            _put_first(sampler, self._n_vocab, self._logit_bias)
         rows = self._wants_rows or stopping_criteria is not None
         if rows:  # logprobs read a row per position; zeroed pages cost nothing until written
             self.scores = np.zeros((self._n_ctx, self._n_vocab), dtype=np.single)
@@ -223,3 +238,14 @@ class BatchedLlama(llama_cpp.Llama):
 
     def __del__(self) -> None:
         pass
+
+
+def _put_first(sampler: Any, n_vocab: int, logit_bias: dict[int, float]) -> None:
+    """Make llama.cpp's logit-bias sampler the first of `sampler`'s chain (upstream's
+    `_init_sampler` puts its logits processors first)."""
+    assert not sampler.custom_samplers  # their positions are upstream's to free by
+    chain = sampler.sampler
+    rest = [llama_cpp.llama_sampler_chain_remove(chain, 0) for _ in range(llama_cpp.llama_sampler_chain_n(chain))]
+    sampler.add_logit_bias(n_vocab, logit_bias)
+    for each in rest:
+        llama_cpp.llama_sampler_chain_add(chain, each)
