@@ -2,7 +2,7 @@
 
 A step of `sippcache serve --parallel N` decodes the next token of every running
 request in one `llama_decode`, then samples each with its own chain (upstream's:
-penalties, then greedy here). On a small model the step is bound by reading the
+penalties at its server's default 1.1, then greedy here). On a small model the step is bound by reading the
 weights, which a bigger batch shares, so tokens per second grow with N until
 the batch's own arithmetic takes over. This measures it on gemma-3-270m with
 `sippcache.llama.batch.BatchEngine` for each N, in one process: N requests with
@@ -44,7 +44,8 @@ def measure(llm: llama_cpp.Llama, slots: int, steps: int) -> tuple[float, float]
     )
     # min_tokens=2**30: nothing stored, pure decoding
     engine = BatchEngine(llm, cache, slots=slots, n_ctx=slots * 1024, chunk=512)
-    samplers = [llama_cpp.Llama._init_sampler(llm, temp=0.0) for _ in range(slots)]  # upstream's chain
+    # upstream's chain, with its server's default repetition penalty: a pass over the vocabulary per token
+    samplers = [llama_cpp.Llama._init_sampler(llm, temp=0.0, repeat_penalty=1.1) for _ in range(slots)]
     try:
         jobs = [
             Job([2] + [random.Random(i).randrange(1000, 200_000) for _ in range(199)], s.sampler, 800)

@@ -21,7 +21,9 @@ first token (TTFT) is to the first streamed chunk with text.
 
 Reported per server and client count: aggregate generated tokens per second,
 TTFT p50/p95, time per output token (TPOT, median over turns), TTFT p50 in
-the round after the restart, and the server's peak resident memory. Goals
+the round after the restart, and the server's peak resident memory; for
+sippcache's batched servers, where the steps' time went (`llama_decode`
+against sampling, from its ``/metrics``). Goals
 (issue 18), printed PASS/FAIL, exit code 1 if one fails: at the largest client
 count <= 8, (c) >= 3x (a) in tokens per second and >= 1.5x (d)'s better
 setting, TTFT p95 <= (d)'s better one, and after the restart (c)'s TTFT p50 <=
@@ -126,6 +128,24 @@ class Server:
                     raise
                 time.sleep(0.5)
 
+    def step_phases(self) -> dict[str, tuple[float, float]]:
+        """{phase: (steps, seconds)} from sippcache's `sippcache_step_seconds` histogram (empty
+        for other servers): where the batched steps' time went."""
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=60) as reply:
+                text = reply.read().decode()
+        except OSError:
+            return {}
+        found: dict[str, dict[str, float]] = {}
+        for line in text.splitlines():
+            for kind in ("count", "sum"):
+                if line.startswith(f"sippcache_step_seconds_{kind}{{"):
+                    phase = line.split('phase="', 1)[1].split('"', 1)[0]
+                    found.setdefault(phase, {})[kind] = float(line.rsplit(" ", 1)[1])
+        return {phase: (v.get("count", 0.0), v.get("sum", 0.0)) for phase, v in found.items()}
+
     def peak_memory_mb(self) -> float:
         try:
             for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
@@ -154,6 +174,8 @@ class Result:
     tpot: list[float] = field(default_factory=list)
     restart_ttft: list[float] = field(default_factory=list)
     memory_mb: float = float("nan")
+    #: sippcache's batched steps in the timed rounds: {"decode"/"sample": (steps, seconds)}
+    phases: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def rate(self) -> float:
@@ -219,6 +241,7 @@ def run_kind(kind: Kind, clients: int, turns: int, tokens: int, tmp: Path) -> Re
     try:
         result.seconds = round_(server, turns, False)
         result.memory_mb = server.peak_memory_mb()
+        result.phases = server.step_phases()
     finally:
         server.stop()
     server = Server(kind, store, log)  # restarted: a persistent store is still there, RAM caches are not
@@ -321,6 +344,20 @@ def main() -> int:
                 f"{percentile(r.ttft, 0.95):.2f} s | {statistics.median(r.tpot) * 1000:.0f} ms | "
                 f"{statistics.median(r.restart_ttft):.2f} s | {r.memory_mb:.0f} MB |"
             )
+    print(
+        "\nWhere the batched steps' time went (sippcache's /metrics over the timed rounds and a 1-token"
+        " warm-up request; mean per step):"
+    )
+    for count in counts:
+        for kind in servers:
+            phases = results[kind.name, count].phases
+            if "decode" in phases and phases["decode"][0]:
+                steps, decode = phases["decode"]
+                sample = phases.get("sample", (steps, 0.0))[1]
+                print(
+                    f"  {count} clients, {kind.name}: {steps:.0f} steps, llama_decode {decode / steps * 1000:.1f} ms, "
+                    f"sampling {sample / steps * 1000:.1f} ms ({decode:.1f} s and {sample:.1f} s in all)"
+                )
     return check_goals(results, counts, servers)
 
 

@@ -403,6 +403,10 @@ def test_metrics_of_the_scheduler(gemma_model: Path, servers, tmp_path: Path) ->
     assert metrics['sippcache_slots{model="gemma"}'] == 3
     assert metrics['sippcache_batched_generated_tokens_total{model="gemma"}'] >= 8
     assert metrics['sippcache_time_per_output_token_seconds_count{model="gemma",path="batched"}'] == 1
+    steps = metrics['sippcache_batch_tokens_count{model="gemma"}']
+    for phase in ("decode", "sample"):  # every step's time, split where it goes
+        assert metrics[f'sippcache_step_seconds_count{{model="gemma",phase="{phase}"}}'] == steps
+        assert metrics[f'sippcache_step_seconds_sum{{model="gemma",phase="{phase}"}}'] > 0
     stats = server.model_stats()
     assert stats["parallel"] == 3 and stats["running"] == 0
 

@@ -91,6 +91,8 @@ SERVING_COUNTERS: tuple[tuple[str, str, str], ...] = (
 )
 #: Tokens per batched step (a decode token per running request plus prompt tokens).
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+#: Seconds of a batched step's phases: one `llama_decode`, then sampling every request's token.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 #: Time to first token, from the request's arrival (queueing included).
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 #: Time per output token after the first.
@@ -188,6 +190,14 @@ class ServeMetrics:
             registry=self.registry,
             buckets=BATCH_BUCKETS,
         )
+        self.step_seconds = Histogram(
+            "sippcache_step_seconds",
+            "Where each batched step's time goes (phase: decode, the one llama_decode; sample, "
+            "sampling each request's next token with its chain and handing it over).",
+            ["model", "phase"],
+            registry=self.registry,
+            buckets=STEP_BUCKETS,
+        )
         self.ttft = Histogram(
             "sippcache_time_to_first_token_seconds",
             "From a completion request's arrival to its first token (path: batched or serialized).",
@@ -212,6 +222,8 @@ class ServeMetrics:
         """A batched step of `alias`'s scheduler (a `StepReport`)."""
         if report.batch:
             self.batch_tokens.labels(alias).observe(report.batch)
+            self.step_seconds.labels(alias, "decode").observe(report.decode_seconds)
+            self.step_seconds.labels(alias, "sample").observe(report.sample_seconds)
 
     def observe_request(self, alias: str, path: str, ttft: float, tpot: float | None) -> None:
         """A completion of `alias` that generated tokens, on the `path` it ran."""
