@@ -429,6 +429,15 @@ def test_a_batched_request_answers_as_upstream_s_llama(tiny_model: Path, tmp_pat
             # a bias on a prompt token the repetition penalty also scales: upstream biases first
             {"max_tokens": 8, "temperature": 0, "repeat_penalty": 1.5, "logit_bias": {"55": 4.0}},
             {"max_tokens": 8, "temperature": 0, "echo": True, "logprobs": 2},  # the serialized path
+            {"max_tokens": 8, "temperature": 0, "echo": True, "logprobs": 2, "logit_bias": {"55": 4.0}},  # its bias
+            # a bias beside the caller's own logits processors stays upstream's (which, as of 0.3.x, drops
+            # both: `LogitsProcessorList.extend` returns None)
+            {
+                "max_tokens": 8,
+                "temperature": 0,
+                "logit_bias": {"55": 4.0},
+                "logits_processor": llama_cpp.LogitsProcessorList([llama_cpp.MinTokensLogitsProcessor(4, 2)]),
+            },
             {"max_tokens": 6, "temperature": 0, "grammar": llama_cpp.LlamaGrammar.from_string('root ::= "ab"+')},
         ]
         for case in cases:
@@ -454,7 +463,7 @@ def test_a_batched_request_answers_as_upstream_s_llama(tiny_model: Path, tmp_pat
         want = plain.create_chat_completion(messages=messages, max_tokens=8, temperature=0)
         assert got["choices"][0]["message"] == want["choices"][0]["message"] and got["usage"] == want["usage"]
         row = pool.model_rows()[0]
-        assert row["parallel"] == 2 and row["serialized_prompt_logprobs"] == 2
+        assert row["parallel"] == 2 and row["serialized_prompt_logprobs"] == 4
     finally:
         import llama_cpp.server.app as app
 
