@@ -459,9 +459,11 @@ def test_a_batched_request_answers_as_upstream_s_llama(tiny_model: Path, tmp_pat
             request.create_completion(prompt, **unbiased), plain.create_completion(prompt, **unbiased), unbiased
         )
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
-        got = proxy("t").create_chat_completion(messages=messages, max_tokens=8, temperature=0)
-        want = plain.create_chat_completion(messages=messages, max_tokens=8, temperature=0)
-        assert got["choices"][0]["message"] == want["choices"][0]["message"] and got["usage"] == want["usage"]
+        for fields in ({}, {"logit_bias": {"55": 4.0}, "repeat_penalty": 1.5}):  # the chat handler passes the bias on
+            got = proxy("t").create_chat_completion(messages=messages, max_tokens=8, temperature=0, **fields)
+            want = plain.create_chat_completion(messages=messages, max_tokens=8, temperature=0, **fields)
+            assert got["choices"][0]["message"] == want["choices"][0]["message"], fields
+            assert got["usage"] == want["usage"], fields
         row = pool.model_rows()[0]
         assert row["parallel"] == 2 and row["serialized_prompt_logprobs"] == 4
     finally:
