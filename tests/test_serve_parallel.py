@@ -4,15 +4,17 @@ HTTP, the official `openai` client from many threads at once, the real gemma-3-2
 Results: each request sent together with others gives what it gives sent alone,
 but where llama.cpp's batched arithmetic flips a near-tie: at the first token
 that differs, the solo run's log-probability margin between the token it took
-and the one the batched run took (for greedy requests: its top-2 margin) must
-be under `NEAR_TIE` (a batch of several sequences moves gemma-3-270m's logits
-by up to 2.79 against a batch of one: docs/pool.md, docs/serve.md). "Alone"
-means alone: each solo request is sent when no other runs. No request sees
-another's tokens. Faults: a stream cancelled mid-way gives its slot back; a
-full queue answers 503 with Retry-After; a prompt longer than a slot's context
-is a 400 while the others finish; SIGTERM lets a running stream finish and
-stores it; a restart and a second server continue conversations warm. No
-timed assertions: waits have generous bounds and only say "it happened".
+and the one the batched run took (for greedy requests: its top-2 margin; where
+the batched token is not among the solo run's top five candidates, the solo
+run's top-2 margin there: `margin_at_divergence`) must be under `NEAR_TIE` (a
+batch of several sequences moves gemma-3-270m's logits by up to 2.79 against a
+batch of one: docs/pool.md, docs/serve.md). "Alone" means alone: each solo
+request is sent when no other runs. No request sees another's tokens. Faults:
+a stream cancelled mid-way gives its slot back; a full queue answers 503 with
+Retry-After; a prompt longer than a slot's context is a 400 while the others
+finish; SIGTERM lets a running stream finish and stores it; a restart and a
+second server continue conversations warm. No timed assertions: waits have
+generous bounds and only say "it happened".
 """
 
 from __future__ import annotations
@@ -149,7 +151,11 @@ def traced(kind: str, fields: dict[str, Any]) -> dict[str, Any]:
 def margin_at_divergence(solo: dict[str, Any], together: str) -> float:
     """Where `together` leaves the `solo` run's text: how much likelier, in the solo run,
     the token it took there was than the one the together run took (a log-probability
-    margin; for a greedy request, the solo run's top-2 margin)."""
+    margin; for a greedy request, the solo run's top-2 margin). The logprobs are the raw
+    logits', and a request's chain reorders them (penalties, a grammar, a bias; a seeded
+    draw falls between neighbours of any rank), so the together run's token may lie
+    outside the solo run's top five: then the solo run's top-2 margin there, which says
+    whether the solo run was as good as certain of its token (a certain token cannot flip)."""
     text = solo["text"]
     at = next((i for i, (a, b) in enumerate(zip(text, together, strict=False)) if a != b), len(text))
     start = 0
@@ -157,7 +163,10 @@ def margin_at_divergence(solo: dict[str, Any], together: str) -> float:
         if start + len(token) > at:
             rest = together[start:]
             taken = [logprob for cand, logprob in candidates.items() if cand != token and rest.startswith(cand)]
-            return candidates[token] - max(taken) if taken else float("inf")
+            if taken:
+                return candidates[token] - max(taken)
+            best, second = (sorted(candidates.values(), reverse=True) + [float("-inf")])[:2]
+            return best - second
         start += len(token)
     return float("inf")
 
