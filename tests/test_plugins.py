@@ -20,6 +20,12 @@ from sippcache.registry import reset_backends
 PLUGINS = Path(__file__).parent / "plugins"
 
 
+def install_into(site: Path, source: Path) -> None:
+    """pip-install the distribution in `source` into the directory `site` (offline, no deps)."""
+    offline = ["--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
+    subprocess.run([sys.executable, "-m", "pip", "install", *offline, "--target", str(site), str(source)], check=True)
+
+
 @pytest.fixture(scope="module")
 def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding the installed toy distributions (as a site-packages)."""
@@ -27,22 +33,7 @@ def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in ("sqlite_toy", "broken_toy"):
         source = tmp_path_factory.mktemp("src") / name
         shutil.copytree(PLUGINS / name, source)
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--no-deps",
-                "--no-build-isolation",
-                "--no-index",
-                "--target",
-                str(site),
-                str(source),
-            ],
-            check=True,
-        )
+        install_into(site, source)
     assert list(site.glob("sippcache_sqlite_toy-1.0.dist-info/entry_points.txt"))
     return site
 
@@ -180,22 +171,7 @@ def test_the_route_2_example_in_the_docs_passes_the_conformance_suite(tmp_path: 
         )
     )
     site = tmp_path / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "--target",
-            str(site),
-            str(source),
-        ],
-        check=True,
-    )
+    install_into(site, source)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run(
         [

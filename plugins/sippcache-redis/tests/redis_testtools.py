@@ -138,21 +138,14 @@ def make_certificates(directory: Any) -> dict[str, str]:
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
 
-    run(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=sippcache test CA",
-    )
+    def self_signed(name: str, common_name: str) -> None:
+        """A CA's key and certificate: `name`.key, `name`.crt."""
+        key, crt, subject = f"{name}.key", f"{name}.crt", f"/CN={common_name}"
+        run(
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", crt, "-days", "2", "-subj", subject
+        )
+
+    self_signed("ca", "sippcache test CA")
     run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost")
     (d / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
     run(
@@ -172,21 +165,7 @@ def make_certificates(directory: Any) -> dict[str, str]:
         "-extfile",
         "ext.cnf",
     )
-    run(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "other.key",
-        "-out",
-        "other.crt",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=some other CA",
-    )
+    self_signed("other", "some other CA")
     return {name: str(d / f"{name}") for name in ("ca.crt", "server.crt", "server.key", "other.crt")}
 
 
