@@ -2,9 +2,9 @@
 
 A step of `sippcache serve --parallel N` decodes the next token of every running
 request in one `llama_decode`, then samples each with its own chain (upstream's:
-penalties at its server's default 1.1, then greedy here). On a small model the step is bound by reading the
-weights, which a bigger batch shares, so tokens per second grow with N until
-the batch's own arithmetic takes over. This measures it on gemma-3-270m with
+penalties at its server's default 1.1, then greedy here). On a small model the
+step is bound by reading the weights, which a bigger batch shares, so tokens
+per second grow with N until the batch's own arithmetic takes over. This measures it on gemma-3-270m with
 `sippcache.llama.batch.BatchEngine` for each N, in one process: N requests with
 200-token prompts decoding, the median of `--steps` steps.
 

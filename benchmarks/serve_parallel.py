@@ -133,18 +133,22 @@ class Server:
         for other servers): where the batched steps' time went."""
         import urllib.request
 
+        from prometheus_client.parser import text_string_to_metric_families
+
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=60) as reply:
                 text = reply.read().decode()
         except OSError:
             return {}
         found: dict[str, dict[str, float]] = {}
-        for line in text.splitlines():
-            for kind in ("count", "sum"):
-                if line.startswith(f"sippcache_step_seconds_{kind}{{"):
-                    phase = line.split('phase="', 1)[1].split('"', 1)[0]
-                    found.setdefault(phase, {})[kind] = float(line.rsplit(" ", 1)[1])
-        return {phase: (v.get("count", 0.0), v.get("sum", 0.0)) for phase, v in found.items()}
+        for family in text_string_to_metric_families(text):
+            if family.name == "sippcache_step_seconds":
+                for sample in family.samples:
+                    found.setdefault(sample.labels["phase"], {})[sample.name] = sample.value
+        return {
+            phase: (v.get("sippcache_step_seconds_count", 0.0), v.get("sippcache_step_seconds_sum", 0.0))
+            for phase, v in found.items()
+        }
 
     def peak_memory_mb(self) -> float:
         try:
