@@ -5,45 +5,23 @@ same model with another K/V cache type, attention kernel, LoRA adapter or
 library version. The fingerprint is a hash over all of those, and it is part
 of every cache namespace, so a mismatch is a plain miss.
 
-The model file is identified without reading a multi-GB file: its size, its
-first 32 MiB (the GGUF header: all metadata and the tensor layout table,
-then the first tensors' data) and its last 4 MiB (the last tensors' data).
+The model file is identified by `sippcache.modelfile.file_digest` (its size,
+head and tail), without reading a multi-GB file.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
-HEAD_BYTES = 32 * 1024 * 1024
-TAIL_BYTES = 4 * 1024 * 1024
+from ..modelfile import file_digest
 
 #: The version of what a namespace's entries mean. Bump it only when entries
 #: written before must become invisible; a new frame format that still reads the
 #: old one (frame.READABLE_VERSIONS) keeps it, so an upgrade keeps the cache warm.
 NAMESPACE_VERSION = "1"
-
-_file_cache: dict[tuple[str, int, int, int], str] = {}
-
-
-def file_digest(path: str | os.PathLike[str]) -> str:
-    """A 128-bit digest of a model file's size, head and tail (cached per path, size and mtime)."""
-    real = os.path.realpath(path)
-    stat = os.stat(real)
-    cache_key = (real, stat.st_size, stat.st_mtime_ns, stat.st_ino)
-    if cache_key not in _file_cache:
-        digest = xxhash.xxh3_128()
-        digest.update(str(stat.st_size).encode())
-        with open(real, "rb") as f:
-            digest.update(f.read(HEAD_BYTES))
-            if stat.st_size > HEAD_BYTES:
-                f.seek(max(HEAD_BYTES, stat.st_size - TAIL_BYTES))
-                digest.update(f.read(TAIL_BYTES))
-        _file_cache[cache_key] = digest.hexdigest()
-    return _file_cache[cache_key]
 
 
 @dataclass(frozen=True)
