@@ -1,0 +1,104 @@
+"""llama-server slot files, and the sequence states sippcache stores.
+
+``POST /slots/{id}?action=save`` writes ``llama_state_seq_save_file``'s format
+(all little-endian)::
+
+    magic     u32   "ggsq" (LLAMA_STATE_SEQ_MAGIC, 0x67677371)
+    version   u32   LLAMA_STATE_SEQ_VERSION (4 in the llama.cpp this was read from)
+    n_tokens  u32
+    tokens    n_tokens x i32   the slot's prompt: the tokens the state holds
+    state     the bytes llama.cpp's memory writes for one sequence
+
+``llama_state_seq_get_data`` (what sippcache's llama-cpp-python layer stores)
+puts its own 8-byte header before the same state bytes: u32 0xaf143cd8 and the
+i32 sequence id. An entry holds that form, so an entry is the same kind of
+thing whichever side wrote it; the slot-file version is kept beside it, since
+llama.cpp loads only a file of its own version.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from ..protocol import Blob
+
+__all__ = [
+    "SEQ_STATE_MAGIC",
+    "SLOT_FILE_MAGIC",
+    "SlotFile",
+    "SlotFileError",
+    "build",
+    "parse",
+    "read_tokens",
+    "seq_state",
+    "state_of",
+]
+
+#: "ggsq" read as a little-endian u32 (llama.h: LLAMA_FILE_MAGIC_GGSQ).
+SLOT_FILE_MAGIC = 0x67677371
+#: The first u32 of `llama_state_seq_get_data`'s output (llama-context.cpp: io_magic).
+SEQ_STATE_MAGIC = 0xAF143CD8
+_HEAD = struct.Struct("<III")
+_SEQ_HEAD = struct.Struct("<Ii")
+
+
+class SlotFileError(ValueError):
+    """Bytes that are not a slot file (or a sequence state) of the expected form."""
+
+
+@dataclass(frozen=True)
+class SlotFile:
+    """A parsed slot file: its version, the tokens its state holds, and a view of the state bytes."""
+
+    version: int
+    tokens: tuple[int, ...]
+    state: memoryview
+
+
+def parse(data: Blob) -> SlotFile:
+    """Read a slot file written by llama-server; raise `SlotFileError` saying what is wrong."""
+    view = memoryview(data).cast("B")
+    if len(view) < _HEAD.size:
+        raise SlotFileError(f"{len(view)} bytes is too short for a slot file")
+    magic, version, n_tokens = _HEAD.unpack_from(view)
+    if magic != SLOT_FILE_MAGIC:
+        raise SlotFileError(f"magic {magic:#010x} is not a slot file's ({SLOT_FILE_MAGIC:#010x})")
+    end = _HEAD.size + 4 * n_tokens
+    if end > len(view):
+        raise SlotFileError(f"it says {n_tokens} tokens but has {len(view)} bytes")
+    tokens = struct.unpack_from(f"<{n_tokens}i", view, _HEAD.size)
+    return SlotFile(version, tokens, view[end:])
+
+
+def read_tokens(path: str) -> tuple[int, ...]:
+    """The tokens a slot file lists, read from its header alone."""
+    with open(path, "rb") as f:
+        head = f.read(_HEAD.size)
+        if len(head) < _HEAD.size:
+            raise SlotFileError(f"{len(head)} bytes is too short for a slot file")
+        magic, _version, n_tokens = _HEAD.unpack(head)
+        if magic != SLOT_FILE_MAGIC:
+            raise SlotFileError(f"magic {magic:#010x} is not a slot file's ({SLOT_FILE_MAGIC:#010x})")
+        body = f.read(4 * n_tokens)
+    if len(body) < 4 * n_tokens:
+        raise SlotFileError(f"it says {n_tokens} tokens but ends before them")
+    return struct.unpack(f"<{n_tokens}i", body)
+
+
+def build(version: int, tokens: tuple[int, ...] | list[int], state: Blob) -> list[Blob]:
+    """The parts of a slot file, in order (write them back to back: the state is not copied)."""
+    return [_HEAD.pack(SLOT_FILE_MAGIC, version, len(tokens)), struct.pack(f"<{len(tokens)}i", *tokens), state]
+
+
+def seq_state(state: Blob, seq_id: int = 0) -> bytes:
+    """A slot file's state bytes as `llama_state_seq_get_data` frames them (its 8-byte header first)."""
+    return b"".join((_SEQ_HEAD.pack(SEQ_STATE_MAGIC, seq_id), state))
+
+
+def state_of(seq: Blob) -> memoryview:
+    """The state bytes inside a `llama_state_seq_get_data` blob (its 8-byte header checked and dropped)."""
+    view = memoryview(seq).cast("B")
+    if len(view) < _SEQ_HEAD.size or _SEQ_HEAD.unpack_from(view)[0] != SEQ_STATE_MAGIC:
+        raise SlotFileError("not a llama.cpp sequence state (bad header)")
+    return view[_SEQ_HEAD.size :]
