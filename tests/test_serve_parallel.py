@@ -32,7 +32,14 @@ from typing import Any
 import openai
 import pytest
 
-from tests.servers import QUESTIONS, Conversation, Server, assert_warm, gemma_args
+from tests.servers import (
+    QUESTIONS,
+    Conversation,
+    Server,
+    assert_the_system_message_reaches_gemma,
+    assert_warm,
+    gemma_args,
+)
 
 pytestmark = pytest.mark.gemma
 
@@ -424,11 +431,12 @@ def test_a_model_without_a_chat_template_gets_its_architecture_s_format(
     gemma_model: Path, servers, tmp_path: Path
 ) -> None:
     server = servers(parallel_args(gemma_model, f"lmdb://{tmp_path}/store", 2))
-    assert "using chat_format 'gemma' for its architecture 'gemma3'" in server.log_tail()
+    assert "using chat_format 'sippcache-gemma' for its architecture 'gemma3'" in server.log_tail()
     reply = server.client().chat.completions.create(
         model="gemma", messages=[{"role": "user", "content": "Name three colors."}], max_tokens=12, temperature=0
     )
     assert reply.choices[0].message.content  # llama-2's format (upstream's fallback) gets "" here
+    assert_the_system_message_reaches_gemma(server)  # on the batched path (see test_serve.py for --parallel 1)
 
 
 def test_a_client_gone_before_its_answer_gives_its_slot_back(gemma_model: Path, servers, tmp_path: Path) -> None:
