@@ -529,6 +529,23 @@ def test_a_system_message_reaches_the_model_in_every_format_the_server_picks(
     assert briefed - alone > len(llm.tokenize(INSTRUCTIONS.encode(), add_bos=False)) // 2, (alone, briefed)
 
 
+def test_the_served_gemma_format_can_be_named(tiny_model: Path, make_llama) -> None:
+    """``--chat_format sippcache-gemma`` (upstream's loader passes it to the `Llama` as is)
+    gives any model the format that keeps a system message."""
+    from llama_cpp.server.settings import ModelSettings
+
+    from sippcache.server.model import use_chat_format
+
+    llm = make_llama(tiny_model, chat_format="sippcache-gemma")
+    assert use_chat_format(llm, ModelSettings(model=str(tiny_model), chat_format="sippcache-gemma")) is None
+    question = {"role": "user", "content": "Which ship passed first?"}
+    alone, briefed = (
+        llm.create_chat_completion(messages=messages, max_tokens=1)["usage"]["prompt_tokens"]
+        for messages in ([question], [{"role": "system", "content": INSTRUCTIONS}, question])
+    )
+    assert briefed - alone >= len(llm.tokenize(INSTRUCTIONS.encode(), add_bos=False)), (alone, briefed)
+
+
 def test_the_served_gemma_format_is_gemma_3_s_template_and_stays_the_server_s() -> None:
     """Gemma 3's template puts the system text and a blank line at the start of the first
     user turn; sippcache's gemma format makes that prompt (BOS comes from the tokenizer),
