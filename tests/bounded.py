@@ -9,7 +9,9 @@ bounds only turn a hang into a failure: nothing here asserts a speed.
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import subprocess
 import threading
 import time
@@ -58,6 +60,21 @@ def finish(child: subprocess.Popen[Any], what: str, seconds: float = BOUND) -> t
         ) from None
 
 
+def wait_forked(pid: int, what: str, seconds: float = BOUND) -> int:
+    """The exit code of the forked child `pid`. If it still runs after `seconds`, SIGKILL
+    it and fail saying `what` it was expected to do (a fork test's deadlock is a failure)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)  # SIGKILL cannot be caught or ignored: it is gone at once
+            raise AssertionError(f"forked child {pid} still running after {seconds:g} s (expected: {what}); killed it")
+        time.sleep(0.01)
+
+
 def read_line(child: subprocess.Popen[Any], stream: IO[AnyStr], what: str, seconds: float = BOUND) -> AnyStr:
     """The next line of `stream`, a pipe from `child` ("" or b"" at its end). If none comes
     within `seconds`, kill `child` and fail saying `what` line was awaited.
@@ -70,7 +87,9 @@ def read_line(child: subprocess.Popen[Any], stream: IO[AnyStr], what: str, secon
         return lines.get(timeout=seconds)
     except queue.Empty:
         kill(child)
-        raise AssertionError(f"process {child.pid} wrote no line in {seconds:g} s (expected: {what}); killed it") from None
+        raise AssertionError(
+            f"process {child.pid} wrote no line in {seconds:g} s (expected: {what}); killed it"
+        ) from None
 
 
 def join_all(threads: Iterable[threading.Thread], what: str, seconds: float = BOUND) -> None:
@@ -83,4 +102,6 @@ def join_all(threads: Iterable[threading.Thread], what: str, seconds: float = BO
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     running = [thread.name for thread in threads if thread.is_alive()]
-    assert not running, f"{len(running)} of {len(threads)} threads still running after {seconds:g} s ({what}): {running}"
+    assert not running, (
+        f"{len(running)} of {len(threads)} threads still running after {seconds:g} s ({what}): {running}"
+    )
