@@ -145,7 +145,7 @@ def wait_all(procs: Sequence[subprocess.Popen[bytes]], seconds: float = DEADLOCK
     for proc, code in zip(procs, codes, strict=True):
         if code is None:
             proc.kill()
-            proc.wait()
+            proc.wait(timeout=60)  # SIGKILL: at once
     return codes
 
 

@@ -164,9 +164,25 @@ def delta(before: dict[str, Any], after: dict[str, Any], *keys: str) -> dict[str
 
 
 def briefed(question: str, system: str = SYSTEM) -> dict[str, str]:
-    """A user message carrying the long instructions: gemma's chat format (the one the
-    server picks for the gemma-3-270m file) has no system role and drops system messages."""
+    """A user message carrying the long instructions: the prompt Gemma 3's template (and the
+    format the server picks for the gemma-3-270m file) makes of a system message and a question."""
     return {"role": "user", "content": f"{system}\n\n{question}"}
+
+
+def assert_the_system_message_reaches_gemma(server: Server) -> None:
+    """A chat's system message is in the prompt the served gemma evaluates: the prompt is
+    longer than the question's alone, and it is `briefed`'s, the system text and a blank line
+    at the start of the first user turn (llama-cpp-python's ``gemma`` format drops it)."""
+    client = server.client()
+
+    def prompt_tokens(messages: list[dict[str, str]]) -> int:
+        reply = client.chat.completions.create(model="gemma", messages=messages, max_tokens=1, temperature=0)
+        return int(reply.usage.prompt_tokens)
+
+    question = {"role": "user", "content": QUESTIONS[0]}
+    alone = prompt_tokens([question])
+    with_system = prompt_tokens([{"role": "system", "content": SYSTEM}, question])
+    assert with_system > alone and with_system == prompt_tokens([briefed(QUESTIONS[0])]), (alone, with_system)
 
 
 class Conversation:

@@ -610,7 +610,11 @@ def test_copy_refuses_same_store(url: str) -> None:
 def test_model_commands_without_their_packages_name_the_extra(tmp_path: Path) -> None:
     env = {**not_installed(tmp_path, "llama_cpp"), "SIPPCACHE_MODEL_DIR": str(tmp_path / "models")}
     probe = subprocess.run(
-        [sys.executable, "-c", "import llama_cpp"], capture_output=True, text=True, env={**os.environ, **env}
+        [sys.executable, "-c", "import llama_cpp"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
     )
     assert probe.returncode == 1 and "ModuleNotFoundError: No module named 'llama_cpp'" in probe.stderr
     model, prompt = tmp_path / "model.gguf", tmp_path / "prompt.txt"

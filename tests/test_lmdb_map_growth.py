@@ -25,6 +25,7 @@ import pytest
 import sippcache
 from sippcache import CacheBackend
 from sippcache.errors import SippcacheError
+from tests.bounded import BOUND, finish, read_line
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,13 +58,11 @@ def _grow_in_another_process(url: str, beyond: int) -> None:
     child = subprocess.Popen(
         [sys.executable, "-c", GROWER, url, str(beyond)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
     )
-    assert child.stdout is not None and child.stderr is not None
-    line = child.stdout.readline()
+    assert child.stdout is not None
+    line = read_line(child, child.stdout, f'the writer growing the map past {beyond} bytes ("grown")', seconds=300)
     os.kill(child.pid, signal.SIGKILL)
-    child.wait()
-    errors = child.stderr.read().decode(errors="replace")
-    child.stdout.close()
-    child.stderr.close()
+    _, stderr = finish(child, "die of SIGKILL")
+    errors = stderr.decode(errors="replace")
     assert line == b"grown\n", f"the writer did not grow the map past {beyond} bytes: {line!r}\n{errors}"
 
 
@@ -237,6 +236,7 @@ def test_the_default_map_is_large_and_smaller_where_the_address_space_is_limited
         text=True,
         env=env,
         check=False,
+        timeout=BOUND,
     )
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) == 2 * 256 * 1024**2 + 256 * 1024**2

@@ -23,7 +23,9 @@ PLUGINS = Path(__file__).parent / "plugins"
 def install_into(site: Path, source: Path) -> None:
     """pip-install the distribution in `source` into the directory `site` (offline, no deps)."""
     offline = ["--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
-    subprocess.run([sys.executable, "-m", "pip", "install", *offline, "--target", str(site), str(source)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", *offline, "--target", str(site), str(source)], check=True, timeout=600
+    )
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ empty one (greedy, seeded sampling, streaming, completions, prompt logprobs);
 interleaved conversations reuse their earlier turns (read from /metrics);
 a restarted server and a second server on the same store (LMDB, and Redis)
 continue old conversations warm; a client hanging up mid-stream leaves the
-server serving.
+server serving; a chat's system message reaches gemma (whose file has no chat
+template: the server picks the format).
 """
 
 from __future__ import annotations
@@ -17,7 +18,17 @@ from typing import Any
 
 import pytest
 
-from tests.servers import QUESTIONS, SYSTEM, Conversation, Server, assert_warm, briefed, delta, gemma_args
+from tests.servers import (
+    QUESTIONS,
+    SYSTEM,
+    Conversation,
+    Server,
+    assert_the_system_message_reaches_gemma,
+    assert_warm,
+    briefed,
+    delta,
+    gemma_args,
+)
 
 pytestmark = pytest.mark.gemma
 
@@ -164,3 +175,12 @@ def test_client_hanging_up_mid_stream_leaves_the_server_serving(gemma_model: Pat
     assert reply.choices[0].text == reference.choices[0].text
     assert server.process.poll() is None
     assert server.metrics()  # and /metrics still answers
+
+
+def test_a_system_message_reaches_gemma(gemma_model: Path, servers, tmp_path: Path) -> None:
+    """The gemma file has no chat template: the format the server picks keeps a system
+    message, one request at a time (``--parallel 1``, upstream's code path) as batched
+    (tests/test_serve_parallel.py)."""
+    server = servers(gemma_args(gemma_model, f"lmdb://{tmp_path}/store"))
+    assert "using chat_format 'sippcache-gemma' for its architecture 'gemma3'" in server.log_tail()
+    assert_the_system_message_reaches_gemma(server)

@@ -32,7 +32,15 @@ from typing import Any
 import openai
 import pytest
 
-from tests.servers import QUESTIONS, Conversation, Server, assert_warm, gemma_args
+from tests.bounded import join_all
+from tests.servers import (
+    QUESTIONS,
+    Conversation,
+    Server,
+    assert_the_system_message_reaches_gemma,
+    assert_warm,
+    gemma_args,
+)
 
 pytestmark = pytest.mark.gemma
 
@@ -181,11 +189,10 @@ def test_requests_together_equal_requests_alone(gemma_model: Path, servers, tmp_
     def run(i: int) -> None:
         together[i] = send(server.client(), *MIXED[i])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(MIXED))]
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(MIXED))]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    join_all(threads, "the mixed requests sent together", seconds=900)
     after = server.metrics()
     steps = 'sippcache_batched_steps_total{model="gemma"}'
     tokens = 'sippcache_batched_generated_tokens_total{model="gemma"}'
@@ -227,11 +234,10 @@ def test_no_request_sees_another_s_tokens(gemma_model: Path, servers, tmp_path: 
         )
         together[i] = "".join(chunk.choices[0].text for chunk in stream)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(prompts))]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    join_all(threads, "the secret-code requests sent together", seconds=900)
     for i, secret in enumerate(secrets):
         others = [s for s in secrets if s != secret]
         assert not any(other in together[i] for other in others), (secret, together[i])
@@ -349,11 +355,10 @@ def test_conversations_continue_warm_after_a_restart_and_on_a_second_server(
     url = f"lmdb://{tmp_path}/store"
     first = servers(parallel_args(gemma_model, url, 4))
     conversations = [Conversation(name) for name in "ABC"]
-    threads = [threading.Thread(target=c.turn, args=(first, QUESTIONS[0])) for c in conversations]
+    threads = [threading.Thread(target=c.turn, args=(first, QUESTIONS[0]), daemon=True) for c in conversations]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    join_all(threads, "the first turns of three conversations", seconds=900)
     second = servers(parallel_args(gemma_model, url, 4))
     for conversation in conversations:
         first.settle()
@@ -424,11 +429,12 @@ def test_a_model_without_a_chat_template_gets_its_architecture_s_format(
     gemma_model: Path, servers, tmp_path: Path
 ) -> None:
     server = servers(parallel_args(gemma_model, f"lmdb://{tmp_path}/store", 2))
-    assert "using chat_format 'gemma' for its architecture 'gemma3'" in server.log_tail()
+    assert "using chat_format 'sippcache-gemma' for its architecture 'gemma3'" in server.log_tail()
     reply = server.client().chat.completions.create(
         model="gemma", messages=[{"role": "user", "content": "Name three colors."}], max_tokens=12, temperature=0
     )
     assert reply.choices[0].message.content  # llama-2's format (upstream's fallback) gets "" here
+    assert_the_system_message_reaches_gemma(server)  # on the batched path (see test_serve.py for --parallel 1)
 
 
 def test_a_client_gone_before_its_answer_gives_its_slot_back(gemma_model: Path, servers, tmp_path: Path) -> None:
@@ -444,7 +450,7 @@ def test_a_client_gone_before_its_answer_gives_its_slot_back(gemma_model: Path, 
             "logit_bias": NO_END,
         }
     ).encode()
-    with socket.create_connection(("127.0.0.1", server.port)) as connection:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as connection:
         connection.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)

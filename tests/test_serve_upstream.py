@@ -20,6 +20,8 @@ from typing import Any
 import llama_cpp
 import pytest
 
+from sippcache.server.model import ARCHITECTURE_CHAT_FORMATS
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(sys.executable).with_name("sippcache")
 
@@ -90,6 +92,11 @@ def test_upstream_symbols_are_where_serve_expects_them() -> None:
     need("models" in settings.ConfigFileSettings.model_fields, "ConfigFileSettings.models", "config files list models")
     for name in ("host", "port", "ssl_keyfile", "ssl_certfile"):
         need(name in settings.ServerSettings.model_fields, f"ServerSettings.{name}", "serve passes it to uvicorn")
+    need(
+        "self._chat_handlers.get(self.chat_format)" in inspect.getsource(llama_cpp.Llama.create_chat_completion),
+        "Llama._chat_handlers, read by create_chat_completion",
+        "serve gives a model sippcache's own chat formats there (sippcache.server.model.CHAT_HANDLERS)",
+    )
 
 
 def test_upstream_loader_returns_a_plain_llama_and_makes_a_cache_only_when_asked(tiny_model: Path) -> None:
@@ -483,3 +490,90 @@ def assert_same_completion(got: dict[str, Any], want: dict[str, Any], case: dict
         assert mine["logprobs"]["tokens"] == theirs["logprobs"]["tokens"], case
         for a, b in zip(mine["logprobs"]["token_logprobs"], theirs["logprobs"]["token_logprobs"], strict=True):
             assert (a is None and b is None) or abs(a - b) < 1e-3, case
+
+
+# -- the chat format the server picks for a model file without a chat template ----------------
+
+#: Instructions long enough that a prompt without them is plainly shorter.
+INSTRUCTIONS = "You are the archivist of a lighthouse. Answer from the keeper's log only, in one sentence. " * 4
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURE_CHAT_FORMATS))
+def test_a_system_message_reaches_the_model_in_every_format_the_server_picks(
+    tiny_model: Path, make_llama, architecture: str
+) -> None:
+    """For every architecture the server maps to a chat format by itself, a chat's system
+    message is in the prompt the model evaluates (``usage.prompt_tokens``): llama-cpp-python's
+    ``gemma`` format, which the server used to pick, drops it (issue 24).
+
+    The tiny model is a llama file; the choice reads only its ``general.architecture``, set
+    here to each one, and the prompt is tokenized and evaluated by the real model."""
+    from llama_cpp.server.settings import ModelSettings
+
+    from sippcache.server.model import use_chat_format
+
+    llm = make_llama(tiny_model, n_ctx=2048)
+    assert "tokenizer.chat_template" not in llm.metadata
+    llm.metadata["general.architecture"] = architecture
+    assert use_chat_format(llm, ModelSettings(model=str(tiny_model))) == ARCHITECTURE_CHAT_FORMATS[architecture]
+    question = {"role": "user", "content": "Which ship passed first?"}
+
+    def prompt_tokens(messages: list[dict[str, str]]) -> int:
+        reply = llm.create_chat_completion(messages=messages, max_tokens=1, temperature=0)
+        return int(reply["usage"]["prompt_tokens"])
+
+    alone = prompt_tokens([question])
+    briefed = prompt_tokens([{"role": "system", "content": INSTRUCTIONS}, question])
+    # Most of the instructions' tokens are added (qwen's format has a short default system
+    # message of its own, which they replace).
+    assert briefed - alone > len(llm.tokenize(INSTRUCTIONS.encode(), add_bos=False)) // 2, (alone, briefed)
+
+
+def test_the_served_gemma_format_can_be_named(tiny_model: Path, make_llama) -> None:
+    """``--chat_format sippcache-gemma`` (upstream's loader passes it to the `Llama` as is)
+    gives any model the format that keeps a system message."""
+    from llama_cpp.server.settings import ModelSettings
+
+    from sippcache.server.model import use_chat_format
+
+    llm = make_llama(tiny_model, chat_format="sippcache-gemma")
+    assert use_chat_format(llm, ModelSettings(model=str(tiny_model), chat_format="sippcache-gemma")) is None
+    question = {"role": "user", "content": "Which ship passed first?"}
+    alone, briefed = (
+        llm.create_chat_completion(messages=messages, max_tokens=1)["usage"]["prompt_tokens"]
+        for messages in ([question], [{"role": "system", "content": INSTRUCTIONS}, question])
+    )
+    assert briefed - alone >= len(llm.tokenize(INSTRUCTIONS.encode(), add_bos=False)), (alone, briefed)
+
+
+def test_the_served_gemma_format_is_gemma_3_s_template_and_stays_the_server_s() -> None:
+    """Gemma 3's template puts the system text and a blank line at the start of the first
+    user turn; sippcache's gemma format makes that prompt (BOS comes from the tokenizer),
+    and is not in llama-cpp-python's registry, where a plain `llama_cpp.Llama` looks."""
+    from llama_cpp import llama_chat_format
+
+    from sippcache.server.model import CHAT_HANDLERS, format_gemma
+
+    chat: list[Any] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": [{"type": "text", "text": "Name a ship."}]},
+    ]
+    assert format_gemma(chat).prompt == (
+        "<start_of_turn>user\nBe brief.\n\nHello<end_of_turn>\n"
+        "<start_of_turn>model\nHi.<end_of_turn>\n"
+        "<start_of_turn>user\nName a ship.<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+    assert format_gemma(chat[1:3]).prompt == llama_chat_format.format_gemma(chat[1:3]).prompt  # no system: upstream's
+    # A system message later in the chat opens the next user turn; the turns before it stay.
+    later = [*chat[1:3], {"role": "system", "content": "Answer in French."}, chat[3]]
+    assert format_gemma(later).prompt == (
+        "<start_of_turn>user\nHello<end_of_turn>\n<start_of_turn>model\nHi.<end_of_turn>\n"
+        "<start_of_turn>user\nAnswer in French.\n\nName a ship.<end_of_turn>\n<start_of_turn>model\n"
+    )
+    assert format_gemma(chat[:1]).prompt == "<start_of_turn>user\nBe brief.<end_of_turn>\n<start_of_turn>model\n"
+    for name in CHAT_HANDLERS:
+        with pytest.raises(llama_chat_format.LlamaChatCompletionHandlerNotFoundException):
+            llama_chat_format.get_chat_completion_handler(name)

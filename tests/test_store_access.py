@@ -23,6 +23,7 @@ import pytest
 import sippcache
 from sippcache.base import BaseBackend
 from sippcache.errors import NoStore, ReadOnlyStore
+from tests.bounded import wait_forked
 
 SCHEMES = ["lmdb", "diskcache"]
 STORE_FILE = {"lmdb": "data.mdb", "diskcache": "cache.db"}
@@ -183,8 +184,7 @@ def test_a_read_only_handle_works_in_a_forked_child(scheme: str, tmp_path: Path)
                 code = 0 if match is not None and bytes(match.blob) == BLOB and len(cache) == 3 else 1
             finally:
                 os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert wait_forked(pid, "look the entry up and exit") == 0
         match = cache.lookup([1, 2, 3], namespace="a")
         assert match is not None and bytes(match.blob) == BLOB
         match.release()
@@ -262,6 +262,8 @@ def _run_unprivileged(code: str) -> dict[str, object]:
             timeout=120,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         )
+    except subprocess.TimeoutExpired:  # a SubprocessError too: a hung child fails the test, never skips it
+        raise
     except subprocess.SubprocessError as exc:  # only preexec_fn raises this: prctl needs CAP_SETPCAP
         pytest.skip(f"running as root without the right to drop capabilities (prctl failed: {exc})")
     assert result.returncode == 0, result.stderr
@@ -358,6 +360,8 @@ def _cli(*args: str, unprivileged: bool = False) -> subprocess.CompletedProcess[
             timeout=120,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "COLUMNS": "200"},
         )
+    except subprocess.TimeoutExpired:  # a SubprocessError too: a hung child fails the test, never skips it
+        raise
     except subprocess.SubprocessError as exc:
         pytest.skip(f"running as root without the right to drop capabilities (prctl failed: {exc})")
 

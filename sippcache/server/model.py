@@ -3,9 +3,10 @@
 Upstream's loader makes a plain `llama_cpp.Llama`; `sippcache.server.stores`
 turns it into a `ServedLlama` (a ``__class__`` assignment: this class adds no
 state a constructor would set up) and gives it its cache and, with
-``--parallel``, its scheduler. `chat_format_for` picks a chat format for a
-model file that carries no template; `batching_obstacle` says why a model
-cannot run batched.
+``--parallel``, its scheduler. `use_chat_format` picks a chat format for a
+model file that carries no template (`chat_format_for`) and gives the model
+sippcache's own formats (`CHAT_HANDLERS`); `batching_obstacle` says why a
+model cannot run batched.
 
 It relies on `llama_cpp.Llama`'s use of ``logits_all`` and ``scores`` (tests
 compare logprobs with a plain `llama_cpp.Llama`'s).
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 import numpy as np
-from llama_cpp import llama_chat_format
+from llama_cpp import llama_chat_format, llama_types
 from llama_cpp.server.settings import ModelSettings
 
 from ..llama import Llama, LlamaCache
@@ -30,12 +31,74 @@ from .door import CURRENT
 if TYPE_CHECKING:
     from .scheduler import Scheduler
 
-__all__ = ["ARCHITECTURE_CHAT_FORMATS", "ServedLlama", "batching_obstacle", "chat_format_for"]
+__all__ = [
+    "ARCHITECTURE_CHAT_FORMATS",
+    "CHAT_HANDLERS",
+    "ServedLlama",
+    "batching_obstacle",
+    "chat_format_for",
+    "format_gemma",
+    "use_chat_format",
+]
 
-#: llama-cpp-python's chat format for a model architecture (GGUF ``general.architecture``),
-#: for files that carry no chat template: upstream would fall back to llama-2's format.
+
+def _text(content: object) -> str:
+    """A message's text: its string, or the text parts of a list of content parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text"
+        )
+    return ""
+
+
+def format_gemma(
+    messages: list[llama_types.ChatCompletionRequestMessage], **kwargs: Any
+) -> llama_chat_format.ChatFormatterResponse:
+    r"""Gemma's turns with the system message kept: its text opens the next user turn.
+
+    Gemma has no system role. Its own template (Gemma 3's, shipped in the model
+    files that carry one) puts the system text, then a blank line, at the start
+    of the first user turn: ``<start_of_turn>user\n{system}\n\n{user}<end_of_turn>\n``.
+    llama-cpp-python's ``gemma`` format drops every system message instead (it
+    only logs that at debug level), so a served model without a template never
+    saw the instructions, and a long shared system prompt, the prefix a cache
+    exists for, was not even in the prompt. Everything else is as upstream's
+    format: turns are not trimmed, other roles (tools, functions) are left out,
+    and BOS is added by the tokenizer. A system message later in a chat opens
+    the user turn after it (nothing is dropped, and the earlier turns, a cached
+    prefix, stay as they were).
+    """
+    prompt, system = "", ""
+    for message in messages:
+        role, text = message["role"], _text(message.get("content"))
+        if role == "system":
+            system += text + "\n\n"
+        elif role == "user":
+            prompt += f"<start_of_turn>user\n{system}{text}<end_of_turn>\n"
+            system = ""
+        elif role == "assistant":
+            prompt += f"<start_of_turn>model\n{text}<end_of_turn>\n"
+    if system:  # no user turn after it: a user turn of its own
+        prompt += "<start_of_turn>user\n" + system.removesuffix("\n\n") + "<end_of_turn>\n"
+    return llama_chat_format.ChatFormatterResponse(prompt=prompt + "<start_of_turn>model\n", stop="<end_of_turn>\n")
+
+
+#: sippcache's own chat formats, by name. A served model whose ``chat_format`` names one
+#: gets its handler in its own ``_chat_handlers`` (where llama-cpp-python keeps the formats
+#: of a model file's templates), never in llama-cpp-python's global registry: a plain
+#: `llama_cpp.Llama` in the same process keeps upstream's formats.
+CHAT_HANDLERS: dict[str, llama_chat_format.LlamaChatCompletionHandler] = {
+    "sippcache-gemma": llama_chat_format.chat_formatter_to_chat_completion_handler(format_gemma),
+}
+
+#: The chat format for a model architecture (GGUF ``general.architecture``), for files that
+#: carry no chat template: upstream would fall back to llama-2's format. llama-cpp-python's
+#: own, except gemma's, which drops system messages (see `format_gemma`).
 ARCHITECTURE_CHAT_FORMATS = {
-    "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma3n": "gemma",
+    "gemma": "sippcache-gemma", "gemma2": "sippcache-gemma", "gemma3": "sippcache-gemma",
+    "gemma3n": "sippcache-gemma",
     "qwen": "qwen", "qwen2": "qwen", "chatglm": "chatglm3", "baichuan": "baichuan-2",
 }  # fmt: skip
 
@@ -134,6 +197,19 @@ def chat_format_for(model: llama_cpp.Llama, settings: ModelSettings) -> str | No
         return None
     chosen = ARCHITECTURE_CHAT_FORMATS.get(model.metadata.get("general.architecture", ""))
     return chosen if chosen is not None and chosen != model.chat_format else None
+
+
+def use_chat_format(model: llama_cpp.Llama, settings: ModelSettings) -> str | None:
+    """Set `model`'s chat format as the server serves it: the one `chat_format_for` picks
+    (returned; None if it picks none), and the handler of a format of sippcache's own
+    (`CHAT_HANDLERS`), picked here or named with ``--chat_format``."""
+    chosen = chat_format_for(model, settings)
+    if chosen is not None:
+        model.chat_format = chosen
+    name = model.chat_format
+    if name in CHAT_HANDLERS and model.chat_handler is None:
+        model._chat_handlers[name] = CHAT_HANDLERS[name]
+    return chosen
 
 
 def batching_obstacle(model: llama_cpp.Llama) -> str | None:

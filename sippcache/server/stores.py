@@ -27,7 +27,7 @@ from ..registry import default_url, redact_url
 from ..registry import open as open_cache
 from .door import Admission, RequestContext
 from .metrics import ServeMetrics, StoreReader
-from .model import ServedLlama, batching_obstacle, chat_format_for
+from .model import ServedLlama, batching_obstacle, use_chat_format
 from .scheduler import Scheduler
 from .settings import ModelOptions, ServeError, Settings, resolve_cache_value, scope_for
 
@@ -145,9 +145,8 @@ class CachePool:
         served: ServedLlama = model  # type: ignore[assignment]
         served.on_close = lambda closing: self.detach(closing, alias)
         served.on_generated = lambda ttft, tpot: self.metrics.observe_request(alias, "serialized", ttft, tpot)
-        chosen = chat_format_for(served, settings)
+        chosen = use_chat_format(served, settings)
         if chosen is not None:
-            served.chat_format = chosen
             print(
                 f"sippcache serve: {alias} has no chat template; using chat_format '{chosen}' for its "
                 f"architecture '{served.metadata.get('general.architecture')}' (--chat_format to choose)",

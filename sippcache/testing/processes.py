@@ -37,9 +37,17 @@ def run_in_child(url: str, action: str, first: int, count: int) -> subprocess.Po
 
 
 def _wait(*children: subprocess.Popen[bytes]) -> None:
-    """Every child ended, and ended well."""
+    """Every child ended, and ended well. One still running after 120 s (a deadlock) fails
+    the test, and every child is killed: a hang is never a result."""
     for child in children:
-        assert child.wait(timeout=120) == 0
+        try:
+            code = child.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            for other in children:
+                other.kill()
+                other.wait(timeout=60)  # SIGKILL: at once
+            raise AssertionError(f"child process {child.pid} still running after 120 s; killed it") from None
+        assert code == 0, f"child process {child.pid} exited with {code}"
 
 
 class ProcessTests(BackendFixtures):

@@ -32,7 +32,8 @@ class ThreadTests(BackendFixtures):
             except BaseException as exc:  # reported below
                 errors.append(exc)
 
-        threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+        # Daemon threads: a deadlocked one fails the test below without keeping pytest from exiting.
+        threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in range(8)]
         for thread in threads:
             thread.start()
         for thread in threads:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from redis_testtools import wait_forked
 from sippcache_redis.backend import DEFAULT_MAX_BYTES
 from sippcache_redis.servers import ValkeyServer
 
@@ -49,7 +50,6 @@ def test_a_forked_child_uses_the_inherited_handle(valkey_server: ValkeyServer, p
                 ok = ok and cache.store([4, 5], b"from the child")
             finally:
                 os._exit(0 if ok else 1)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert wait_forked(pid, "look up and store through the inherited handle, and exit") == 0
         match = cache.lookup([4, 5])
         assert match is not None and bytes(match.blob) == b"from the child"

@@ -86,7 +86,7 @@ def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
         except BaseException as exc:  # reported by the test
             result.append(exc)
 
-    thread = threading.Thread(target=run)
+    thread = threading.Thread(target=run, daemon=True)  # one that hangs fails its test without keeping pytest alive
     thread.start()
     return thread, result
 

@@ -8,7 +8,9 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 
+from redis_testtools import BOUND, finish_all, read_line
 from sippcache_redis.servers import ValkeyCluster, ValkeyServer
 
 import sippcache
@@ -43,12 +45,12 @@ class Worker:
         assert self.process.stdin is not None and self.process.stdout is not None
         self.process.stdin.write(line + "\n")
         self.process.stdin.flush()
-        return self.process.stdout.readline().strip()  # returns once the call has returned there
+        return read_line(self.process, f"the answer to {line!r}").strip()  # once the call has returned there
 
     def close(self) -> None:
         assert self.process.stdin is not None
         self.process.stdin.close()
-        assert self.process.wait(timeout=60) == 0
+        assert finish_all([self.process]) == [0]
 
 
 def _check_visibility(url: str) -> None:
@@ -97,13 +99,14 @@ def test_two_writers_of_one_key_keep_the_newest_generation(valkey_server: Valkey
     store ends with the newest one, whole (its own chunks, not a mix)."""
     url = f"{valkey_server.url}?prefix={prefix}&chunk_size=1KiB"
     writers = [subprocess.Popen([sys.executable, "-c", _WRITER, url, str(seed)]) for seed in (0, 1)]
+    deadline = time.monotonic() + BOUND
     with sippcache.open(url) as cache:
-        while any(w.poll() is None for w in writers):  # read while they write: always a whole blob
+        while any(w.poll() is None for w in writers) and time.monotonic() < deadline:  # read while they write
             match = cache.lookup([1, 2, 3])
-            if match is not None:
+            if match is not None:  # always a whole blob
                 g = int(bytes(match.blob[:5]))
                 assert bytes(match.blob) == (b"%05d" % g) * (300 + g)
-        assert all(w.wait(timeout=120) == 0 for w in writers)
+        assert finish_all(writers) == [0, 0]
         entry = next(iter(cache.entries()))
         assert entry.generation == 399
         assert bytes(cache.lookup([1, 2, 3]).blob) == b"00399" * 699
@@ -124,12 +127,13 @@ _FILLER = textwrap.dedent(
 def test_a_budget_holds_across_concurrent_writers(valkey_server: ValkeyServer, prefix: str) -> None:
     url = f"{valkey_server.url}?prefix={prefix}&max_bytes=200000"
     fillers = [subprocess.Popen([sys.executable, "-c", _FILLER, url, str(n * 1000)]) for n in range(3)]
+    deadline = time.monotonic() + BOUND
     with sippcache.open(url) as cache:
         rng = random.Random(1)
-        while any(f.poll() is None for f in fillers):
+        while any(f.poll() is None for f in fillers) and time.monotonic() < deadline:
             assert cache.stats().bytes <= 200_000
             cache.lookup([rng.randrange(3) * 1000 + rng.randrange(60)] * 2)
-        assert all(f.wait(timeout=120) == 0 for f in fillers)
+        assert finish_all(fillers) == [0, 0, 0]
         stats = cache.stats()
         assert stats.bytes <= 200_000 and 15 <= stats.entries <= 20
         # Evicted entries' chunks are gone from the server too.
