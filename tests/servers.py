@@ -53,9 +53,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [sys.executable, "-m", module, *args]
-        if "--verbose" not in args and "--config_file" not in args:
-            command += ["--verbose", "false"]
+        command = [sys.executable, "-m", module, *self.arguments(args)]
         # HOST and PORT win over settings, with or without a config file (as upstream).
         env = {"HOST": "127.0.0.1", "PORT": str(self.port), **(env or {})}
         self._log = open(log_path, "ab")  # noqa: SIM115  # the server's log for its whole life: closed in stop()
@@ -69,13 +67,22 @@ class Server:
             preexec_fn=preexec_fn,
         )
 
+    #: What answers once the server is ready.
+    ready_path = "/v1/models"
+
+    def arguments(self, args: Sequence[str]) -> list[str]:
+        """The command-line arguments the server process gets."""
+        if "--verbose" not in args and "--config_file" not in args:
+            return [*args, "--verbose", "false"]
+        return list(args)
+
     def wait_ready(self, timeout: float = 300) -> Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise AssertionError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
-                self.get("/v1/models", timeout=5)
+                self.get(self.ready_path, timeout=5)
                 return self
             except (OSError, urllib.error.URLError):
                 time.sleep(0.2)

@@ -19,7 +19,7 @@ import click
 from .errors import OneLineUsageErrors
 from .inspect_commands import backends, ls, stats, verify
 from .maintain_commands import clear, copy, pin, prune
-from .model_commands import demo, serve, warm
+from .model_commands import demo, proxy, serve, warm
 
 __all__ = ["main"]
 
@@ -34,5 +34,5 @@ def main() -> None:
     """
 
 
-for _command in (demo, backends, stats, ls, verify, prune, clear, pin, copy, warm, serve):
+for _command in (demo, backends, stats, ls, verify, prune, clear, pin, copy, warm, serve, proxy):
     main.add_command(_command)

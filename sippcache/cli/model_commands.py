@@ -108,3 +108,19 @@ def serve(args: tuple[str, ...]) -> None:
     except ImportError as exc:
         raise CLIError(f'sippcache serve needs the server extra: pip install "sippcache[server]" ({exc})') from None
     sys.exit(serve_main(list(args), prog="sippcache serve"))
+
+
+@click.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[PROXY OPTIONS]... [-- LLAMA-SERVER ARGS]")
+def proxy(args: tuple[str, ...]) -> None:
+    """A persistent, shared prefix cache in front of llama.cpp's own llama-server
+    (managed: --llama-server PATH --model M; attach: --upstream URL --slot-dir DIR;
+    see `sippcache proxy --help`)."""
+    try:
+        from ..proxy import main as proxy_main
+    except ImportError as exc:
+        raise CLIError(f'sippcache proxy needs the proxy extra: pip install "sippcache[proxy]" ({exc})') from None
+    sys.exit(proxy_main(list(args), prog="sippcache proxy"))

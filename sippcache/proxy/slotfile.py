@@ -5,9 +5,16 @@
 
     magic     u32   "ggsq" (LLAMA_STATE_SEQ_MAGIC, 0x67677371)
     version   u32   LLAMA_STATE_SEQ_VERSION (4 in the llama.cpp this was read from)
-    n_tokens  u32
-    tokens    n_tokens x i32   the slot's prompt: the tokens the state holds
+    n_words   u32
+    words     n_words x i32    the slot's prompt: the tokens the state holds (see below)
     state     the bytes llama.cpp's memory writes for one sequence
+
+llama-server writes its prompt packed (server_tokens::serialize): the word -1
+(LLAMA_TOKEN_NULL), a u32 format version (1), a u32 count and the tokens, a
+u32 count of media chunks (images, audio) and the chunks. A restore also
+accepts a plain token list (what older builds wrote), which is what `build`
+writes. A prompt with media chunks is not read (`SlotFileError`): its tokens
+alone do not say what the state holds.
 
 ``llama_state_seq_get_data`` (what sippcache's llama-cpp-python layer stores)
 puts its own 8-byte header before the same state bytes: u32 0xaf143cd8 and the
@@ -39,6 +46,8 @@ __all__ = [
 SLOT_FILE_MAGIC = 0x67677371
 #: The first u32 of `llama_state_seq_get_data`'s output (llama-context.cpp: io_magic).
 SEQ_STATE_MAGIC = 0xAF143CD8
+#: The first word of a packed prompt (LLAMA_TOKEN_NULL), and the packing's version.
+PACKED_MARKER, PACKED_VERSION = -1, 1
 _HEAD = struct.Struct("<III")
 _SEQ_HEAD = struct.Struct("<Ii")
 
@@ -67,8 +76,21 @@ def parse(data: Blob) -> SlotFile:
     end = _HEAD.size + 4 * n_tokens
     if end > len(view):
         raise SlotFileError(f"it says {n_tokens} tokens but has {len(view)} bytes")
-    tokens = struct.unpack_from(f"<{n_tokens}i", view, _HEAD.size)
-    return SlotFile(version, tokens, view[end:])
+    return SlotFile(version, prompt_tokens(struct.unpack_from(f"<{n_tokens}i", view, _HEAD.size)), view[end:])
+
+
+def prompt_tokens(words: tuple[int, ...]) -> tuple[int, ...]:
+    """The tokens of a slot file's prompt words: packed (llama-server's server_tokens) or plain."""
+    if not words or words[0] != PACKED_MARKER:
+        return words
+    if len(words) < 3 or words[1] != PACKED_VERSION:
+        raise SlotFileError(f"packed prompt of an unknown version {words[1:2]}")
+    n = words[2] & 0xFFFFFFFF
+    if 3 + n >= len(words) or any(t < 0 for t in words[3 : 3 + n]):
+        raise SlotFileError(f"packed prompt says {n} tokens but has {len(words) - 4}")
+    if words[3 + n] != 0:
+        raise SlotFileError(f"the prompt has {words[3 + n] & 0xFFFFFFFF} media chunks (images or audio)")
+    return words[3 : 3 + n]
 
 
 def read_tokens(path: str) -> tuple[int, ...]:
@@ -83,11 +105,12 @@ def read_tokens(path: str) -> tuple[int, ...]:
         body = f.read(4 * n_tokens)
     if len(body) < 4 * n_tokens:
         raise SlotFileError(f"it says {n_tokens} tokens but ends before them")
-    return struct.unpack(f"<{n_tokens}i", body)
+    return prompt_tokens(struct.unpack(f"<{n_tokens}i", body))
 
 
 def build(version: int, tokens: tuple[int, ...] | list[int], state: Blob) -> list[Blob]:
-    """The parts of a slot file, in order (write them back to back: the state is not copied)."""
+    """The parts of a slot file with a plain token list, in order (write them back to back: the
+    state is not copied)."""
     return [_HEAD.pack(SLOT_FILE_MAGIC, version, len(tokens)), struct.pack(f"<{len(tokens)}i", *tokens), state]
 
 

@@ -1,0 +1,446 @@
+"""The proxy's ASGI app: completions go through a slot with the best stored prefix; the rest passes.
+
+A completion request (``/v1/chat/completions``, ``/v1/completions``,
+``/completion``) flows like this::
+
+    client ──> tokens (llama-server's /apply-template + /tokenize: its template, its tokenizer)
+           ──> a slot (SlotTable: the idle slot holding the longest prefix, else the least loaded server)
+           ──> restore the store's best state into it when that beats what the slot holds
+           ──> the request, pinned with id_slot, relayed as llama-server answers it (streamed or not)
+           ──> the slot's state saved to the staging directory; the slot is free again
+           ──> in a worker thread: the state framed and stored; the staging file removed
+
+Every other path, and a request the proxy cannot read, goes to llama-server
+unchanged (headers, ``Authorization`` included), so llama-server's own errors
+(a malformed request's 400) reach the client as they are. Reuse is counted
+only from what llama-server reports (`timings.cache_n` and `prompt_n`), and the
+``X-Sippcache-Prompt-Reused`` header carries its `cache_n`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from .metrics import ProxyMetrics
+from .slots import NoServer, QueueFull, Slot, SlotTable
+from .store import SlotStore, Snapshot
+from .upstream import Upstream, UpstreamDown, UpstreamRefused
+
+__all__ = ["COMPLETION_PATHS", "REUSED_HEADER", "Proxy"]
+
+log = logging.getLogger("sippcache.proxy")
+
+#: The paths whose requests run in a slot: path -> how the prompt is read.
+COMPLETION_PATHS = {
+    "/v1/chat/completions": "chat",
+    "/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/completions": "completion",
+    "/completion": "completion",
+}
+#: The response header with llama-server's own count of prompt tokens it did not evaluate.
+REUSED_HEADER = "X-Sippcache-Prompt-Reused"
+#: The request header naming the tenant (scope) a request belongs to; default: the proxy's --scope.
+SCOPE_HEADER = "X-Sippcache-Scope"
+#: Headers not forwarded either way (hop-by-hop, or recomputed by the HTTP libraries).
+_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length"}
+#: A stored state is restored only when it gives at least this many more tokens than the slot holds.
+MIN_GAIN = 32
+RETRY_AFTER = "2"
+_LOST = b'{"error":{"code":502,"message":"llama-server closed the connection","type":"unavailable_error"}}'
+
+
+@dataclass
+class _Relay:
+    """What one relayed completion reported: llama-server's timings, and whether it ran to the end."""
+
+    timings: dict[str, Any]
+    complete: bool = False
+    lost: bool = False  # the upstream connection broke: the server may be down
+
+
+class Proxy:
+    """The proxy for a set of llama-servers of one model sharing one `SlotStore`."""
+
+    def __init__(
+        self,
+        upstreams: list[Upstream],
+        slots: SlotTable,
+        store: SlotStore,
+        metrics: ProxyMetrics,
+        client: httpx.AsyncClient,
+        scope: str = "",
+    ) -> None:
+        self.scope = scope
+        self.upstreams = upstreams
+        self.slots = slots
+        self.store = store
+        self.metrics = metrics
+        self.client = client
+        for upstream in upstreams:
+            metrics.upstream_up.labels(upstream.url).set(1)
+        self._writes: set[asyncio.Task[Any]] = set()  # store writes: waited for on shutdown
+        self._watchers: dict[int, asyncio.Task[Any]] = {}  # health polls of down servers: cancelled
+
+    # -- the ASGI entry --------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send, self.drain)
+            return
+        if scope["type"] != "http":
+            return
+        request = Request(scope, receive)
+        if request.url.path == "/metrics" and request.method == "GET":
+            response: Response = Response(self.metrics.render(), media_type=self.metrics.content_type)
+        elif request.method == "POST" and request.url.path in COMPLETION_PATHS:
+            response = await self.complete(request, COMPLETION_PATHS[request.url.path])
+        else:
+            response = await self.passthrough(request)
+        await response(scope, receive, send)
+
+    async def drain(self) -> None:
+        """On shutdown: wait for the store writes still running; stop watching down servers."""
+        for watcher in self._watchers.values():
+            watcher.cancel()
+        if self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
+
+    # -- completions -------------------------------------------------------------
+
+    async def complete(self, request: Request, how: str) -> Response:
+        body = await request.body()
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = None
+        if not isinstance(payload, dict):
+            return await self.passthrough(request, body)  # llama-server's own 400
+        try:
+            tokens = await self._prompt_tokens(how, payload)
+        except UpstreamRefused:
+            return await self.passthrough(request, body)  # a request llama-server rejects: its own answer
+        except (UpstreamDown, NoServer):
+            return _unavailable("no llama-server is reachable")
+        scope = request.headers.get(SCOPE_HEADER, self.scope)
+        try:
+            slot, held = await self.slots.acquire(tokens or (), scope)
+        except QueueFull:
+            return _unavailable("every slot is busy and the queue is full")
+        except NoServer:
+            return _unavailable("no llama-server is reachable")
+        upstream = self.upstreams[slot.server]
+        try:
+            if slot.scope != scope and slot.tokens:  # another tenant's state: never reused, erased first
+                await upstream.slot_action(slot.id, "erase")
+            slot.tokens, slot.scope = (slot.tokens if slot.scope == scope else ()), scope
+            if tokens and payload.get("cache_prompt", True) is not False:
+                await self._restore(upstream, slot, tokens, held)
+            payload["id_slot"] = slot.id
+            stream = bool(payload.get("stream"))
+            if stream and not payload.get("timings_per_token"):
+                payload["timings_per_token"] = True  # cache_n in the first event, for the header
+                strip = True
+            else:
+                strip = False
+            upstream_request = self.client.build_request(
+                "POST", upstream.url + request.url.path, headers=_forwarded(request.headers), json=payload, timeout=None
+            )
+            answer = await self.client.send(upstream_request, stream=True)
+        except UpstreamDown as exc:
+            await self._lost(slot, exc)
+            return _unavailable(f"llama-server at {upstream.url} is not reachable")
+        except httpx.TransportError as exc:
+            await self._lost(slot, exc)
+            return _unavailable(f"llama-server at {upstream.url} is not reachable")
+        except BaseException:
+            await self.slots.release(slot)
+            raise
+        return _RelayResponse(answer, stream, strip, lambda relay: self._finish(slot, how, relay))
+
+    async def _prompt_tokens(self, how: str, payload: dict[str, Any]) -> list[int] | None:
+        """The prompt's tokens as llama-server will see them; None for a request that has no single prompt."""
+        upstream = self._any_upstream()
+        if how == "chat":
+            if not isinstance(payload.get("messages"), list):
+                return None
+            return await upstream.tokenize(await upstream.apply_template(payload))
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return await upstream.tokenize(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        return None
+
+    def _any_upstream(self) -> Upstream:
+        for server, upstream in enumerate(self.upstreams):
+            if server not in self.slots.down:
+                return upstream
+        raise NoServer
+
+    async def _restore(self, upstream: Upstream, slot: Slot, tokens: list[int], held: int) -> None:
+        best = await asyncio.to_thread(self.store.best_length, tokens, slot.scope)
+        if best < held + MIN_GAIN:
+            return
+        try:
+            restored = await self.store.restore(upstream, slot.id, tokens, slot.scope)
+        except UpstreamRefused:
+            slot.tokens, slot.origin = (), None  # a refused restore leaves the slot empty
+            self.metrics.restores.labels(upstream.url, "refused").inc()
+            return
+        if restored is None:
+            return
+        slot.tokens = slot.origin = restored.tokens
+        self.metrics.restores.labels(upstream.url, "ok").inc()
+        self.metrics.restore_seconds.labels(upstream.url).observe(restored.seconds)
+
+    async def _finish(self, slot: Slot, how: str, relay: _Relay) -> None:
+        """After the response: count what llama-server reported, save the slot, free it, store."""
+        upstream = self.upstreams[slot.server]
+        timings = relay.timings
+        self.metrics.requests.labels(upstream.url, how, "ok" if relay.complete else "incomplete").inc()
+        if "cache_n" in timings:
+            self.metrics.prompt_tokens.labels(upstream.url, "reused").inc(int(timings["cache_n"]))
+            self.metrics.prompt_tokens.labels(upstream.url, "computed").inc(int(timings.get("prompt_n", 0)))
+        if relay.lost:
+            await self._lost(slot, ConnectionError("the connection broke during a response"))
+            return
+        snapshot = None
+        try:
+            if relay.complete:  # cut short, the slot holds what nobody asked for: not stored
+                snapshot = await self.store.snapshot(upstream, slot.id)
+        except UpstreamDown as exc:
+            await self._lost(slot, exc)
+            return
+        except Exception as exc:  # a save that failed: the slot serves again, its state is not stored
+            log.warning("sippcache proxy: saving slot %d of %s failed: %s", slot.id, upstream.url, exc)
+        if snapshot is None:
+            slot.tokens, slot.origin = (), None  # what it holds is not known
+            await self.slots.release(slot)
+            return
+        supersedes, slot.tokens = slot.origin, snapshot.tokens
+        slot.origin = snapshot.tokens if len(snapshot.tokens) >= self.store.min_tokens else slot.origin
+        await self.slots.release(slot)
+        task = asyncio.create_task(self._keep(upstream.url, snapshot, supersedes, slot.scope))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _keep(self, url: str, snapshot: Snapshot, supersedes: tuple[int, ...] | None, scope: str) -> None:
+        saved = await asyncio.to_thread(self.store.keep, snapshot, supersedes, scope)
+        if saved is not None:
+            self.metrics.saves.labels(url).inc()
+            self.metrics.save_seconds.labels(url).observe(saved.seconds)
+            self.metrics.bytes_stored.labels(url).inc(saved.nbytes)
+
+    async def _lost(self, slot: Slot, exc: BaseException) -> None:
+        log.warning("sippcache proxy: %s is down: %s", self.upstreams[slot.server].url, exc)
+        await self.slots.set_down(slot.server, True)
+        await self.slots.release(slot)
+        self._watch(slot.server)
+
+    def _watch(self, server: int) -> None:
+        """Poll a down server's health until it answers again; then it serves (empty) again."""
+
+        async def watch() -> None:
+            while not await self.upstreams[server].healthy():
+                await asyncio.sleep(0.5)
+            await self.slots.set_down(server, False)
+            self.metrics.upstream_up.labels(self.upstreams[server].url).set(1)
+            del self._watchers[server]
+
+        if server not in self._watchers:
+            self.metrics.upstream_up.labels(self.upstreams[server].url).set(0)
+            self._watchers[server] = asyncio.create_task(watch())
+
+    # -- everything else ------------------------------------------------------------
+
+    async def passthrough(self, request: Request, body: bytes | None = None) -> Response:
+        """Forward a request as it is to a reachable llama-server and relay its answer."""
+        try:
+            upstream = self._any_upstream()
+        except NoServer:
+            return _unavailable("no llama-server is reachable")
+        url = upstream.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        content = body if body is not None else await request.body()
+        outgoing = self.client.build_request(
+            request.method, url, headers=_forwarded(request.headers), content=content, timeout=None
+        )
+        try:
+            answer = await self.client.send(outgoing, stream=True)
+        except httpx.TransportError:
+            return _unavailable(f"llama-server at {upstream.url} is not reachable")
+        return _RelayResponse(answer, stream=True, strip=False, done=None)
+
+
+class _RelayResponse(Response):
+    """Relays an upstream response (streamed as it comes) and calls `done` however it ends: a client
+    that hangs up, an upstream that dies mid-stream, or the last byte sent."""
+
+    def __init__(
+        self, answer: httpx.Response, stream: bool, strip: bool, done: Callable[[_Relay], Awaitable[None]] | None
+    ) -> None:
+        self.answer, self.stream, self.strip, self.done = answer, stream, strip, done
+        self.relay = _Relay({})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._send(receive, send)
+        finally:
+            await self.answer.aclose()
+            if self.done is not None:
+                await self.done(self.relay)
+
+    async def _send(self, receive: Receive, send: Send) -> None:
+        answer = self.answer
+        headers = [
+            (k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items() if k.lower() not in _HOP
+        ]
+        if self.done is None or answer.status_code >= 400:  # passthrough, or llama-server's own error
+            await _start(send, answer.status_code, headers)
+            async for chunk in answer.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        # Completions are read decoded (aread, aiter_bytes): their body goes out as plain bytes.
+        headers = [(k, v) for k, v in headers if k.lower() != b"content-encoding"]
+        if not self.stream:
+            try:
+                data = await _unless_disconnected(answer.aread(), receive)
+            except httpx.TransportError:
+                self.relay.lost = True
+                await _start(send, 502, [(b"content-type", b"application/json")])
+                await send({"type": "http.response.body", "body": _LOST, "more_body": False})
+                return
+            if data is None:
+                return  # the client hung up: llama-server stops when its connection closes
+            try:
+                self.relay.timings = dict(json.loads(data).get("timings") or {})
+            except (ValueError, AttributeError):
+                pass
+            headers.append((b"content-length", str(len(data)).encode()))
+            headers.append((REUSED_HEADER.lower().encode(), str(self.relay.timings.get("cache_n", "")).encode()))
+            await _start(send, answer.status_code, headers)
+            await send({"type": "http.response.body", "body": data, "more_body": False})
+            self.relay.complete = True
+            return
+        events = _events(answer.aiter_bytes())
+        disconnected = asyncio.ensure_future(_disconnect(receive))
+        held: list[bytes] | None = []  # events before the first with timings: the header waits for cache_n
+        try:
+            async for event in events:
+                event = self._read(event)
+                if disconnected.done():
+                    return
+                if held is not None:
+                    held.append(event)
+                    if not self.relay.timings:
+                        continue
+                    await self._start_stream(send, headers)
+                    event, held = b"".join(held), None
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            if held is not None:
+                await self._start_stream(send, headers)
+                await send({"type": "http.response.body", "body": b"".join(held), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            self.relay.complete = not disconnected.done()
+        except httpx.TransportError:
+            self.relay.lost = True  # the upstream died mid-stream: the client's stream ends here
+        finally:
+            disconnected.cancel()
+
+    async def _start_stream(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        reused = str(self.relay.timings.get("cache_n", "")).encode()
+        await _start(send, self.answer.status_code, [*headers, (REUSED_HEADER.lower().encode(), reused)])
+
+    def _read(self, event: bytes) -> bytes:
+        """Note an SSE event's timings; drop the per-token timings the proxy asked for itself."""
+        if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
+            return event
+        try:
+            data = json.loads(event[6:])
+        except ValueError:
+            return event
+        if not isinstance(data, dict) or not isinstance(data.get("timings"), dict):
+            return event
+        self.relay.timings = data["timings"]
+        final = _is_final(data)
+        if self.strip and not final:
+            del data["timings"]
+            return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+        return event
+
+
+def _is_final(data: dict[str, Any]) -> bool:
+    if data.get("stop") is True:  # /completion
+        return True
+    choices = data.get("choices")
+    if isinstance(choices, list):
+        return any(isinstance(c, dict) and c.get("finish_reason") for c in choices) or not choices
+    return False
+
+
+async def _events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Split a byte stream into SSE events (each with its blank-line terminator)."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        while (end := buffer.find(b"\n\n")) >= 0:
+            yield buffer[: end + 2]
+            buffer = buffer[end + 2 :]
+    if buffer:
+        yield buffer
+
+
+async def _unless_disconnected(reading: Awaitable[bytes], receive: Receive) -> bytes | None:
+    """The body being read, or None if the client hangs up first (then the read is cancelled)."""
+    read, gone = asyncio.ensure_future(reading), asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait((read, gone), return_when=asyncio.FIRST_COMPLETED)
+        return read.result() if read.done() else None
+    finally:
+        read.cancel()
+        gone.cancel()
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _start(send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+
+
+def _forwarded(headers: Any) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP}
+
+
+def _unavailable(message: str) -> Response:
+    return JSONResponse(
+        {"error": {"code": 503, "message": message, "type": "unavailable_error"}},
+        status_code=503,
+        headers={"Retry-After": RETRY_AFTER},
+    )
+
+
+async def _lifespan(receive: Receive, send: Send, drain: Callable[[], Awaitable[None]]) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await drain()
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,309 @@
+"""`sippcache proxy`: start (or attach to) llama-server, check it, and serve the proxy with uvicorn.
+
+Two ways to start:
+
+- managed: ``--llama-server PATH --model M.gguf [--parallel N] [-- ARGS]`` starts
+  llama-server on loopback with every flag the proxy needs and stops it on exit;
+- attach: ``--upstream URL`` (repeatable) ``--slot-dir DIR`` for servers already
+  running with ``--slot-save-path DIR``; each is checked at start, and the
+  proxy refuses to start with one line that names what is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+import httpx
+import xxhash
+
+from .. import frame, registry
+from ..modelfile import ModelFacts, read_model_facts
+from ..protocol import CacheBackend
+from .app import Proxy
+from .metrics import ProxyMetrics
+from .slots import SlotTable
+from .store import SlotStore
+from .upstream import Upstream, UpstreamError, UpstreamInfo
+
+__all__ = ["ProxyError", "build_parser", "main"]
+
+log = logging.getLogger("sippcache.proxy")
+
+#: Flags the managed llama-server always gets: slots that stay as the proxy left them
+#: (no idle-slot clearing behind its back), and full-size sliding-window caches so a
+#: restored Gemma 3 state can be extended (llama-server ignores it for other models).
+MANAGED_FLAGS = ("--no-cache-idle-slots", "--swa-full")
+#: How long a starting llama-server may take to load its model.
+START_SECONDS = 300.0
+
+
+class ProxyError(Exception):
+    """A start-up problem, said in one line."""
+
+
+class _Stopped(Exception):
+    """SIGTERM, as uvicorn raises it again once it has shut down."""
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise _Stopped
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog or "sippcache proxy",
+        description="An OpenAI-compatible proxy that gives llama.cpp's llama-server a persistent, shared prefix cache.",
+    )
+    managed = parser.add_argument_group("managed llama-server")
+    managed.add_argument("--llama-server", metavar="PATH", help="the llama-server binary to start")
+    managed.add_argument("--model", "-m", metavar="GGUF", help="the model llama-server loads")
+    managed.add_argument("--parallel", "-np", type=int, default=1, help="slots: requests served at once (default 1)")
+    attach = parser.add_argument_group("attach to running llama-servers")
+    attach.add_argument("--upstream", action="append", default=[], metavar="URL", help="a llama-server (repeatable)")
+    attach.add_argument("--slot-dir", metavar="DIR", help="the --slot-save-path every upstream was started with")
+    parser.add_argument(
+        "--cache", metavar="URL", help="the store (default: $SIPPCACHE_URL, else LMDB in the user cache)"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8090)
+    parser.add_argument("--api-key", default=os.environ.get("LLAMA_API_KEY"), help="llama-server's --api-key, if any")
+    parser.add_argument("--scope", default="", help="keeps tenants apart: entries of one scope are never another's")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before a 503")
+    parser.add_argument("--min-tokens", type=int, default=16, help="slot states shorter than this are not stored")
+    parser.add_argument("server_args", nargs="*", metavar="-- ARGS", help="more llama-server arguments (managed)")
+    return parser
+
+
+@dataclass
+class _Managed:
+    process: subprocess.Popen[bytes]
+    url: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _staging_dir() -> str:
+    """A private directory for slot files, in RAM where the machine has a tmpfs for it."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return tempfile.mkdtemp(prefix="sippcache-proxy-", dir=base)
+
+
+def start_llama_server(binary: str, model: str, parallel: int, staging: str, extra: Sequence[str]) -> _Managed:
+    """Start llama-server on a free loopback port with the flags the proxy needs; wait until it is ready."""
+    if not (os.path.isfile(binary) and os.access(binary, os.X_OK)) and shutil.which(binary) is None:
+        raise ProxyError(f"--llama-server {binary}: no such executable")
+    if not os.path.isfile(model):
+        raise ProxyError(f"--model {model}: no such file")
+    port = _free_port()
+    argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "--slot-save-path", staging + os.sep]
+    argv += ["--parallel", str(parallel), *MANAGED_FLAGS, *extra]
+    log_path = os.path.join(staging, "llama-server.log")
+    with open(log_path, "wb") as log_file:
+        # Its own session: a Ctrl+C (SIGINT to the terminal's process group) stops the proxy, which
+        # finishes its slot saves and then stops llama-server; if the proxy dies, so does it.
+        process = subprocess.Popen(
+            argv,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            with open(log_path, "rb") as f:
+                tail = f.read().decode("utf-8", "replace").strip().splitlines()[-3:]
+            raise ProxyError(f"llama-server exited ({process.returncode}): {' | '.join(tail)}")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return _Managed(process, url)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    process.kill()
+    process.wait(timeout=30)
+    raise ProxyError(f"llama-server did not become ready in {START_SECONDS:.0f} s (log: {log_path})")
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the proxy's process ends, however it ends (Linux)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def stop_llama_server(managed: _Managed) -> None:
+    managed.process.terminate()
+    try:
+        managed.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        managed.process.kill()
+        managed.process.wait(timeout=30)
+
+
+async def check_upstream(upstream: Upstream, slot_dir: str) -> UpstreamInfo:
+    """What the proxy needs of a server: reachable, its props, and slot saves landing in `slot_dir`.
+    Raises `ProxyError` naming the missing flag."""
+    try:
+        info = await upstream.info()
+    except UpstreamError as exc:
+        raise ProxyError(f"{upstream.url} does not answer /props and /v1/models ({exc})") from None
+    probe = f"sippcache-probe-{uuid.uuid4().hex}.slot"
+    try:
+        await upstream.slot_action(0, "save", probe)
+    except UpstreamError as exc:
+        raise ProxyError(
+            f"{upstream.url} cannot save slots: start llama-server with --slot-save-path {slot_dir} ({exc})"
+        ) from None
+    path = os.path.join(slot_dir, probe)
+    if not os.path.exists(path):
+        raise ProxyError(f"{upstream.url} saves slots elsewhere: start it with --slot-save-path {slot_dir}")
+    os.unlink(path)
+    return info
+
+
+def fingerprint(info: UpstreamInfo, facts: ModelFacts | None) -> tuple[str, dict[str, str]]:
+    """What makes a slot state loadable by a server: the model file (its digest when the proxy can
+    read it, else what llama-server says of it), the llama-server build and the slot layout.
+    K/V types and the V layout are checked by llama.cpp itself when it reads a state."""
+    model = (
+        f"file:{facts.digest}"
+        if facts
+        else "server:" + ",".join(f"{k}={v}" for k, v in sorted(info.model_meta.items()))
+    )
+    described = {
+        "model": model,
+        "build_info": info.build_info,
+        "slots": str(info.slots),
+        "memory": facts.kind if facts else "unknown",
+        "format": "1",
+    }
+    digest = xxhash.xxh3_128_hexdigest("\n".join(f"{k}={v}" for k, v in sorted(described.items())).encode())
+    return digest, described
+
+
+async def _connect(
+    urls: Sequence[str], slot_dir: str, api_key: str | None, client: httpx.AsyncClient
+) -> tuple[list[Upstream], list[UpstreamInfo]]:
+    upstreams = [Upstream(url, client, api_key) for url in urls]
+    infos = [await check_upstream(u, slot_dir) for u in upstreams]
+    if len({(i.model_path, i.build_info) for i in infos}) > 1:
+        raise ProxyError("the upstreams serve different models or builds: one proxy fronts one model")
+    return upstreams, infos
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """Run the proxy until SIGINT/SIGTERM; a managed llama-server is stopped with it."""
+    args = build_parser(prog).parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per call to llama-server
+    if bool(args.llama_server) == bool(args.upstream):
+        _fail("give either --llama-server PATH --model M (managed) or --upstream URL --slot-dir DIR (attach)")
+    if args.upstream and not args.slot_dir:
+        _fail("--upstream needs --slot-dir: the directory the servers were started with as --slot-save-path")
+    if args.llama_server and not args.model:
+        _fail("--llama-server needs --model")
+    if args.parallel < 1:
+        _fail("--parallel must be at least 1")
+    managed: _Managed | None = None
+    staging = _staging_dir() if args.llama_server else os.path.abspath(args.slot_dir)
+    try:
+        cache = registry.open(args.cache)
+    except Exception as exc:
+        _fail(f"cannot open the store: {exc}")
+    try:
+        if args.llama_server:
+            managed = start_llama_server(args.llama_server, args.model, args.parallel, staging, args.server_args)
+            urls = [managed.url]
+        else:
+            urls = args.upstream
+        # uvicorn raises the signal that stopped it again after shutting down: for SIGTERM that
+        # would end the process before the managed llama-server is stopped and staging removed.
+        signal.signal(signal.SIGTERM, _stopped)
+        asyncio.run(_serve(args, urls, staging, cache, managed))
+    except (_Stopped, KeyboardInterrupt):  # uvicorn has shut down; stop llama-server below
+        pass
+    except ProxyError as exc:
+        _fail(str(exc))
+    finally:
+        if managed is not None:
+            stop_llama_server(managed)
+            shutil.rmtree(staging, ignore_errors=True)
+        cache.close()
+    return 0
+
+
+async def _serve(
+    args: argparse.Namespace, urls: Sequence[str], staging: str, cache: CacheBackend, managed: _Managed | None
+) -> None:
+    import uvicorn
+
+    # No kept-alive connections: llama-server may close one after a streamed answer, and a request
+    # sent on it would fail as if the server were down. A loopback connect costs a fraction of a ms.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, read=None), limits=limits) as client:
+        upstreams, infos = await _connect(urls, staging, args.api_key, client)
+        model_path = args.model or infos[0].model_path
+        facts = read_model_facts(model_path) if model_path and os.path.isfile(model_path) else None
+        if facts and facts.kind == "swa" and managed is None:
+            log.warning(
+                "%s has a sliding window: unless llama-server runs with --swa-full, it recomputes every restored "
+                'state (sippcache_proxy_prompt_tokens{how="reused"} shows what it really reused)',
+                os.path.basename(model_path),
+            )
+        digest, described = fingerprint(infos[0], facts)
+        store = SlotStore(
+            cache,
+            fingerprint=digest,
+            facts=described,
+            kind=facts.kind if facts else "full",
+            staging=staging,
+            min_tokens=args.min_tokens,
+            secret=frame.secret_from_environment(),
+        )
+        metrics = ProxyMetrics()
+        metrics.store_errors.set_function(lambda: store.errors)
+        proxy = Proxy(
+            upstreams,
+            SlotTable([i.slots for i in infos], args.max_queue, store.can_cut),
+            store,
+            metrics,
+            client,
+            args.scope,
+        )
+        config = uvicorn.Config(proxy, host=args.host, port=args.port, log_level="warning", lifespan="on")
+        server = uvicorn.Server(config)
+        print(
+            f"sippcache proxy: http://{args.host}:{args.port} -> {', '.join(urls)} "
+            f"({sum(i.slots for i in infos)} slots, {store.kind} memory, cache {getattr(cache, 'url', '')})",
+            file=sys.stderr,
+            flush=True,
+        )
+        await server.serve()

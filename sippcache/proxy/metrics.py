@@ -1,0 +1,61 @@
+"""The proxy's Prometheus metrics at ``/metrics``, one series per upstream llama-server.
+
+Reuse is counted only from what llama-server reports for each request
+(``timings.cache_n``: prompt tokens it did not evaluate; ``timings.prompt_n``:
+the ones it did), never from the size of a restored state. A private registry:
+embedding the proxy never mixes its metrics with the host's.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["ProxyMetrics"]
+
+
+class ProxyMetrics:
+    """Counters, histograms and gauges of one proxy."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter(
+            "sippcache_proxy_requests",
+            "Completion requests relayed, by how they ended (ok: to the last byte).",
+            ["upstream", "endpoint", "outcome"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "sippcache_proxy_prompt_tokens",
+            "Prompt tokens as llama-server reports them: reused (timings.cache_n) or computed (timings.prompt_n).",
+            ["upstream", "how"],
+            registry=registry,
+        )
+        self.restores = Counter(
+            "sippcache_proxy_restores",
+            "Stored states loaded into a slot (ok) or refused by llama-server (refused: the entry is kept).",
+            ["upstream", "outcome"],
+            registry=registry,
+        )
+        self.restore_seconds = Histogram(
+            "sippcache_proxy_restore_seconds", "Store read + slot restore.", ["upstream"], registry=registry
+        )
+        self.saves = Counter("sippcache_proxy_saves", "Slot states stored.", ["upstream"], registry=registry)
+        self.save_seconds = Histogram(
+            "sippcache_proxy_save_seconds", "Slot save + store write.", ["upstream"], registry=registry
+        )
+        self.bytes_stored = Counter(
+            "sippcache_proxy_stored_bytes", "Bytes of entries written to the store.", ["upstream"], registry=registry
+        )
+        self.store_errors = Gauge(
+            "sippcache_proxy_store_errors",
+            "Store operations that failed and were answered as misses.",
+            registry=registry,
+        )
+        self.upstream_up = Gauge(
+            "sippcache_proxy_upstream_up", "1 while the upstream answers.", ["upstream"], registry=registry
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

