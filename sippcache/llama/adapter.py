@@ -132,6 +132,9 @@ class PrefixCache:
             n_swa=int(llama_cpp.llama_model_n_swa(llm.model)),
             n_vocab=llm.n_vocab(),
             options=options,
+            # One sequence evaluated from position 0: with a full-size SWA cache a live
+            # context holds position p in slot p, and a restore can put its cells there.
+            live_layout=bool(getattr(llm.context_params, "swa_full", False)),
         )
         self.options = options
         self.cache, self.namespace, self.scope = self._states.cache, self._states.namespace, options.scope
@@ -241,7 +244,7 @@ class PrefixCache:
                 if restore:
                     reuse = self._states.reuse(llm.ctx, 0, ids, live, with_logits=self.stored_logits)
                 else:
-                    states.clear(states.memory(llm.ctx), 0)
+                    self._states.clear(llm.ctx, 0)
                     reuse = Reuse(0)
                 start, restored, logits, branch = reuse.start, reuse.restored, reuse.logits, reuse.branch
                 self._context_set(ids, start, logits)

@@ -18,6 +18,7 @@ follow the same rules and keep the same counters:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -25,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
+import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
@@ -33,7 +35,7 @@ from ..errors import CorruptEntry, UnsupportedEntry
 from ..frame import secret_from_environment
 from ..protocol import CacheBackend, Match, Peek
 from ..registry import open as open_cache
-from . import states
+from . import layout, states
 from .fingerprint import Fingerprint
 from .options import CacheOptions
 from .writer import BackgroundWriter
@@ -187,6 +189,11 @@ def common_length(a: TokenIds, b: TokenIds) -> int:
     return int(diff[0]) if diff.size else n
 
 
+def _sequence_key(ctx: Any, seq: int) -> tuple[int, int]:
+    """A llama context (by address) and a sequence id, as a dictionary key."""
+    return ctypes.cast(ctx, ctypes.c_void_p).value or 0, seq
+
+
 class SequenceCache:
     """One model's namespace in a store, seen from llama.cpp sequences.
 
@@ -196,6 +203,13 @@ class SequenceCache:
     `SIPPCACHE_SECRET`) entries carry a MAC and entries without a valid one are
     misses. `options` (`CacheOptions`, default: its defaults) holds the scope,
     `min_tokens`, `checkpoint_interval`, `max_pending_writes` and the secret.
+
+    With `live_layout` (for a single-sequence context with a full-size SWA
+    cache: `PrefixCache`), a sliding-window state is restored where a live
+    context holds its cells (`sippcache.llama.layout`), so what the model
+    computes afterwards is bit for bit what it computes without a cache; the
+    real start of each such sequence's window is kept here, since llama.cpp no
+    longer reports it, and every cut of a sequence goes through `truncate`.
     """
 
     def __init__(
@@ -206,6 +220,7 @@ class SequenceCache:
         n_swa: int,
         n_vocab: int,
         options: CacheOptions | None = None,
+        live_layout: bool = False,
     ) -> None:
         options = CacheOptions.build(options, {}) if options is not None else CacheOptions()
         self.cache, self._owns_cache = open_cache_argument(cache)
@@ -215,6 +230,10 @@ class SequenceCache:
         self.namespace = f"llama:{fingerprint.digest}/{options.scope}"
         self.n_swa = n_swa
         self.n_vocab = n_vocab
+        self.live_layout = live_layout and n_swa > 0
+        # (context address, seq) -> first position a padded restore really holds in the
+        # sliding-window layers (below it: zero cells, never to come into the window).
+        self._window_starts: dict[tuple[int, int], int] = {}
         self.min_tokens = options.min_tokens
         secret = options.secret if options.secret is not None else secret_from_environment()
         #: The secret in use (bytes), from `options` or `SIPPCACHE_SECRET`.
@@ -312,14 +331,48 @@ class SequenceCache:
         if self._truncate_live(ctx, seq, live, common):
             self.stats.context_tokens_reused += common
             return Reuse(common, branch=branch)
-        states.clear(states.memory(ctx), seq)
+        self.clear(ctx, seq)
         return Reuse(0, branch=branch)
 
     def _truncate_live(self, ctx: Any, seq: int, live: TokenIds, length: int) -> bool:
         """Cut the live sequence to `length` tokens if llama.cpp can do so exactly."""
         if length == 0:
             return False
-        return length == len(live) or states.truncate(states.memory(ctx), seq, length, self.n_swa)
+        return length == len(live) or self.truncate(ctx, seq, length)
+
+    def can_truncate(self, ctx: Any, seq: int, length: int) -> bool:
+        """Whether cutting sequence `seq` to `length` positions is exact: llama.cpp's
+        rule (`states.can_truncate`), and after a padded restore, the sliding window
+        of position `length` must not reach the zero cells below the real window."""
+        start = self._window_starts.get(_sequence_key(ctx, seq))
+        if start is not None and start > max(0, length - self.n_swa + 1):
+            return False
+        return states.can_truncate(states.memory(ctx), seq, length, self.n_swa)
+
+    def truncate(self, ctx: Any, seq: int, length: int) -> bool:
+        """Cut sequence `seq` to its first `length` positions if that is exact."""
+        return self.can_truncate(ctx, seq, length) and bool(
+            llama_cpp.llama_memory_seq_rm(states.memory(ctx), seq, length, -1)
+        )
+
+    def clear(self, ctx: Any, seq: int) -> None:
+        """Empty sequence `seq` (and forget where a padded restore's window started)."""
+        states.clear(states.memory(ctx), seq)
+        self._window_starts.pop(_sequence_key(ctx, seq), None)
+
+    def _restore_state(self, ctx: Any, seq: int, state: memoryview, length: int) -> bool:
+        """`states.restore_state` into the emptied sequence `seq`, with a live context's
+        cell layout when `live_layout` is on and the state needs it (a copy of the
+        state with zero cells below the window; a plain restore if llama.cpp refuses
+        that, which a full-size SWA cache never should)."""
+        padded = layout.live_layout(state, self.n_swa, layout.KV_ALIGNMENT) if self.live_layout else None
+        if padded is not None:
+            if states.restore_state(ctx, seq, padded.state, length, self.n_swa):
+                self._window_starts[_sequence_key(ctx, seq)] = padded.start
+                return True
+            log.debug("sippcache: llama.cpp refused a state padded to a live layout; restoring it as stored")
+            self.clear(ctx, seq)
+        return states.restore_state(ctx, seq, state, length, self.n_swa)
 
     def _fetch_and_restore(
         self, ctx: Any, seq: int, query: list[int], *, partial: bool, with_logits: bool = False
@@ -354,9 +407,8 @@ class SequenceCache:
         if with_logits and entry.logits is None:
             return None  # usable only with an evaluation of the last token: find a shorter entry
         logits = np.frombuffer(entry.logits, dtype=np.float32).copy() if with_logits else None  # type: ignore[arg-type]
-        mem = states.memory(ctx)
-        states.clear(mem, seq)
-        loaded = states.restore_state(ctx, seq, entry.state, len(key), self.n_swa)
+        self.clear(ctx, seq)
+        loaded = self._restore_state(ctx, seq, entry.state, len(key))
         del entry  # views of the match: gone before it is released
         if not loaded:  # refused, or a well-formed state for other positions than its key says
             log.warning(
@@ -365,11 +417,11 @@ class SequenceCache:
             )
             self.stats.rejected_entries += 1
             self.drop(key)
-            states.clear(mem, seq)
+            self.clear(ctx, seq)
             return None
-        if length < len(key) and not states.truncate(mem, seq, length, self.n_swa):
+        if length < len(key) and not self.truncate(ctx, seq, length):
             self.stats.rejected_entries += 1
-            states.clear(mem, seq)
+            self.clear(ctx, seq)
             return None
         self.stats.hits += 1
         self.stats.tokens_reused += length

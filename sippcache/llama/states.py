@@ -76,7 +76,7 @@ def copy_logits(ctx: Any, n_vocab: int, index: int = -1) -> np.ndarray:
     return np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)).copy()
 
 
-def restore_state(ctx: Any, seq: int, state: memoryview, length: int, n_swa: int) -> bool:
+def restore_state(ctx: Any, seq: int, state: memoryview | np.ndarray, length: int, n_swa: int) -> bool:
     """Load `state` into sequence `seq` (zero-copy from the view); True only if llama.cpp
     took all of it and the sequence now holds exactly positions 0..length-1."""
     payload = np.frombuffer(state, dtype=np.uint8)  # a view of the stored bytes: no copy
