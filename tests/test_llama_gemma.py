@@ -43,17 +43,22 @@ def test_sliding_window_model(gemma_model: Path, make_llama) -> None:
     assert llama_cpp.llama_model_n_swa(llm.model) == 512
 
 
-def test_exact_repeat_in_a_fresh_context(gemma_model, make_llama, tokens, tmp_path) -> None:
-    prompt = tokens[:1200]
+def repeat_in_a_fresh_context(gemma_model, make_llama, prompt: list[int], url: str) -> tuple[np.ndarray, ...]:
+    """Store `prompt` from one context, prefill it again in a fresh one: (its last logits after the
+    restore, the never-cached logits in one eval, and split as the cached prefill splits it)."""
     whole, split = reference_logits(make_llama, gemma_model, prompt, n_ctx=N_CTX)
-    url = f"lmdb://{tmp_path}/cache"
     with PrefixCache(make_llama(gemma_model, n_ctx=N_CTX), url) as pc:
         assert pc.prefill(prompt) == 0
     llm = make_llama(gemma_model, n_ctx=N_CTX)
     with PrefixCache(llm, url) as pc:
-        assert pc.prefill(prompt) == 1199
-    np.testing.assert_array_equal(last_logits(llm), split)  # same batch split: bit-identical
-    assert np.argmax(last_logits(llm)) == np.argmax(whole)
+        assert pc.prefill(prompt) == len(prompt) - 1
+    return last_logits(llm), whole, split
+
+
+def test_exact_repeat_in_a_fresh_context(gemma_model, make_llama, tokens, tmp_path) -> None:
+    restored, whole, split = repeat_in_a_fresh_context(gemma_model, make_llama, tokens[:1200], f"lmdb://{tmp_path}/c")
+    np.testing.assert_array_equal(restored, split)  # same batch split: bit-identical
+    assert np.argmax(restored) == np.argmax(whole)
 
 
 def test_a_restore_is_laid_out_as_a_live_context(gemma_model, make_llama, tokens, tmp_path) -> None:
@@ -65,15 +70,8 @@ def test_a_restore_is_laid_out_as_a_live_context(gemma_model, make_llama, tokens
     where a live context has them (`sippcache.llama.layout`), so the logits are the
     never-cached ones bit for bit: here with 153 zero cells below a window that starts
     at position 1,689 (the exact repeat above: 175 below 687)."""
-    prompt = tokens[:2202]
-    _, split = reference_logits(make_llama, gemma_model, prompt, n_ctx=N_CTX)
-    url = f"lmdb://{tmp_path}/cache"
-    with PrefixCache(make_llama(gemma_model, n_ctx=N_CTX), url) as pc:
-        assert pc.prefill(prompt) == 0
-    llm = make_llama(gemma_model, n_ctx=N_CTX)
-    with PrefixCache(llm, url) as pc:
-        assert pc.prefill(prompt) == 2201
-    np.testing.assert_array_equal(last_logits(llm), split)
+    restored, _, split = repeat_in_a_fresh_context(gemma_model, make_llama, tokens[:2202], f"lmdb://{tmp_path}/c")
+    np.testing.assert_array_equal(restored, split)
 
 
 def test_the_live_layout_only_moves_the_window(gemma_model, make_llama, tokens) -> None:
