@@ -371,3 +371,29 @@ def test_gemma_follow_up_after_a_restart_reuses_the_stored_state(procs: Any, gem
     assert total > 1500 and reused == timings["cache_n"] >= total - 40, timings
     reference = procs(gemma_model, "-c", "4096", "-np", "1", llama=True)  # llama-server's own defaults
     assert got == chat(reference.url, follow, cache_prompt=False)[0]
+
+
+def test_a_client_that_hangs_up_frees_its_slot(procs: Any, model: Path, tmp_path: Path) -> None:
+    proxy = procs(managed(model, f"lmdb://{tmp_path}/store"))  # one slot
+    body = {"messages": conversation("tell me everything."), "stream": True, "max_tokens": 4000, "temperature": 0}
+    request = urllib.request.Request(
+        proxy.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=600) as response:
+        assert response.readline()  # streaming; then the client goes away
+    deadline = time.monotonic() + 120
+    while metric(proxy, "sippcache_proxy_requests_total", outcome="incomplete") < 1:
+        assert time.monotonic() < deadline, "the proxy did not notice the client had gone"
+        time.sleep(0.2)
+    # The only slot is free again: the next request is served, not queued behind a 4,000-token answer.
+    assert chat(proxy.url, conversation("and now?"))[0] is not None
+    assert metric(proxy, "sippcache_proxy_requests_total", outcome="ok") == 1
+
+
+def test_the_proxy_imports_nothing_from_llama_cpp() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, sippcache.proxy, sippcache.proxy.cli; print('llama_cpp' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False"
