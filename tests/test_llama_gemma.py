@@ -102,8 +102,8 @@ def test_the_trap_is_real_without_the_rule(gemma_model, make_llama, tokens, tmp_
     test_llama_tiny.py::test_diverging_query_truncates_a_longer_entry)."""
     url = f"lmdb://{tmp_path}/cache"
     b, *_ = diverging_case(gemma_model, make_llama, tokens, url)
-    monkeypatch.setattr(states, "can_truncate", lambda *args: True)  # the rule's check...
-    monkeypatch.setattr(states, "may_truncate_restored", lambda *args: True)  # ...and its prediction
+    monkeypatch.setattr(states.MemoryKind, "can_truncate", lambda *args: True)  # the rule's check...
+    monkeypatch.setattr(states.MemoryKind, "may_truncate_restored", lambda *args: True)  # ...and its prediction
     llm = make_llama(gemma_model, n_ctx=N_CTX)
     with PrefixCache(llm, url, checkpoint_interval=512) as pc:
         reused = pc.prefill(b)
@@ -120,6 +120,7 @@ def test_a_restored_state_cut_by_one_token_is_exact(gemma_model, make_llama, tok
     the logits are wrong and `can_truncate` refuses."""
     llm = make_llama(gemma_model, n_ctx=N_CTX)
     mem, prompt, probe = states.memory(llm.ctx), tokens[:1200], tokens[2000]
+    kind = states.MemoryKind.of(llm.model)
 
     def next_logits(length: int) -> np.ndarray:
         llm.n_tokens = length  # llama-cpp-python's eval removes positions from n_tokens on
@@ -134,10 +135,10 @@ def test_a_restored_state_cut_by_one_token_is_exact(gemma_model, make_llama, tok
         llm.eval(prompt)
         live = next_logits(len(prompt) - cut)
         states.clear(mem, 0)
-        assert states.restore_state(llm.ctx, 0, memoryview(state), len(prompt), 512)
+        assert states.restore_state(llm.ctx, 0, memoryview(state), len(prompt), kind) is None
         assert llama_cpp.llama_memory_seq_pos_min(mem, 0) == len(prompt) - 512
-        assert states.can_truncate(mem, 0, len(prompt) - cut, 512) is exact
-        assert states.may_truncate_restored(len(prompt), len(prompt) - cut, 512) is exact
+        assert kind.can_truncate(mem, 0, len(prompt) - cut) is exact
+        assert kind.may_truncate_restored(len(prompt), len(prompt) - cut) is exact
         restored = next_logits(len(prompt) - cut)
         if exact:
             np.testing.assert_array_equal(restored, live)
@@ -163,8 +164,9 @@ def test_an_entry_one_token_longer_than_the_shared_prefix_is_used(gemma_model, m
     reference.eval(a[:-1])
     state = bytes(states.copy_state(reference.ctx, 0))
     states.clear(states.memory(reference.ctx), 0)
-    assert states.restore_state(reference.ctx, 0, memoryview(state), 1099, 512)
-    assert states.truncate(states.memory(reference.ctx), 0, 1098, 512)
+    kind = states.MemoryKind.of(reference.model)
+    assert states.restore_state(reference.ctx, 0, memoryview(state), 1099, kind) is None
+    assert kind.truncate(states.memory(reference.ctx), 0, 1098)
     reference.n_tokens = 1098
     reference.input_ids[:1098] = b[:1098]
     reference.eval(b[1098:-1])
@@ -177,8 +179,8 @@ def test_restart_in_another_process(gemma_model, make_llama, tokens, tmp_path) -
     _, split = reference_logits(make_llama, gemma_model, prompt, n_ctx=N_CTX)
     url = f"lmdb://{tmp_path}/cache"
     assert prefill_in_new_process(gemma_model, url, prompt, n_ctx=N_CTX)[0] == 0
-    reused, logits = prefill_in_new_process(gemma_model, url, prompt, n_ctx=N_CTX)
-    assert reused == 899
+    reused, logits, evaluated = prefill_in_new_process(gemma_model, url, prompt, n_ctx=N_CTX)
+    assert (reused, evaluated) == (899, 1)
     np.testing.assert_array_equal(logits, split)
 
 
