@@ -237,6 +237,8 @@ def test_unbound_llama_cache_on_a_plain_llama_computes_what_llama_ram_cache_does
         np.testing.assert_array_equal(got[1], expected[1])
         assert got[2:] == expected[2:], i  # what the context holds, and the tokens it evaluated
     stats = cache.stats()
-    assert stats["hits"] == 2 and stats["tokens_reused"] >= 1200 + 600
+    # Both hits were cut back by llama-cpp-python (the unbound cache cannot see whether the model
+    # allowed it: a recurrent one would not), so they count as offered, not as reused.
+    assert stats["hits"] == 2 and stats["tokens_reused"] == 0 and stats["tokens_offered"] >= 1200 + 600
     theirs.set_cache(None)
     cache.close()

@@ -15,6 +15,7 @@ llama.cpp evaluated (`llama_perf_context`), not from what was handed over.
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -266,3 +267,42 @@ def test_session_pool_shares_a_prefix_between_slots(kind, model) -> None:
         assert both[session].tokens == alone.tokens
         for row, expected in zip(both[session].logits, alone.logits, strict=True):  # type: ignore[arg-type]
             np.testing.assert_allclose(row, expected, atol=TINY_TOLERANCE)
+
+
+def test_serve_parallel_repeats_in_a_new_server(servers, kind, model, tmp_path) -> None:
+    """`sippcache serve --parallel 2` on each kind: the same two completions, sent together
+    to one server and then to a new one on the same store, answer the same, and the new
+    server evaluates no prompt token (both come back with their stored logits); /metrics
+    shows the refusals by reason (none here)."""
+    url = f"lmdb://{tmp_path}/store"
+    args = ["--model", str(model), "--model_alias", "tiny", "--n_ctx", "1024", "--cache", url, "--parallel", "2"]
+    texts = [" ".join(f"line {i} of the log, word {seed}" for i in range(12)) for seed in (1, 2)]
+
+    def run(server: Any) -> list[str]:
+        client = server.client()
+        answers: list[str] = [""] * len(texts)
+
+        def one(i: int) -> None:
+            answers[i] = (
+                client.completions.create(model="tiny", prompt=texts[i], max_tokens=6, temperature=0).choices[0].text
+            )
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(texts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        return answers
+
+    first = servers(args)
+    cold = run(first)
+    first.stop()
+    second = servers(args)
+    warm = run(second)
+    stats = second.model_stats()
+    assert warm == cold
+    assert (stats["logits_hits"], stats["tokens_evaluated"], stats["rejected_entries"]) == (2, 0, 0), stats
+    metrics = second.metrics()
+    assert all(
+        metrics[f'sippcache_refused_entries_total{{model="tiny",reason="{r}"}}'] == 0 for r in states.REFUSAL_REASONS
+    )
