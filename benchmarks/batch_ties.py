@@ -35,6 +35,7 @@ from sippcache.llama.batch import BatchEngine, Job
 from sippcache.llama.fingerprint import llama_fingerprint
 from sippcache.llama.pool import Sampling
 from sippcache.llama.seqcache import SequenceCache
+from sippcache.llama.states import MemoryKind
 
 
 def run(llm: llama_cpp.Llama, prompts: list[list[int]], tokens: int, together: bool, tag: str) -> list[Job]:
@@ -42,7 +43,7 @@ def run(llm: llama_cpp.Llama, prompts: list[list[int]], tokens: int, together: b
     cache = SequenceCache(
         "ram://?max_bytes=1MiB",
         fingerprint=llama_fingerprint(llm),
-        n_swa=int(llama_cpp.llama_model_n_swa(llm.model)),
+        kind=MemoryKind.of(llm.model),
         n_vocab=llm.n_vocab(),
         options=CacheOptions(scope=tag, min_tokens=1 << 30),
     )

@@ -31,6 +31,7 @@ from sippcache.llama import CacheOptions
 from sippcache.llama.batch import BatchEngine, Job
 from sippcache.llama.fingerprint import llama_fingerprint
 from sippcache.llama.seqcache import SequenceCache
+from sippcache.llama.states import MemoryKind
 
 
 def measure(llm: llama_cpp.Llama, slots: int, steps: int) -> tuple[float, float]:
@@ -38,7 +39,7 @@ def measure(llm: llama_cpp.Llama, slots: int, steps: int) -> tuple[float, float]
     cache = SequenceCache(
         "ram://?max_bytes=1MiB",
         fingerprint=llama_fingerprint(llm),
-        n_swa=int(llama_cpp.llama_model_n_swa(llm.model)),
+        kind=MemoryKind.of(llm.model),
         n_vocab=llm.n_vocab(),
         options=CacheOptions(scope=f"step-{slots}", min_tokens=1 << 30),
     )

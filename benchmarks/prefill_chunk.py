@@ -38,6 +38,7 @@ from sippcache.llama.batch import BatchEngine, Job
 from sippcache.llama.fingerprint import llama_fingerprint
 from sippcache.llama.pool import Sampling
 from sippcache.llama.seqcache import SequenceCache
+from sippcache.llama.states import MemoryKind
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -53,7 +54,7 @@ def run(
     cache = SequenceCache(
         "ram://?max_bytes=1MiB",
         fingerprint=llama_fingerprint(llm),
-        n_swa=int(llama_cpp.llama_model_n_swa(llm.model)),
+        kind=MemoryKind.of(llm.model),
         n_vocab=n_vocab,
         options=CacheOptions(scope=f"bench-{seed}", min_tokens=1 << 30),
     )

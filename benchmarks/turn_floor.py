@@ -40,14 +40,14 @@ def measure(context: int, runs: int) -> tuple[list[dict[str, float]], bool]:
     base = [llm.token_bos()] + [int(x) for x in rng.integers(100, 20000, context - 1)]
     llm.eval(base)
     blob = bytes(states.copy_state(llm.ctx, 0) or b"")
-    n_swa = int(llama_cpp.llama_model_n_swa(llm.model))
+    kind = states.MemoryKind.of(llm.model)
     rows, behaved = [], bool(blob)
     for k in NEW_TOKENS:
         restores, evals, decodes = [], [], []
         for _ in range(runs):
             states.clear(states.memory(llm.ctx), 0)
             started = time.perf_counter()
-            behaved &= states.restore_state(llm.ctx, 0, memoryview(blob), len(base), n_swa)
+            behaved &= states.restore_state(llm.ctx, 0, memoryview(blob), len(base), kind) is None
             restored = time.perf_counter()
             llm.n_tokens = len(base)
             llm.input_ids[: len(base)] = base

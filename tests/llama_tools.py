@@ -14,6 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+#: The repository root (a child process imports `tests.llama_tools` from it).
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def last_logits(llm: object) -> np.ndarray:
     """A copy of the logits of the last evaluated token, read from the llama context."""
@@ -22,6 +25,27 @@ def last_logits(llm: object) -> np.ndarray:
     n_vocab = llm.n_vocab()  # type: ignore[attr-defined]
     pointer = llama_cpp.llama_get_logits_ith(llm.ctx, -1)  # type: ignore[attr-defined]
     return np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)).copy()
+
+
+def start_counting(ctx: object) -> None:
+    """Count from now: `tokens_evaluated` afterwards counts only later evaluations (a decode
+    not yet waited for is counted first, so it does not fall into the new count)."""
+    import llama_cpp
+
+    llama_cpp.llama_synchronize(ctx)
+    llama_cpp.llama_perf_context_reset(ctx)
+
+
+def tokens_evaluated(ctx: object) -> int:
+    """Tokens llama.cpp evaluated in `ctx` since `llama_perf_context_reset`: prompt batches
+    (`n_p_eval`) and single tokens (`n_eval`). llama.cpp counts a decode when it waits for
+    its result, so this waits first; it reports each count as at least 1, so a count that
+    took no time is read as 0."""
+    import llama_cpp
+
+    llama_cpp.llama_synchronize(ctx)
+    data = llama_cpp.llama_perf_context(ctx)
+    return (data.n_p_eval if data.t_p_eval_ms > 0 else 0) + (data.n_eval if data.t_eval_ms > 0 else 0)
 
 
 def reference_logits(
@@ -43,30 +67,35 @@ _PREFILL_SCRIPT = textwrap.dedent(
     """
     import ctypes, json, sys
     import llama_cpp, numpy as np
+    model, url, out, n_ctx, root = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+    sys.path.insert(0, root)
     from sippcache.llama import PrefixCache
-    model, url, out, n_ctx = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    from tests.llama_tools import start_counting, tokens_evaluated
     tokens = json.loads(sys.stdin.read())
     llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_batch=512, verbose=False)
+    start_counting(llm.ctx)
     with PrefixCache(llm, url) as cache:
         reused = cache.prefill(tokens)
     pointer = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
     logits = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(llm.n_vocab(),))
     np.save(out, logits)
-    print(reused)
+    print(reused, tokens_evaluated(llm.ctx))
     """
 )
 
 
-def prefill_in_new_process(model: Path, url: str, tokens: list[int], n_ctx: int = 2048) -> tuple[int, np.ndarray]:
-    """Run `PrefixCache.prefill(tokens)` in a new Python process: (tokens reused, last logits)."""
+def prefill_in_new_process(model: Path, url: str, tokens: list[int], n_ctx: int = 2048) -> tuple[int, np.ndarray, int]:
+    """Run `PrefixCache.prefill(tokens)` in a new Python process: (tokens reused, last logits,
+    tokens llama.cpp evaluated)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.npy"
         result = subprocess.run(
-            [sys.executable, "-c", _PREFILL_SCRIPT, str(model), url, str(out), str(n_ctx)],
+            [sys.executable, "-c", _PREFILL_SCRIPT, str(model), url, str(out), str(n_ctx), str(ROOT)],
             input=json.dumps(tokens),
             capture_output=True,
             text=True,
             timeout=600,
         )
         assert result.returncode == 0, result.stderr[-3000:]
-        return int(result.stdout.strip().splitlines()[-1]), np.load(out)
+        reused, evaluated = result.stdout.strip().splitlines()[-1].split()
+        return int(reused), np.load(out), int(evaluated)

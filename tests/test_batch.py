@@ -24,6 +24,7 @@ from sippcache.llama.batch import BatchEngine, Job
 from sippcache.llama.fingerprint import llama_fingerprint
 from sippcache.llama.pool import Sampling
 from sippcache.llama.seqcache import SequenceCache
+from sippcache.llama.states import MemoryKind
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -45,7 +46,11 @@ def make_engine(llm: llama_cpp.Llama) -> Iterator[object]:
 
     def make(slots: int = 4, chunk: int = 512, store_finished: bool = False, url: str = "ram://") -> BatchEngine:
         cache = SequenceCache(
-            url, fingerprint=llama_fingerprint(llm), n_swa=0, n_vocab=llm.n_vocab(), options=CacheOptions(scope="test")
+            url,
+            fingerprint=llama_fingerprint(llm),
+            kind=MemoryKind(),
+            n_vocab=llm.n_vocab(),
+            options=CacheOptions(scope="test"),
         )
         engine = BatchEngine(llm, cache, slots=slots, n_ctx=slots * 1024, chunk=chunk, store_finished=store_finished)
         made.append((engine, cache))

@@ -20,6 +20,7 @@ from sippcache.llama.batch import BatchEngine, Job
 from sippcache.llama.fingerprint import llama_fingerprint
 from sippcache.llama.options import FIELDS, MAX_SCOPE_BYTES, CacheSettings
 from sippcache.llama.seqcache import Restored, SequenceCache, check_prompt, checkpoint_positions
+from sippcache.llama.states import MemoryKind
 
 
 def test_defaults() -> None:
@@ -152,7 +153,7 @@ def test_session_pool_refuses_bad_options_before_loading_the_model(tmp_path: Pat
 def test_sequence_cache_takes_options(tiny_model: Path) -> None:
     llm = llama_cpp.Llama(model_path=str(tiny_model), n_ctx=64, verbose=False)
     try:
-        common = dict(fingerprint=llama_fingerprint(llm), n_swa=0, n_vocab=llm.n_vocab())
+        common = dict(fingerprint=llama_fingerprint(llm), kind=MemoryKind(), n_vocab=llm.n_vocab())
         cache = SequenceCache("ram://", **common)  # type: ignore[arg-type]
         assert cache.options == CacheOptions() and cache.namespace.endswith("/default")
         cache.close()
@@ -256,7 +257,9 @@ def test_adapter_pool_and_engine_follow_one_checkpoint_plan(
 
     caller = "engine"
     store = sippcache.open("ram://")
-    cache = SequenceCache(store, fingerprint=llama_fingerprint(llm), n_swa=0, n_vocab=llm.n_vocab(), options=options)
+    cache = SequenceCache(
+        store, fingerprint=llama_fingerprint(llm), kind=MemoryKind(), n_vocab=llm.n_vocab(), options=options
+    )
     engine = BatchEngine(llm, cache, slots=1, n_ctx=512, chunk=128)
     chain = Sampling().chain(llm.n_vocab())
     try:
@@ -284,7 +287,7 @@ def test_restore_says_what_it_loaded(make_llama, tiny_model: Path) -> None:
     with PrefixCache(make_llama(tiny_model, cls=SippLlama, n_ctx=256), store) as pc:
         pc.prefill(tokens)
     llm = make_llama(tiny_model, cls=SippLlama, n_ctx=256)
-    cache = SequenceCache(store, fingerprint=llama_fingerprint(llm), n_swa=0, n_vocab=llm.n_vocab())
+    cache = SequenceCache(store, fingerprint=llama_fingerprint(llm), kind=MemoryKind(), n_vocab=llm.n_vocab())
     try:
         for with_logits, length in ((True, 60), (False, 60), (False, 40)):
             match = cache.lookup(tokens, partial=False)

@@ -28,10 +28,12 @@ Correctness rules (see docs/llama.md):
 - A restored state must hold exactly the positions its key says; logits come
   either from an evaluation or from the entry stored with that very state.
 - A restored state is truncated (to use a longer entry that shares a common
-  prefix) only when llama.cpp can do it exactly:
-  ``llama_memory_seq_pos_min(mem, 0) <= max(0, n - n_swa + 1)``. On sliding-window
-  models that holds after a restore only for a cut of one token, so prefills store checkpoints:
-  every `checkpoint_interval` tokens, and where the prompt leaves a stored one.
+  prefix) only when the model's memory can do it exactly (`states.MemoryKind`):
+  ``llama_memory_seq_pos_min(mem, 0) <= max(0, n - n_swa + 1)`` with a sliding
+  window (after a restore that holds only for a cut of one token), never for
+  recurrent and hybrid models (their state is used at exactly its length). So
+  prefills store checkpoints: every `checkpoint_interval` tokens, and where the
+  prompt leaves a stored one.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ class PrefixCache:
         self._states = SequenceCache(
             cache,
             fingerprint=self.fingerprint,
-            n_swa=int(llama_cpp.llama_model_n_swa(llm.model)),
+            kind=states.MemoryKind.of(llm.model),
             n_vocab=llm.n_vocab(),
             options=options,
             # One sequence evaluated from position 0: with a full-size SWA cache a live
@@ -139,7 +141,8 @@ class PrefixCache:
         self.options = options
         self.cache, self.namespace, self.scope = self._states.cache, self._states.namespace, options.scope
         self.min_tokens, self.checkpoint_interval = options.min_tokens, options.checkpoint_interval
-        self.secret, self.n_swa = self._states.secret, self._states.n_swa
+        self.secret, self.memory_kind = self._states.secret, self._states.kind
+        self.n_swa = self.memory_kind.n_swa
         self.on_prefill = on_prefill
         #: Whole-prompt entries keep their logits, and exact repeats sample from them.
         self.stored_logits = isinstance(llm, Llama) and not llm._logits_all

@@ -23,6 +23,15 @@ Where a job's prompt starts, cheapest first:
   a step for an earlier job still evaluating a prefix they share (a system
   prompt many conversations start with is evaluated once).
 
+On a recurrent or hybrid model (`states.MemoryKind.exact_length_only`) a
+sequence's state is one cell at its last position: llama.cpp cannot cut it,
+and `llama_memory_seq_cp` shares that whole cell whatever range it is given.
+So a slot's sequence is kept only when the prompt extends it, and a prefix is
+shared only from a slot holding exactly that prefix: an earlier job evaluating
+a prefix a later one shares stops there (at a multiple of
+`CHECKPOINT_ALIGNMENT`, a checkpoint it also stores) for the later one to
+share it before going on.
+
 The engine is not thread-safe: one thread owns it (the server's scheduler
 thread, or the thread in a `SessionPool` call).
 """
@@ -344,6 +353,8 @@ class BatchEngine:
         job._plan = self.cache.plan(reuse.start, reuse.branch, len(job.prompt))
         job.evaluated = reuse.start
         job._slot = slot
+        if self.cache.kind.exact_length_only:
+            self._stop_where_shared(job)
         self._running.append(job)
         if reuse.logits is not None:  # an exact repeat: the first token from the stored logits
             job.state = "decode"
@@ -359,14 +370,17 @@ class BatchEngine:
         """(job, where its prompt segment ends) for this step: jobs in admission order,
         each segment ending at a checkpoint boundary, the prompt's end or a multiple of
         `chunk` (the splits a prefill alone makes); a segment the step's room cuts short
-        ends at a multiple of 32 tokens from its start (a split that changes no result)."""
+        ends at a multiple of 32 tokens from its start (a split that changes no result).
+        Every prefilling job first borrows what other slots hold at the step's start (a
+        recurrent donor holds a shared prefix exactly for one step only)."""
         room = min(self.chunk, self.n_batch - decoding)
         segments: list[tuple[Job, int]] = []
         prefilling = [job for job in self._running if job.state == "prefill"]
+        for job in prefilling:
+            self._borrow(job)
         for order, job in enumerate(prefilling):
             if room <= 0:
                 break
-            self._borrow(job)
             if self._waits_for(job, prefilling[:order]):
                 continue
             position, n = job._position, len(job.prompt)
@@ -382,17 +396,18 @@ class BatchEngine:
     def _borrow(self, job: Job) -> None:
         """Share (`llama_memory_seq_cp`) the longest prefix of the prompt, minus its last
         token, that another slot holds beyond what this job has, where cutting that
-        slot's sequence there is exact (the sliding-window rule)."""
+        slot's sequence there is exact (`MemoryKind.can_truncate`: the sliding-window
+        rule; recurrent and hybrid, only a slot holding exactly that prefix)."""
         slot = job._slot
         assert slot is not None
         target = job.prompt[:-1]
-        mem, n_swa = states.memory(self._ctx), self.cache.n_swa
+        mem, kind = states.memory(self._ctx), self.cache.kind
         best, donor = job._position, None
         for other in self._slots:
             if other is slot or not other.tokens:
                 continue
             length = common_length(other.tokens, target)
-            if length > best and states.can_truncate(mem, other.seq, length, n_swa):
+            if length > best and kind.can_truncate(mem, other.seq, length):
                 best, donor = length, other
         if donor is None:
             return
@@ -405,16 +420,31 @@ class BatchEngine:
         slot.tokens = job.prompt[:best]
         job._plan.skip_to(best)
 
-    @staticmethod
-    def _waits_for(job: Job, earlier: list[Job]) -> bool:
+    def _waits_for(self, job: Job, earlier: list[Job]) -> bool:
         """Whether an earlier job is still evaluating a prefix this one shares beyond its
         own position (it will borrow it once evaluated)."""
-        target = job.prompt[:-1]
         for other in earlier:
-            shared = common_length(other.prompt, target)
+            shared = self._share_point(other, job)
             if other._position < shared and shared > job._position:
                 return True
         return False
+
+    def _share_point(self, donor: Job, job: Job) -> int:
+        """How much of `job`'s prompt (minus its last token) it can borrow from `donor`'s
+        evaluation: what they share, rounded down to `CHECKPOINT_ALIGNMENT` on a
+        recurrent or hybrid model, where `donor` stops for it (`_stop_where_shared`)."""
+        shared = common_length(donor.prompt, job.prompt[:-1])
+        return shared - shared % CHECKPOINT_ALIGNMENT if self.cache.kind.exact_length_only else shared
+
+    def _stop_where_shared(self, job: Job) -> None:
+        """Recurrent and hybrid models: make every earlier job still evaluating a prefix
+        `job` shares stop there (a checkpoint), so that for one step its sequence holds
+        exactly that prefix, whole, and `_borrow` can share it."""
+        for other in self._running:
+            if other.state == "prefill":
+                point = self._share_point(other, job)
+                if point > max(other._position, job._position) and point >= self.cache.min_tokens:
+                    other._plan.add(point)
 
     def _prefilled(self, job: Job, end: int, index: int, report: StepReport) -> None:
         """`job`'s prompt is evaluated up to `end` (its last token at batch `index`)."""

@@ -49,6 +49,7 @@ import numpy as np
 
 from .. import tokens as _tokens
 from ..protocol import CacheBackend
+from . import states
 from .batch import BatchEngine, Job
 from .fingerprint import llama_fingerprint
 from .options import FIELDS, CacheOptions
@@ -179,7 +180,7 @@ class SessionPool:
             self._states = SequenceCache(
                 cache,
                 fingerprint=self.fingerprint,
-                n_swa=int(llama_cpp.llama_model_n_swa(self.llm.model)),
+                kind=states.MemoryKind.of(self.llm.model),
                 n_vocab=self.llm.n_vocab(),
                 options=options,
             )

@@ -8,8 +8,12 @@ follow the same rules and keep the same counters:
   is logged, counted and answered as a miss;
 - candidates are peeked at first and only the entry restored is fetched;
 - a restored entry must check out (`sippcache.llama.states.decode_entry`), hold
-  exactly its key's positions, and is cut back only where llama.cpp can do so
-  exactly (the sliding-window rule);
+  exactly its key's positions, and is cut back only where the model's memory
+  (`states.MemoryKind`) can be cut exactly: anywhere with full attention, by one
+  token with a sliding window, never for recurrent and hybrid models;
+- an entry that cannot be used is refused with a reason (`PrefixStats.refused_*`),
+  and kept unless it is wrong (it holds other positions than its key): another
+  context, or this one later, may use it;
 - snapshots are copied on the thread that owns the context and written by one
   background writer, each with its generation; a prefill waits for the writer
   only when a queued snapshot holds more of its prompt than the context does
@@ -66,7 +70,12 @@ class PrefixStats:
     partial_hits: int = 0  # hits on a longer or diverging entry, truncated to the shared prefix
     logits_hits: int = 0  # exact repeats served with stored logits: nothing evaluated
     misses: int = 0
-    tokens_reused: int = 0  # restored from the cache
+    tokens_reused: int = 0  # restored from the cache (and kept: never counted for a state then thrown away)
+    #: Unbound LlamaCache only: tokens of states handed to llama-cpp-python that it must cut
+    #: back first. It can on full-attention and sliding-window models (a whole-context state
+    #: holds every cell), not on recurrent and hybrid ones, where it evaluates the whole
+    #: prompt instead; the cache cannot see which, so they are not counted as reused.
+    tokens_offered: int = 0
     context_tokens_reused: int = 0  # already in the llama context
     tokens_evaluated: int = 0
     entries_written: int = 0
@@ -74,12 +83,21 @@ class PrefixStats:
     bytes_read: int = 0
     restore_seconds: float = 0.0
     corrupt_entries: int = 0
-    rejected_entries: int = 0  # refused by llama.cpp or not truncatable
+    rejected_entries: int = 0  # entries not used: the sum of the refused_* reasons below
+    refused_load: int = 0  # llama.cpp did not take the state (another layout, no room now): kept
+    refused_positions: int = 0  # it held other positions than its key says: a wrong entry, dropped
+    refused_cut: int = 0  # usable only cut back where this model's memory cannot cut exactly: kept
     backend_errors: int = 0  # lookups and deletes that failed (the request went on uncached)
     write_failures: int = 0  # background stores that failed
 
     def as_dict(self) -> dict[str, int | float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def refuse(self, reason: str) -> None:
+        """Count an entry not used, for `reason` (one of `states.REFUSAL_REASONS`)."""
+        self.rejected_entries += 1
+        name = f"refused_{reason}"
+        setattr(self, name, getattr(self, name) + 1)
 
 
 @dataclass
@@ -116,6 +134,11 @@ class CheckpointPlan:
     def next_stop(self, position: int, end: int) -> int:
         """The first checkpoint after `position`, else `end`."""
         return next((b for b in self.positions if b > position), end)
+
+    def add(self, position: int) -> None:
+        """Stop (and store a checkpoint) at `position` too."""
+        if position not in self.positions:
+            self.positions = sorted([*self.positions, position])
 
     def skip_to(self, position: int) -> None:
         """Forget the checkpoints up to `position` (the sequence got there without them)."""
@@ -203,6 +226,7 @@ class SequenceCache:
     `SIPPCACHE_SECRET`) entries carry a MAC and entries without a valid one are
     misses. `options` (`CacheOptions`, default: its defaults) holds the scope,
     `min_tokens`, `checkpoint_interval`, `max_pending_writes` and the secret.
+    `kind` is the model's `states.MemoryKind`.
 
     With `live_layout` (for a single-sequence context with a full-size SWA
     cache: `PrefixCache`), a sliding-window state is restored where a live
@@ -217,7 +241,7 @@ class SequenceCache:
         cache: str | CacheBackend | None,
         *,
         fingerprint: Fingerprint,
-        n_swa: int,
+        kind: states.MemoryKind,
         n_vocab: int,
         options: CacheOptions | None = None,
         live_layout: bool = False,
@@ -228,9 +252,10 @@ class SequenceCache:
         self.fingerprint = fingerprint
         self.scope = options.scope
         self.namespace = f"llama:{fingerprint.digest}/{options.scope}"
-        self.n_swa = n_swa
+        #: What the model's memory allows (cuts, sharing): `states.MemoryKind.of(model)`.
+        self.kind = kind
         self.n_vocab = n_vocab
-        self.live_layout = live_layout and n_swa > 0
+        self.live_layout = live_layout and kind.n_swa > 0 and not kind.exact_length_only
         # (context address, seq) -> first position a padded restore really holds in the
         # sliding-window layers (below it: zero cells, never to come into the window).
         self._window_starts: dict[tuple[int, int], int] = {}
@@ -287,7 +312,9 @@ class SequenceCache:
         live sequence, the entry whose key is the longest prefix, the entry
         sharing the longest common prefix (usable only if truncating it is
         exact). Entries are peeked at first, so the only one fetched is the one
-        restored. Afterwards the sequence holds exactly `ids[:start]`.
+        restored. Afterwards the sequence holds exactly `ids[:start]`. A recurrent or
+        hybrid model's state is never cut: the live sequence is kept only if the prompt
+        extends it, and a stored entry only if its key is a prefix of the prompt.
         """
         self.stats.lookups += 1
         if self._queued_beyond(ids, common_length(live, ids)):
@@ -309,12 +336,11 @@ class SequenceCache:
             prefix = prefix or self.peek(target, partial=False)
             shared = self.peek(target, partial=True)
         candidates = [(prefix.length, False)] if prefix is not None else []
-        if (
-            shared is not None
-            and shared.length > (prefix.length if prefix else 0)
-            and states.may_truncate_restored(shared.key_length, shared.length, self.n_swa)
-        ):
-            candidates.append((shared.length, True))
+        if shared is not None and shared.length > (prefix.length if prefix else 0):
+            if self.kind.may_truncate_restored(shared.key_length, shared.length):
+                candidates.append((shared.length, True))
+            elif shared.length >= self.min_tokens:
+                self._refuse(shared.key_length, states.REFUSED_CUT)  # not fetched: it could not be cut back
         branch = shared.length if shared is not None else 0
         for length, partial in sorted(candidates, reverse=True):
             common = common_length(live, target)
@@ -341,13 +367,13 @@ class SequenceCache:
         return length == len(live) or self.truncate(ctx, seq, length)
 
     def can_truncate(self, ctx: Any, seq: int, length: int) -> bool:
-        """Whether cutting sequence `seq` to `length` positions is exact: llama.cpp's
-        rule (`states.can_truncate`), and after a padded restore, the sliding window
+        """Whether cutting sequence `seq` to `length` positions is exact: the memory kind's
+        rule (`MemoryKind.can_truncate`), and after a padded restore, the sliding window
         of position `length` must not reach the zero cells below the real window."""
         start = self._window_starts.get(_sequence_key(ctx, seq))
-        if start is not None and start > max(0, length - self.n_swa + 1):
+        if start is not None and start > max(0, length - self.kind.n_swa + 1):
             return False
-        return states.can_truncate(states.memory(ctx), seq, length, self.n_swa)
+        return self.kind.can_truncate(states.memory(ctx), seq, length)
 
     def truncate(self, ctx: Any, seq: int, length: int) -> bool:
         """Cut sequence `seq` to its first `length` positions if that is exact."""
@@ -360,19 +386,19 @@ class SequenceCache:
         states.clear(states.memory(ctx), seq)
         self._window_starts.pop(_sequence_key(ctx, seq), None)
 
-    def _restore_state(self, ctx: Any, seq: int, state: memoryview, length: int) -> bool:
+    def _restore_state(self, ctx: Any, seq: int, state: memoryview, length: int) -> str | None:
         """`states.restore_state` into the emptied sequence `seq`, with a live context's
         cell layout when `live_layout` is on and the state needs it (a copy of the
         state with zero cells below the window; a plain restore if llama.cpp refuses
         that, which a full-size SWA cache never should)."""
-        padded = layout.live_layout(state, self.n_swa, layout.KV_ALIGNMENT) if self.live_layout else None
+        padded = layout.live_layout(state, self.kind.n_swa, layout.KV_ALIGNMENT) if self.live_layout else None
         if padded is not None:
-            if states.restore_state(ctx, seq, padded.state, length, self.n_swa):
+            if states.restore_state(ctx, seq, padded.state, length, self.kind) is None:
                 self._window_starts[_sequence_key(ctx, seq)] = padded.start
-                return True
+                return None
             log.debug("sippcache: llama.cpp refused a state padded to a live layout; restoring it as stored")
             self.clear(ctx, seq)
-        return states.restore_state(ctx, seq, state, length, self.n_swa)
+        return states.restore_state(ctx, seq, state, length, self.kind)
 
     def _fetch_and_restore(
         self, ctx: Any, seq: int, query: list[int], *, partial: bool, with_logits: bool = False
@@ -408,19 +434,14 @@ class SequenceCache:
             return None  # usable only with an evaluation of the last token: find a shorter entry
         logits = np.frombuffer(entry.logits, dtype=np.float32).copy() if with_logits else None  # type: ignore[arg-type]
         self.clear(ctx, seq)
-        loaded = self._restore_state(ctx, seq, entry.state, len(key))
+        refused = self._restore_state(ctx, seq, entry.state, len(key))
         del entry  # views of the match: gone before it is released
-        if not loaded:  # refused, or a well-formed state for other positions than its key says
-            log.warning(
-                "sippcache: dropping a cached state (%d tokens) that llama.cpp refused or that holds other positions",
-                len(key),
-            )
-            self.stats.rejected_entries += 1
-            self.drop(key)
-            self.clear(ctx, seq)
-            return None
-        if length < len(key) and not self.truncate(ctx, seq, length):
-            self.stats.rejected_entries += 1
+        if refused is None and length < len(key) and not self.truncate(ctx, seq, length):
+            refused = states.REFUSED_CUT
+        if refused is not None:
+            self._refuse(len(key), refused)
+            if refused == states.REFUSED_POSITIONS:  # a well-formed state for other positions: wrong for everyone
+                self.drop(key)
             self.clear(ctx, seq)
             return None
         self.stats.hits += 1
@@ -428,6 +449,16 @@ class SequenceCache:
         self.stats.bytes_read += len(match.blob)
         self.stats.restore_seconds += time.perf_counter() - started
         return Restored(length, logits)
+
+    def _refuse(self, key_length: int, reason: str) -> None:
+        """Count and log an entry of `key_length` tokens not used, for `reason`: a warning
+        when the entry is at fault or llama.cpp refused it, information when this
+        model's memory simply cannot cut it back (expected on recurrent models)."""
+        self.stats.refuse(reason)
+        level = logging.INFO if reason == states.REFUSED_CUT else logging.WARNING
+        log.log(
+            level, "sippcache: not using a cached state of %d tokens (%s model): %s", key_length, self.kind.name, reason
+        )
 
     # -- storing ------------------------------------------------------------------
 
@@ -493,7 +524,7 @@ class SequenceCache:
     def _write_entry(self, snapshot: states.Snapshot) -> None:
         try:
             blob = states.encode_entry(
-                snapshot, fingerprint=self.fingerprint.digest, n_swa=self.n_swa, scope=self.scope, secret=self.secret
+                snapshot, fingerprint=self.fingerprint.digest, kind=self.kind, scope=self.scope, secret=self.secret
             )
             self.cache.store(
                 snapshot.key, blob, namespace=self.namespace, pinned=snapshot.pinned, generation=snapshot.generation

@@ -2,9 +2,12 @@
 
 Shared by `sippcache.llama.PrefixCache` (sequence 0 of one context) and
 `sippcache.llama.SessionPool` (one sequence per slot), so both follow the same
-rules: a restored state must hold exactly the positions its key says, and it
-is truncated only where llama.cpp can do that exactly (the sliding-window
-rule: docs/llama.md, "Why a hit never changes the result").
+rules, which depend on the model's `MemoryKind`: a restored state must hold
+exactly the positions its key says, and it is truncated (or shared between
+sequences) only where llama.cpp can do that exactly: anywhere with full
+attention, within one token of a restored state with a sliding window, never
+for recurrent and hybrid models (docs/llama.md, "Why a hit never changes the
+result").
 
 An entry is a `sippcache.frame` with the sequence state as section "state"
 and, for a whole prompt, the last position's logits (float32, one per
@@ -76,46 +79,115 @@ def copy_logits(ctx: Any, n_vocab: int, index: int = -1) -> np.ndarray:
     return np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)).copy()
 
 
-def restore_state(ctx: Any, seq: int, state: memoryview | np.ndarray, length: int, n_swa: int) -> bool:
-    """Load `state` into sequence `seq` (zero-copy from the view); True only if llama.cpp
-    took all of it and the sequence now holds exactly positions 0..length-1."""
+@dataclass(frozen=True)
+class MemoryKind:
+    """How a model's llama.cpp memory keeps a sequence: what decides where a state may be
+    cut back or shared. The one place the kinds are told apart; every path (PrefixCache,
+    LlamaCache, SessionPool, BatchEngine) asks it.
+
+    - Full attention (`n_swa` 0, neither flag): every position's K/V is kept, so a
+      state can be cut anywhere.
+    - Sliding window (iSWA, `n_swa` > 0): a restored state keeps only the last n_swa
+      positions of the sliding-window layers, so it can be cut by one token at most.
+    - Recurrent (Mamba, RWKV): one cell per sequence holds the state after its last
+      position; llama.cpp cannot cut it back (`llama_memory_seq_rm` of a tail fails)
+      and `llama_memory_seq_cp` shares that whole cell, whatever range it is given.
+    - Hybrid (attention + recurrent or convolution layers: Jamba, LFM2, Granite 4 H,
+      Nemotron-H, Falcon-H1, Qwen3-Next): the recurrent part decides, and its
+      `seq_pos_min` is the larger of its two memories'.
+
+    So a recurrent or hybrid state is only ever used at exactly the length it holds
+    (`exact_length_only`): restored whole, kept live only when the prompt extends it,
+    shared only when the other sequence needs all of it.
+    """
+
+    n_swa: int = 0
+    recurrent: bool = False
+    hybrid: bool = False
+
+    @classmethod
+    def of(cls, model: Any) -> MemoryKind:
+        """The kind of a loaded `llama_model`."""
+        return cls(
+            n_swa=int(llama_cpp.llama_model_n_swa(model)),
+            recurrent=bool(llama_cpp.llama_model_is_recurrent(model)),
+            hybrid=bool(llama_cpp.llama_model_is_hybrid(model)),
+        )
+
+    @property
+    def name(self) -> str:
+        """ "attention", "swa", "recurrent" or "hybrid" (for logs, entry headers, docs)."""
+        if self.hybrid:
+            return "hybrid"
+        if self.recurrent:
+            return "recurrent"
+        return "swa" if self.n_swa > 0 else "attention"
+
+    @property
+    def exact_length_only(self) -> bool:
+        """A state can be used only at the length it holds: never cut, shared whole."""
+        return self.recurrent or self.hybrid
+
+    def holds_positions(self, mem: Any, seq: int, length: int) -> bool:
+        """Sequence `seq` holds exactly positions 0..length-1, as far as llama.cpp shows it:
+        it ends at length - 1 and starts at 0 (full attention), somewhere in the window
+        (sliding window), or, recurrent and hybrid, at its one recurrent cell (length - 1)."""
+        if llama_cpp.llama_memory_seq_pos_max(mem, seq) != length - 1:
+            return False
+        if self.exact_length_only:
+            return bool(llama_cpp.llama_memory_seq_pos_min(mem, seq) == length - 1)
+        return self.n_swa > 0 or llama_cpp.llama_memory_seq_pos_min(mem, seq) == 0
+
+    def can_truncate(self, mem: Any, seq: int, length: int) -> bool:
+        """Whether cutting sequence `seq` to `length` positions is exact (and, for
+        `llama_memory_seq_cp`, whether its first `length` positions can be shared).
+        Recurrent and hybrid: only when it holds exactly `length` (nothing to cut). A
+        sliding-window layer lets the token at position `length` see positions
+        length - n_swa + 1 and later, and a restored sequence keeps only its last n_swa
+        positions there, so cutting below what they hold silently corrupts the logits.
+        (llama.cpp's server asks for one position more than needed; measured on
+        gemma-3-270m: a restored state cut by one token gives the logits of a live
+        context cut the same way, bit for bit, and cut by two it does not.)"""
+        if self.exact_length_only:
+            return bool(llama_cpp.llama_memory_seq_pos_max(mem, seq) == length - 1)
+        if self.n_swa > 0:
+            return bool(llama_cpp.llama_memory_seq_pos_min(mem, seq) <= max(0, length - self.n_swa + 1))
+        return True
+
+    def may_truncate_restored(self, key_length: int, length: int) -> bool:
+        """Whether a state restored from an entry of `key_length` tokens is likely to pass
+        `can_truncate` for `length`: recurrent and hybrid states only uncut; a restored
+        sliding-window sequence starts at max(0, key_length - n_swa) and can be cut by one
+        token at most. Used to skip fetching an entry that could not be used; the real
+        check runs after the restore."""
+        if self.exact_length_only:
+            return length >= key_length
+        return length >= key_length - 1 or self.n_swa == 0 or key_length <= self.n_swa
+
+    def truncate(self, mem: Any, seq: int, length: int) -> bool:
+        """Cut sequence `seq` to its first `length` positions if that is exact."""
+        return self.can_truncate(mem, seq, length) and bool(llama_cpp.llama_memory_seq_rm(mem, seq, length, -1))
+
+
+#: Why a stored state was not used: the keys of `PrefixStats.refused` and the `reason`
+#: label of /metrics' ``sippcache_refused_entries_total``.
+REFUSED_LOAD = "load"  # llama.cpp did not take all of it (another layout, no room now): kept, others may use it
+REFUSED_POSITIONS = "positions"  # taken, but holding other positions than its key says: a wrong entry, dropped
+REFUSED_CUT = "cut"  # usable only cut back where this memory kind cannot cut exactly: kept
+REFUSAL_REASONS = (REFUSED_LOAD, REFUSED_POSITIONS, REFUSED_CUT)
+
+
+def restore_state(ctx: Any, seq: int, state: memoryview | np.ndarray, length: int, kind: MemoryKind) -> str | None:
+    """Load `state` into sequence `seq` (zero-copy from the view). None if the sequence
+    now holds exactly positions 0..length-1, else why not (`REFUSED_LOAD`,
+    `REFUSED_POSITIONS`)."""
     payload = np.frombuffer(state, dtype=np.uint8)  # a view of the stored bytes: no copy
     size = payload.nbytes
     loaded = llama_cpp.llama_state_seq_set_data(ctx, payload.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, seq)
     del payload
-    return loaded == size and holds_positions(memory(ctx), seq, length, n_swa)
-
-
-def holds_positions(mem: Any, seq: int, length: int, n_swa: int) -> bool:
-    """Sequence `seq` ends at position length - 1 and (without a sliding window) starts at 0."""
-    if llama_cpp.llama_memory_seq_pos_max(mem, seq) != length - 1:
-        return False
-    return n_swa > 0 or llama_cpp.llama_memory_seq_pos_min(mem, seq) == 0
-
-
-def can_truncate(mem: Any, seq: int, length: int, n_swa: int) -> bool:
-    """Whether cutting sequence `seq` to `length` positions is exact. A sliding-window
-    layer lets the token at position `length` see positions length - n_swa + 1 and
-    later, and a restored sequence keeps only its last n_swa positions there, so
-    cutting below what they hold silently corrupts the logits. (llama.cpp's server
-    asks for one position more than needed; measured on gemma-3-270m: a restored
-    state cut by one token gives the logits of a live context cut the same way, bit
-    for bit, and cut by two it does not.)"""
-    return llama_cpp.llama_memory_seq_pos_min(mem, seq) <= max(0, length - n_swa + 1) if n_swa > 0 else True
-
-
-def may_truncate_restored(key_length: int, length: int, n_swa: int) -> bool:
-    """Whether a state restored from an entry of `key_length` tokens is likely to pass
-    `can_truncate` for `length`: a restored sequence keeps the last n_swa positions of
-    its sliding-window layers, so it starts at max(0, key_length - n_swa), and can be
-    cut by one token at most. Used to skip fetching an entry that could not be used;
-    the real check runs after the restore."""
-    return length >= key_length - 1 or n_swa == 0 or key_length <= n_swa
-
-
-def truncate(mem: Any, seq: int, length: int, n_swa: int) -> bool:
-    """Cut sequence `seq` to its first `length` positions if that is exact."""
-    return can_truncate(mem, seq, length, n_swa) and bool(llama_cpp.llama_memory_seq_rm(mem, seq, length, -1))
+    if loaded != size:
+        return REFUSED_LOAD
+    return None if kind.holds_positions(memory(ctx), seq, length) else REFUSED_POSITIONS
 
 
 def clear(mem: Any, seq: int) -> None:
@@ -164,7 +236,7 @@ def sample_from_logits(sampler: Any, logits: np.ndarray) -> int:
     return token
 
 
-def encode_entry(snapshot: Snapshot, *, fingerprint: str, n_swa: int, scope: str, secret: bytes | None) -> bytes:
+def encode_entry(snapshot: Snapshot, *, fingerprint: str, kind: MemoryKind, scope: str, secret: bytes | None) -> bytes:
     """Frame a snapshot: state, and logits when it has them."""
     sections: list[Any] = [snapshot.state]
     roles = [STATE]
@@ -177,7 +249,7 @@ def encode_entry(snapshot: Snapshot, *, fingerprint: str, n_swa: int, scope: str
         fingerprint=fingerprint,
         kind=KIND,
         versions={"llama_cpp_python": llama_cpp.__version__},
-        meta={"n_swa": n_swa, "scope": scope, "pid": os.getpid()},
+        meta={"n_swa": kind.n_swa, "memory": kind.name, "scope": scope, "pid": os.getpid()},
         roles=roles,
         secret=secret,
     )

@@ -24,7 +24,13 @@ itself. It does what `LlamaRAMCache` does, with the store behind it:
   llama-cpp-python then cuts the context to the part the prompt shares and
   evaluates the rest, as after a `LlamaRAMCache` hit. A whole-context state
   holds every cell the live context held, so that cut is the one
-  llama-cpp-python makes in a live context.
+  llama-cpp-python makes in a live context. A recurrent or hybrid model's
+  state cannot be cut at all: llama-cpp-python then evaluates the whole
+  prompt ("partial kv removal not supported"). Without the model the cache
+  cannot tell which happened, so only a state the prompt extends (nothing to
+  cut) counts as `tokens_reused`; one that must be cut counts as
+  `tokens_offered`. Bind the cache (or use `sippcache.llama.Llama`) for real
+  reuse on recurrent and hybrid models.
 
 Without a model there is no model fingerprint: entries live under the
 namespace ``llama.whole:<llama-cpp-python version>/<scope>``. Give each model
@@ -151,7 +157,11 @@ class WholeStateCache:
                 self.stats.misses += 1
                 raise KeyError("no stored state shares enough of the prompt")
             self.stats.hits += 1
-            self.stats.tokens_reused += min(state.n_tokens, common_length(state.input_ids[: state.n_tokens], ids))
+            common = common_length(state.input_ids[: state.n_tokens], ids)
+            if common == state.n_tokens < len(ids):  # the prompt extends it: llama-cpp-python cuts nothing
+                self.stats.tokens_reused += common
+            else:  # it cuts the state to what the prompt shares (minus its last token), if the model can be cut
+                self.stats.tokens_offered += common - 1 if common == len(ids) else common
             self.stats.restore_seconds += time.perf_counter() - started
             return state
 

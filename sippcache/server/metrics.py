@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..llama.states import REFUSAL_REASONS
 from ..protocol import CacheBackend
 
 __all__ = [
@@ -57,7 +58,8 @@ MODEL_COUNTERS: tuple[tuple[str, str, str], ...] = (
     (
         "rejected_entries",
         "sippcache_rejected_entries",
-        "Entries llama.cpp refused or that could not be cut back exactly.",
+        "Entries not used: llama.cpp refused them, they were wrong, or the model cannot cut them back "
+        "(sippcache_refused_entries_total by reason).",
     ),
 )
 #: (model row key, metric name, help): how each model is serving, read at scrape time.
@@ -97,6 +99,8 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 #: Time per output token after the first.
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+#: Entries not used, by reason: (PrefixCache.stats() key, label value), from `states.REFUSAL_REASONS`.
+REFUSALS: tuple[tuple[str, str], ...] = tuple((f"refused_{reason}", reason) for reason in REFUSAL_REASONS)
 #: Store failures seen by the adapter, by kind: (PrefixCache.stats() key, label value).
 BACKEND_ERRORS: tuple[tuple[str, str], ...] = (("backend_errors", "lookup"), ("write_failures", "write"))
 #: (Stats field, metric name, help): one series per store, read from `stats()` at scrape time.
@@ -313,6 +317,17 @@ class _Collector(Collector):
             for key, kind in BACKEND_ERRORS:
                 errors.add_metric([row["model"], kind], row.get(key, 0))
         yield errors
+        refused = CounterMetricFamily(
+            "sippcache_refused_entries",
+            "Stored states not used, by reason: load (llama.cpp did not take it; kept), positions (it held other "
+            "positions than its key; dropped), cut (usable only cut back where the model's memory cannot be cut "
+            "exactly: a sliding window after a restore, any recurrent or hybrid state; kept).",
+            labels=["model", "reason"],
+        )
+        for row in rows:
+            for key, reason in REFUSALS:
+                refused.add_metric([row["model"], reason], row.get(key, 0))
+        yield refused
         loaded = GaugeMetricFamily(
             "sippcache_model_loaded", "1 for the model alias the server has loaded.", labels=["model"]
         )

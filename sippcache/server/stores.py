@@ -22,6 +22,7 @@ from ..llama import CacheOptions, LlamaCache, PrefixStats
 from ..llama.batch import Job
 from ..llama.fingerprint import llama_fingerprint
 from ..llama.seqcache import SequenceCache
+from ..llama.states import MemoryKind
 from ..protocol import CacheBackend
 from ..registry import default_url, redact_url
 from ..registry import open as open_cache
@@ -201,7 +202,7 @@ class CachePool:
         sequences = SequenceCache(
             store,
             fingerprint=llama_fingerprint(served),
-            n_swa=int(llama_cpp.llama_model_n_swa(served.model)),
+            kind=MemoryKind.of(served.model),
             n_vocab=served.n_vocab(),
             options=entry.cache_options,
         )
