@@ -397,3 +397,31 @@ def test_the_proxy_imports_nothing_from_llama_cpp() -> None:
     code = "import sys, sippcache.proxy, sippcache.proxy.cli; print('llama_cpp' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("kind", ["attention", "swa", "recurrent", "hybrid"])
+def test_every_memory_kind_extends_a_stored_state_after_a_restart(procs: Any, tmp_path: Path, kind: str) -> None:
+    """A completion, everything restarted, then the same text and more: llama-server extends the
+    stored state (a recurrent or hybrid one at exactly its length), and answers as it does cold."""
+    from tests.tinymodel import write_tiny_model
+
+    model = write_tiny_model(tmp_path / f"{kind}.gguf", kind=kind, n_ctx_train=16384)
+    cache, prompt = f"lmdb://{tmp_path}/store", SYSTEM + "\nQ: which ship passed first?\nA:"
+    text_only = {"grammar": "root ::= [a-z]+", "n_predict": 8, "temperature": 0}  # letters: tokenized back alike
+    proxy = procs(managed(model, cache))
+    status, _, first = proxy.post("/completion", {"prompt": prompt, **text_only})
+    assert status == 200, first
+    settle(proxy)
+    proxy.stop()
+    proxy = procs(managed(model, cache))
+    follow = {"prompt": prompt + first["content"] + " and", **text_only}
+    status, headers, again = proxy.post("/completion", follow)
+    assert status == 200, again
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    assert (
+        again["content"] == ProxyServer.post(reference, "/completion", {**follow, "cache_prompt": False})[2]["content"]
+    )
+    assert int(headers["x-sippcache-prompt-reused"]) == again["timings"]["cache_n"] >= len(prompt), again["timings"]
+    settle(proxy)
+    with sippcache.open(cache) as store:  # a state that cannot be cut is kept beside the one extending it
+        assert len(store) == (2 if kind in ("recurrent", "hybrid") else 1)
