@@ -90,7 +90,7 @@ def test_the_live_layout_only_moves_the_window(gemma_model, make_llama, tokens) 
     # and a value of 256 f16 values in each of the 15 sliding-window layers.
     assert len(padded.state) == len(state) + 175 * (12 + 15 * 2 * 256 * 2)
     states.clear(mem, 0)
-    assert states.restore_state(llm.ctx, 0, padded.state, 1199, 512)
+    assert states.restore_state(llm.ctx, 0, padded.state, 1199, states.MemoryKind.of(llm.model)) is None
     assert llama_cpp.llama_memory_seq_pos_min(mem, 0) == 687 - 175
     assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == 1198
     assert bytes(states.copy_state(llm.ctx, 0)) == state
@@ -118,7 +118,8 @@ def test_a_padded_restore_is_never_cut_into_its_zero_cells(gemma_model, make_lla
     b = prompt[:1197] + tokens[2400:2500]
     with PrefixCache(llm, url) as pc:
         assert pc.prefill(prompt) == 1199
-        assert states.can_truncate(states.memory(llm.ctx), 0, 1197, 512)  # llama.cpp's rule alone would cut
+        kind = states.MemoryKind.of(llm.model)
+        assert kind.can_truncate(states.memory(llm.ctx), 0, 1197)  # llama.cpp's rule alone would cut
         assert pc.prefill(b) == 0
     _, split = reference_logits(make_llama, gemma_model, b, n_ctx=N_CTX)
     np.testing.assert_array_equal(last_logits(llm), split)
