@@ -157,10 +157,7 @@ class Proxy:
                 "POST", upstream.url + request.url.path, headers=_forwarded(request.headers), json=payload, timeout=None
             )
             answer = await self.client.send(upstream_request, stream=True)
-        except UpstreamDown as exc:
-            await self._lost(slot, exc)
-            return _unavailable(f"llama-server at {upstream.url} is not reachable")
-        except httpx.TransportError as exc:
+        except (UpstreamDown, httpx.TransportError) as exc:  # a slot call, or the request itself
             await self._lost(slot, exc)
             return _unavailable(f"llama-server at {upstream.url} is not reachable")
         except BaseException:
@@ -330,8 +327,7 @@ class _RelayResponse(Response):
             except (ValueError, AttributeError):
                 pass
             headers.append((b"content-length", str(len(data)).encode()))
-            headers.append((REUSED_HEADER.lower().encode(), str(self.relay.timings.get("cache_n", "")).encode()))
-            await _start(send, answer.status_code, headers)
+            await self._start_with_reuse(send, headers)
             await send({"type": "http.response.body", "body": data, "more_body": False})
             self.relay.complete = True
             return
@@ -347,11 +343,11 @@ class _RelayResponse(Response):
                     held.append(event)
                     if not self.relay.timings:
                         continue
-                    await self._start_stream(send, headers)
+                    await self._start_with_reuse(send, headers)
                     event, held = b"".join(held), None
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             if held is not None:
-                await self._start_stream(send, headers)
+                await self._start_with_reuse(send, headers)
                 await send({"type": "http.response.body", "body": b"".join(held), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             self.relay.complete = not disconnected.done()
@@ -360,7 +356,8 @@ class _RelayResponse(Response):
         finally:
             disconnected.cancel()
 
-    async def _start_stream(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+    async def _start_with_reuse(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        """Start the response with the header carrying llama-server's cache_n (once its timings are known)."""
         reused = str(self.relay.timings.get("cache_n", "")).encode()
         await _start(send, self.answer.status_code, [*headers, (REUSED_HEADER.lower().encode(), reused)])
 
