@@ -307,27 +307,23 @@ class _Collector(Collector):
         for (model, reason), value in sorted(counts.items()):
             serialized.add_metric([model, reason], value)
         yield serialized
-        errors = CounterMetricFamily(
+        yield _per_model(
             "sippcache_backend_errors",
             "Store failures the adapter saw (kind=lookup: lookups, deletes, touches; kind=write: background "
             "writes); the request went on uncached.",
-            labels=["model", "kind"],
+            "kind",
+            BACKEND_ERRORS,
+            rows,
         )
-        for row in rows:
-            for key, kind in BACKEND_ERRORS:
-                errors.add_metric([row["model"], kind], row.get(key, 0))
-        yield errors
-        refused = CounterMetricFamily(
+        yield _per_model(
             "sippcache_refused_entries",
             "Stored states not used, by reason: load (llama.cpp did not take it; kept), positions (it held other "
             "positions than its key; dropped), cut (usable only cut back where the model's memory cannot be cut "
             "exactly: a sliding window after a restore, any recurrent or hybrid state; kept).",
-            labels=["model", "reason"],
+            "reason",
+            REFUSALS,
+            rows,
         )
-        for row in rows:
-            for key, reason in REFUSALS:
-                refused.add_metric([row["model"], reason], row.get(key, 0))
-        yield refused
         loaded = GaugeMetricFamily(
             "sippcache_model_loaded", "1 for the model alias the server has loaded.", labels=["model"]
         )
@@ -342,6 +338,17 @@ class _Collector(Collector):
         yield loaded
         yield info
         yield from _store_metrics(self.source.store_readers())
+
+
+def _per_model(
+    name: str, help_text: str, label: str, table: tuple[tuple[str, str], ...], rows: list[dict[str, Any]]
+) -> CounterMetricFamily:
+    """One counter with a series per model and per `label` value: `table` maps a stats key to that value."""
+    family = CounterMetricFamily(name, help_text, labels=["model", label])
+    for row in rows:
+        for key, value in table:
+            family.add_metric([row["model"], value], row.get(key, 0))
+    return family
 
 
 def _store_metrics(readers: list[StoreReader]) -> Iterator[Metric]:
