@@ -248,6 +248,30 @@ def test_concurrent_clients_each_get_their_solo_answer(procs: Any, model: Path, 
     assert answers == solo
 
 
+def test_a_burst_over_a_new_system_prompt_computes_it_once(procs: Any, model: Path, tmp_path: Path) -> None:
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    proxy = procs(managed(model, f"lmdb://{tmp_path}/store", parallel=4))
+    chats = [conversation(f"question {i}?", f"client {i}") for i in range(4)]
+    solo = [chat(reference.url, c, cache_prompt=False) for c in chats]
+    results: list[Any] = [None] * len(chats)
+
+    def run(i: int) -> None:
+        results[i] = chat(proxy.url, chats[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(chats))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert all(r is not None for r in results), "a request did not finish in 600 s"
+    assert [r[0] for r in results] == [s[0] for s in solo]
+    whole = max(s[2]["prompt_n"] for s in solo)  # one conversation's prompt, all computed
+    computed = sum(r[2]["prompt_n"] for r in results)  # llama-server's own counts
+    # The system prompt once, then each other conversation's own question (not 4 x the system prompt).
+    assert computed <= whole + 3 * 100, [r[2] for r in results]
+    assert metric(proxy, "sippcache_proxy_flight_waits_total") >= 1
+
+
 # -- faults and bad input --------------------------------------------------------------------------------
 
 

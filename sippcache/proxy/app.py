@@ -4,6 +4,7 @@ A completion request (``/v1/chat/completions``, ``/v1/completions``,
 ``/completion``) flows like this::
 
     client ──> tokens (llama-server's /apply-template + /tokenize: its template, its tokenizer)
+           ──> wait while a request in flight computes a long prefix of it that nothing holds yet
            ──> a slot (SlotTable: the idle slot holding the longest prefix, else the least loaded server)
            ──> restore the store's best state into it when that beats what the slot holds
            ──> the request, pinned with id_slot, relayed as llama-server answers it (streamed or not)
@@ -32,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from .metrics import ProxyMetrics
-from .slots import NoServer, QueueFull, Slot, SlotTable
+from .slots import NoServer, Origin, QueueFull, Slot, SlotTable, common_prefix
 from .store import SlotStore, Snapshot
 from .upstream import Upstream, UpstreamDown, UpstreamRefused
 
@@ -56,8 +57,20 @@ SCOPE_HEADER = "X-Sippcache-Scope"
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length"}
 #: A stored state is restored only when it gives at least this many more tokens than the slot holds.
 MIN_GAIN = 32
+#: A request waits for one in flight (`Proxy.flight_wait`) when that one computes at least this many
+#: tokens of its prompt beyond what the store and the idle slots hold.
+MIN_FLIGHT_LEAD = 256
 RETRY_AFTER = "2"
 _LOST = b'{"error":{"code":502,"message":"llama-server closed the connection","type":"unavailable_error"}}'
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A request in flight, whose stored state later requests sharing its prefix can wait for."""
+
+    scope: str
+    tokens: list[int]
+    landed: asyncio.Event
 
 
 @dataclass
@@ -70,7 +83,12 @@ class _Relay:
 
 
 class Proxy:
-    """The proxy for a set of llama-servers of one model sharing one `SlotStore`."""
+    """The proxy for a set of llama-servers of one model sharing one `SlotStore`.
+
+    A burst of requests over one long new prefix (a system prompt or document that nothing holds
+    yet) would have llama-server compute it once per slot, all at once. Instead the first computes
+    it and the others wait for its stored state, at most `flight_wait` seconds (0: never wait).
+    """
 
     def __init__(
         self,
@@ -80,8 +98,10 @@ class Proxy:
         metrics: ProxyMetrics,
         client: httpx.AsyncClient,
         scope: str = "",
+        flight_wait: float = 60.0,
     ) -> None:
         self.scope = scope
+        self.flight_wait = flight_wait
         self.upstreams = upstreams
         self.slots = slots
         self.store = store
@@ -91,6 +111,7 @@ class Proxy:
             metrics.upstream_up.labels(upstream.url).set(1)
         self._writes: set[asyncio.Task[Any]] = set()  # store writes: waited for on shutdown
         self._watchers: dict[int, asyncio.Task[Any]] = {}  # health polls of down servers: cancelled
+        self._flights: set[_Flight] = set()
 
     # -- the ASGI entry --------------------------------------------------------
 
@@ -133,18 +154,23 @@ class Proxy:
         except (UpstreamDown, NoServer):
             return _unavailable("no llama-server is reachable")
         scope = request.headers.get(SCOPE_HEADER, self.scope)
+        cached = tokens is not None and payload.get("cache_prompt", True) is not False
+        flight = await self._take_off(tokens, scope) if cached and tokens and self.store.can_cut else None
         try:
             slot, held = await self.slots.acquire(tokens or (), scope)
-        except QueueFull:
-            return _unavailable("every slot is busy and the queue is full")
-        except NoServer:
-            return _unavailable("no llama-server is reachable")
+        except (QueueFull, NoServer) as exc:
+            self._land(flight)
+            full = isinstance(exc, QueueFull)
+            return _unavailable("every slot is busy and the queue is full" if full else "no llama-server is reachable")
+        except BaseException:
+            self._land(flight)
+            raise
         upstream = self.upstreams[slot.server]
         try:
             if slot.scope != scope and slot.tokens:  # another tenant's state: never reused, erased first
                 await upstream.slot_action(slot.id, "erase")
             slot.tokens, slot.scope = (slot.tokens if slot.scope == scope else ()), scope
-            if tokens and payload.get("cache_prompt", True) is not False:
+            if tokens and cached:
                 await self._restore(upstream, slot, tokens, held)
             payload["id_slot"] = slot.id
             stream = bool(payload.get("stream"))
@@ -158,12 +184,15 @@ class Proxy:
             )
             answer = await self.client.send(upstream_request, stream=True)
         except (UpstreamDown, httpx.TransportError) as exc:  # a slot call, or the request itself
+            self._land(flight)
             await self._lost(slot, exc)
             return _unavailable(f"llama-server at {upstream.url} is not reachable")
         except BaseException:
+            self._land(flight)
             await self.slots.release(slot)
             raise
-        return _RelayResponse(answer, stream, strip, lambda relay: self._finish(slot, how, relay))
+        prompt = len(tokens or ())
+        return _RelayResponse(answer, stream, strip, lambda relay: self._finish(slot, how, relay, prompt, flight))
 
     async def _prompt_tokens(self, how: str, payload: dict[str, Any]) -> list[int] | None:
         """The prompt's tokens as llama-server will see them; None for a request that has no single prompt."""
@@ -180,6 +209,40 @@ class Proxy:
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         return None
+
+    async def _take_off(self, tokens: list[int], scope: str) -> _Flight:
+        """Wait while a request in flight computes at least `MIN_FLIGHT_LEAD` tokens of this prompt
+        beyond what the store and the idle slots hold (its state is stored when it ends), at most
+        `flight_wait` seconds in all; then this request is in flight itself."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.flight_wait
+        while self.flight_wait > 0:
+            lead, leader = max(
+                ((common_prefix(f.tokens, tokens), f) for f in self._flights if f.scope == scope),
+                key=lambda pair: pair[0],
+                default=(0, None),
+            )
+            if leader is None or lead < MIN_FLIGHT_LEAD:
+                break
+            held = max(await asyncio.to_thread(self.store.best_length, tokens, scope), self.slots.held(tokens, scope))
+            if leader.landed.is_set():
+                continue  # it landed meanwhile: look again
+            if lead - held < MIN_FLIGHT_LEAD or loop.time() >= deadline:
+                break
+            self.metrics.flight_waits.inc()
+            try:
+                await asyncio.wait_for(leader.landed.wait(), deadline - loop.time())
+            except TimeoutError:
+                break
+        flight = _Flight(scope, tokens, asyncio.Event())
+        self._flights.add(flight)
+        return flight
+
+    def _land(self, flight: _Flight | None) -> None:
+        """A request's state is stored (or will not be): requests waiting for it look again."""
+        if flight is not None:
+            self._flights.discard(flight)
+            flight.landed.set()
 
     def _any_upstream(self) -> Upstream:
         for server, upstream in enumerate(self.upstreams):
@@ -199,42 +262,59 @@ class Proxy:
             return
         if restored is None:
             return
-        slot.tokens = slot.origin = restored.tokens
+        slot.tokens, slot.origin = restored.origin.tokens, restored.origin
         self.metrics.restores.labels(upstream.url, "ok").inc()
         self.metrics.restore_seconds.labels(upstream.url).observe(restored.seconds)
 
-    async def _finish(self, slot: Slot, how: str, relay: _Relay) -> None:
-        """After the response: count what llama-server reported, save the slot, free it, store."""
+    async def _finish(self, slot: Slot, how: str, relay: _Relay, prompt: int, flight: _Flight | None) -> None:
+        """After the response: count what llama-server reported, save the slot, free it, store; then
+        the requests waiting for this one's state look again."""
+        try:
+            stored = await self._save(slot, how, relay, prompt)
+        except BaseException:
+            self._land(flight)
+            raise
+        if stored is None:
+            self._land(flight)
+        else:
+            stored.add_done_callback(lambda _: self._land(flight))
+
+    async def _save(self, slot: Slot, how: str, relay: _Relay, prompt: int) -> asyncio.Task[Any] | None:
+        """Count, save and free the slot; the task storing its state, if any."""
         upstream = self.upstreams[slot.server]
         timings = relay.timings
         self.metrics.requests.labels(upstream.url, how, "ok" if relay.complete else "incomplete").inc()
         if "cache_n" in timings:
             self.metrics.prompt_tokens.labels(upstream.url, "reused").inc(int(timings["cache_n"]))
             self.metrics.prompt_tokens.labels(upstream.url, "computed").inc(int(timings.get("prompt_n", 0)))
+        if "prompt_n" in timings:  # llama-server's own count of the prompt
+            prompt = int(timings["prompt_n"]) + int(timings.get("cache_n", 0))
         if relay.lost:
             await self._lost(slot, ConnectionError("the connection broke during a response"))
-            return
+            return None
         snapshot = None
         try:
             if relay.complete:  # cut short, the slot holds what nobody asked for: not stored
-                snapshot = await self.store.snapshot(upstream, slot.id)
+                snapshot = await self.store.snapshot(upstream, slot.id, prompt)
         except UpstreamDown as exc:
             await self._lost(slot, exc)
-            return
+            return None
         except Exception as exc:  # a save that failed: the slot serves again, its state is not stored
             log.warning("sippcache proxy: saving slot %d of %s failed: %s", slot.id, upstream.url, exc)
         if snapshot is None:
             slot.tokens, slot.origin = (), None  # what it holds is not known
             await self.slots.release(slot)
-            return
+            return None
         supersedes, slot.tokens = slot.origin, snapshot.tokens
-        slot.origin = snapshot.tokens if len(snapshot.tokens) >= self.store.min_tokens else slot.origin
+        if len(snapshot.tokens) >= self.store.min_tokens:
+            slot.origin = Origin(snapshot.tokens, snapshot.prompt)
         await self.slots.release(slot)
         task = asyncio.create_task(self._keep(upstream.url, snapshot, supersedes, slot.scope))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
+        return task
 
-    async def _keep(self, url: str, snapshot: Snapshot, supersedes: tuple[int, ...] | None, scope: str) -> None:
+    async def _keep(self, url: str, snapshot: Snapshot, supersedes: Origin | None, scope: str) -> None:
         saved = await asyncio.to_thread(self.store.keep, snapshot, supersedes, scope)
         if saved is not None:
             self.metrics.saves.labels(url).inc()

@@ -83,6 +83,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=os.environ.get("LLAMA_API_KEY"), help="llama-server's --api-key, if any")
     parser.add_argument("--scope", default="", help="keeps tenants apart: entries of one scope are never another's")
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before a 503")
+    parser.add_argument(
+        "--flight-wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a request whose long prefix another one in flight is computing waits up to this long for its "
+        "stored state instead of computing it again (default 60; 0: never wait)",
+    )
     parser.add_argument("--min-tokens", type=int, default=16, help="slot states shorter than this are not stored")
     parser.add_argument("server_args", nargs="*", metavar="-- ARGS", help="more llama-server arguments (managed)")
     return parser
@@ -232,6 +240,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         _fail("--llama-server needs --model")
     if args.parallel < 1:
         _fail("--parallel must be at least 1")
+    if not args.flight_wait >= 0:
+        _fail("--flight-wait must be 0 or more seconds")
     managed: _Managed | None = None
     staging = _staging_dir() if args.llama_server else os.path.abspath(args.slot_dir)
     try:
@@ -297,6 +307,7 @@ async def _serve(
             metrics,
             client,
             args.scope,
+            args.flight_wait,
         )
         config = uvicorn.Config(proxy, host=args.host, port=args.port, log_level="warning", lifespan="on")
         server = uvicorn.Server(config)

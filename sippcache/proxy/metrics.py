@@ -53,6 +53,11 @@ class ProxyMetrics:
             "Store operations that failed and were answered as misses.",
             registry=registry,
         )
+        self.flight_waits = Counter(
+            "sippcache_proxy_flight_waits",
+            "Times a request waited for one in flight that computes a long prefix of its prompt.",
+            registry=registry,
+        )
         self.upstream_up = Gauge(
             "sippcache_proxy_upstream_up", "1 while the upstream answers.", ["upstream"], registry=registry
         )

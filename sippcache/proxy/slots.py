@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["NoServer", "QueueFull", "Slot", "SlotTable", "common_prefix", "reusable"]
+__all__ = ["NoServer", "Origin", "QueueFull", "Slot", "SlotTable", "common_prefix", "reusable"]
 
 
 class QueueFull(Exception):
@@ -50,6 +50,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class Origin:
+    """A stored entry a slot's state grew from: its tokens, and how many of them were the prompt of
+    the request that made it (the rest is that request's answer; 0 when not known)."""
+
+    tokens: tuple[int, ...]
+    prompt: int
+
+
 @dataclass(eq=False)
 class Slot:
     """Slot `id` of upstream number `server`: what it holds and whether a request has it."""
@@ -58,7 +67,7 @@ class Slot:
     id: int
     tokens: tuple[int, ...] = ()
     scope: str = ""  # the tenant whose state it holds: another tenant's request never reuses it
-    origin: tuple[int, ...] | None = None  # the stored entry its state grew from, if any
+    origin: Origin | None = None  # the stored entry its state grew from, if any
     busy: bool = False
     used: int = 0  # a tick of the table's clock: the least recently used slot goes first
 
@@ -87,6 +96,11 @@ class SlotTable:
             ((s, self._held(s, tokens) if s.scope == scope else 0) for s in idle),
             key=lambda pair: (pair[1], -load[pair[0].server], not pair[0].tokens, -pair[0].used),
         )
+
+    def held(self, tokens: Sequence[int], scope: str) -> int:
+        """How many of `tokens` the best idle slot of `scope` would give llama-server to reuse."""
+        idle = (s for s in self.slots if not s.busy and s.server not in self.down and s.scope == scope)
+        return max((self._held(s, tokens) for s in idle), default=0)
 
     def _held(self, slot: Slot, tokens: Sequence[int]) -> int:
         return reusable(len(slot.tokens), common_prefix(slot.tokens, tokens), len(tokens), self.can_cut)

@@ -14,9 +14,10 @@ Which state is worth loading is the proxy's choice:
 
 - ``full`` and ``swa`` (with ``--swa-full``) models: the entry with the longest
   common prefix (llama-server cuts it where the prompt parts from it); when a
-  slot's state keeps all of the entry it came from (but the end of its last
-  answer), that entry is dropped, so a conversation keeps one entry, not one
-  per turn;
+  slot's state keeps all of the entry it came from but the end of that entry's
+  answer, that entry is dropped, so a conversation keeps one entry, not one
+  per turn (a new conversation that parts from it within its prompt, over a
+  shared system prompt say, keeps it);
 - ``recurrent`` (and hybrid) models: a state can only be extended at exactly its
   length, so only the longest stored *prefix* of the prompt, and every entry is
   kept.
@@ -37,16 +38,17 @@ from ..errors import CorruptEntry, SippcacheError, UnsupportedEntry
 from ..modelfile import MemoryKind
 from ..protocol import CacheBackend
 from . import slotfile
-from .slots import common_prefix, reusable
+from .slots import Origin, common_prefix, reusable
 from .upstream import Upstream, UpstreamRefused
 
 __all__ = ["KIND", "Restored", "Saved", "SlotStore", "Snapshot"]
 
 log = logging.getLogger("sippcache.proxy")
 
-#: A slot's new state replaces the entry it grew from when it keeps all of that entry but at most
-#: its last this many tokens: the end of the last answer as the model generated it, which the next
-#: turn's template writes back its own way (an end-of-turn token, a word tokenized otherwise).
+#: A slot's new state replaces the entry it grew from when it keeps all of that entry's prompt and
+#: all of the entry but at most its last this many tokens: the end of the last answer as the model
+#: generated it, which the next turn's template writes back its own way (an end-of-turn token, a
+#: word tokenized otherwise).
 SUPERSEDE_SLACK = 32
 #: What a proxy entry's payload is: one llama.cpp sequence state (`llama_state_seq_get_data`'s form).
 KIND = "llama-server.seq"
@@ -54,19 +56,21 @@ KIND = "llama-server.seq"
 
 @dataclass(frozen=True)
 class Restored:
-    """A state llama-server loaded into a slot: its tokens, its size and how long it took."""
+    """A state llama-server loaded into a slot: the entry, its size and how long it took."""
 
-    tokens: tuple[int, ...]
+    origin: Origin
     nbytes: int
     seconds: float
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A slot state llama-server wrote to the staging directory, not yet stored."""
+    """A slot state llama-server wrote to the staging directory, not yet stored; `prompt`: how many
+    of its tokens were the last request's prompt."""
 
     path: str
     tokens: tuple[int, ...]
+    prompt: int
     started: float
 
 
@@ -143,19 +147,19 @@ class SlotStore:
             staged = await asyncio.to_thread(self._stage, tokens, self.namespace(scope), path)
             if staged is None:
                 return None
-            key, nbytes = staged
+            origin, nbytes = staged
             try:
                 await upstream.slot_action(slot, "restore", os.path.basename(path))
             except UpstreamRefused as exc:
                 self.refused += 1
-                log.warning("%s refused a stored state of %d tokens (kept): %s", upstream.url, len(key), exc)
+                log.warning("%s refused a stored state of %d tokens (kept): %s", upstream.url, len(origin.tokens), exc)
                 raise
-            return Restored(key, nbytes, time.perf_counter() - started)
+            return Restored(origin, nbytes, time.perf_counter() - started)
         finally:
             _remove(path)
 
-    def _stage(self, tokens: Sequence[int], namespace: str, path: str) -> tuple[tuple[int, ...], int] | None:
-        """Write the best entry for `tokens` as a slot file at `path`: (its tokens, bytes), or None."""
+    def _stage(self, tokens: Sequence[int], namespace: str, path: str) -> tuple[Origin, int] | None:
+        """Write the best entry for `tokens` as a slot file at `path`: (the entry, bytes), or None."""
         try:
             match = self.cache.lookup(tokens, namespace=namespace, partial=self.can_cut)
         except SippcacheError as exc:
@@ -169,6 +173,7 @@ class SlotStore:
                 if (entry.kind, entry.fingerprint, entry.tokens) != (KIND, self.fingerprint, match.key):
                     raise CorruptEntry("its header does not match its key and model")
                 version = int(entry.meta.get("slot_version", 0))
+                prompt = int(entry.meta.get("prompt", 0))
                 state = slotfile.state_of(entry.sections[0])
             except UnsupportedEntry as exc:  # a newer sippcache's: kept for it
                 self._failed("decode", exc)
@@ -184,14 +189,14 @@ class SlotStore:
             except OSError as exc:
                 self._failed("staging write", exc)
                 return None
-            return match.key, len(state)
+            return Origin(match.key, prompt), len(state)
 
     # -- save --------------------------------------------------------------------
 
-    async def snapshot(self, upstream: Upstream, slot: int) -> Snapshot:
+    async def snapshot(self, upstream: Upstream, slot: int, prompt: int) -> Snapshot:
         """Have llama-server write `slot`'s state to the staging directory; `keep` stores it (and
         removes the file). The tokens are read from the file's header at once: the caller knows what
-        the slot holds before the store write is done."""
+        the slot holds before the store write is done. `prompt`: the last request's prompt length."""
         started = time.perf_counter()
         path = os.path.join(self.staging, f"sippcache-save-{uuid.uuid4().hex}.slot")
         try:
@@ -200,13 +205,13 @@ class SlotStore:
         except BaseException:
             _remove(path)
             raise
-        return Snapshot(path, tokens, started)
+        return Snapshot(path, tokens, min(prompt, len(tokens)), started)
 
-    def keep(self, snapshot: Snapshot, supersedes: tuple[int, ...] | None, scope: str) -> Saved | None:
+    def keep(self, snapshot: Snapshot, supersedes: Origin | None, scope: str) -> Saved | None:
         """Store a snapshot unless it is too short (blocking: run it in a worker thread); drop
-        `supersedes`, the entry the slot's state grew from, when the new one keeps all of it (but
-        the end of its last answer: `SUPERSEDE_SLACK`) and states can be cut. The staging file is
-        removed in every case."""
+        `supersedes`, the entry the slot's state grew from, when the new one keeps all of its prompt
+        and all of it but the end of its answer (`SUPERSEDE_SLACK`), and states can be cut. The
+        staging file is removed in every case."""
         try:
             if len(snapshot.tokens) < self.min_tokens:
                 return None
@@ -218,24 +223,26 @@ class SlotStore:
                 fingerprint=self.fingerprint,
                 kind=KIND,
                 versions={"llama_server": self.facts.get("build_info", "")},
-                meta={"slot_version": parsed.version, "memory": self.kind},
+                meta={"slot_version": parsed.version, "memory": self.kind, "prompt": snapshot.prompt},
                 roles=["state"],
                 secret=self.secret,
             )
             self.cache.store(parsed.tokens, blob, namespace=self.namespace(scope))
-            if (
-                supersedes
-                and self.can_cut
-                and len(supersedes) < len(parsed.tokens)
-                and common_prefix(supersedes, parsed.tokens) >= len(supersedes) - SUPERSEDE_SLACK
-            ):
-                self.cache.delete(supersedes, namespace=self.namespace(scope))
+            if supersedes and self.can_cut and self._keeps(parsed.tokens, supersedes):
+                self.cache.delete(supersedes.tokens, namespace=self.namespace(scope))
         except (OSError, slotfile.SlotFileError, SippcacheError) as exc:
             self._failed("save", exc)
             return None
         finally:
             _remove(snapshot.path)
         return Saved(parsed.tokens, len(blob), time.perf_counter() - snapshot.started)
+
+    @staticmethod
+    def _keeps(tokens: tuple[int, ...], old: Origin) -> bool:
+        """Whether a state of `tokens` holds all an entry is worth: longer, and parting from it past
+        its prompt and at most `SUPERSEDE_SLACK` tokens before its end."""
+        common = common_prefix(old.tokens, tokens)
+        return len(old.tokens) < len(tokens) and common >= max(old.prompt, len(old.tokens) - SUPERSEDE_SLACK)
 
     def _drop(self, key: tuple[int, ...], namespace: str) -> None:
         try:
