@@ -449,3 +449,26 @@ def test_every_memory_kind_extends_a_stored_state_after_a_restart(procs: Any, tm
     settle(proxy)
     with sippcache.open(cache) as store:  # a state that cannot be cut is kept beside the one extending it
         assert len(store) == (2 if kind in ("recurrent", "hybrid") else 1)
+
+
+@pytest.mark.parametrize("swa_full", [False, True], ids=["without-swa-full", "with-swa-full"])
+def test_attach_to_a_sliding_window_server_checks_it_extends_restores(
+    procs: Any, tmp_path: Path, swa_full: bool
+) -> None:
+    """Without --swa-full llama-server recomputes every restored state of a sliding-window model:
+    the proxy refuses to start with one line naming the flag; with it, the proxy starts."""
+    from tests.tinymodel import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "swa.gguf", kind="swa", n_ctx_train=16384)
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    flags = ["--swa-full"] if swa_full else []
+    upstream = procs(model, "-c", "4096", "-np", "1", "--slot-save-path", str(slots), *flags, llama=True)
+    args = ["--upstream", upstream.url, "--slot-dir", str(slots), "--cache", f"lmdb://{tmp_path}/s"]
+    if swa_full:
+        proxy = procs(args)
+        assert proxy.post("/completion", {"prompt": SYSTEM, "n_predict": 2})[0] == 200
+    else:
+        with pytest.raises(AssertionError, match="start llama-server with --swa-full"):
+            procs(args)
+    assert not list(slots.iterdir())  # the check's slot file removed

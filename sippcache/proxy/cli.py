@@ -5,14 +5,16 @@ Two ways to start:
 - managed: ``--llama-server PATH --model M.gguf [--parallel N] [-- ARGS]`` starts
   llama-server on loopback with every flag the proxy needs and stops it on exit;
 - attach: ``--upstream URL`` (repeatable) ``--slot-dir DIR`` for servers already
-  running with ``--slot-save-path DIR``; each is checked at start, and the
-  proxy refuses to start with one line that names what is missing.
+  running with ``--slot-save-path DIR``; each is checked at start (for a
+  sliding-window model, that it extends a restored state: ``--swa-full``), and
+  the proxy refuses to start with one line that names what is missing.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -40,8 +42,6 @@ from .store import SlotStore
 from .upstream import Upstream, UpstreamError, UpstreamInfo
 
 __all__ = ["ProxyError", "build_parser", "main"]
-
-log = logging.getLogger("sippcache.proxy")
 
 #: Flags the managed llama-server always gets: slots that stay as the proxy left them
 #: (no idle-slot clearing behind its back), and full-size sliding-window caches so a
@@ -192,6 +192,34 @@ async def check_upstream(upstream: Upstream, slot_dir: str) -> UpstreamInfo:
     return info
 
 
+async def check_extends_restores(upstream: Upstream, slot_dir: str, n_swa: int, n_ctx: int) -> None:
+    """A sliding-window model: check that the server extends a restored state (it runs with
+    --swa-full), by asking it to. A prompt longer than the window is evaluated in slot 0, saved,
+    restored and asked again with a few more tokens; `timings.cache_n` says what it reused. Slot 0
+    is erased afterwards. Raises `ProxyError` naming the flag."""
+    probe = f"sippcache-probe-{uuid.uuid4().hex}.slot"
+    tokens = (await upstream.tokenize("the harbour " * (n_swa // 2 + 64)))[: (n_ctx or 1 << 30) - 16]
+    body = {"n_predict": 1, "temperature": 0, "id_slot": 0, "cache_prompt": True}
+    try:
+        await upstream.call("POST", "/completion", {**body, "prompt": tokens}, timeout=600.0)
+        await upstream.slot_action(0, "save", probe)
+        await upstream.slot_action(0, "erase")
+        await upstream.slot_action(0, "restore", probe)
+        answer = await upstream.call("POST", "/completion", {**body, "prompt": tokens + tokens[-8:]}, timeout=600.0)
+        await upstream.slot_action(0, "erase")
+    except UpstreamError as exc:
+        raise ProxyError(f"{upstream.url}: the check that it extends a restored state failed ({exc})") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(slot_dir, probe))
+    reused = int(((answer or {}).get("timings") or {}).get("cache_n", 0))
+    if reused < n_swa:
+        raise ProxyError(
+            f"{upstream.url} recomputes every restored state of this sliding-window model (it reused {reused} of "
+            f"{len(tokens)} restored tokens): start llama-server with --swa-full"
+        )
+
+
 def fingerprint(info: UpstreamInfo, facts: ModelFacts | None) -> tuple[str, dict[str, str]]:
     """What makes a slot state loadable by a server: the model file (its digest when the proxy can
     read it, else what llama-server says of it), the llama-server build and the slot layout.
@@ -283,11 +311,9 @@ async def _serve(
         model_path = args.model or infos[0].model_path
         facts = read_model_facts(model_path) if model_path and os.path.isfile(model_path) else None
         if facts and facts.kind == "swa" and managed is None:
-            log.warning(
-                "%s has a sliding window: unless llama-server runs with --swa-full, it recomputes every restored "
-                'state (sippcache_proxy_prompt_tokens{how="reused"} shows what it really reused)',
-                os.path.basename(model_path),
-            )
+            for upstream, info in zip(upstreams, infos, strict=True):
+                if not info.n_ctx or info.n_ctx > facts.n_swa + 64:  # a window shorter than a slot
+                    await check_extends_restores(upstream, staging, facts.n_swa, info.n_ctx)
         digest, described = fingerprint(infos[0], facts)
         store = SlotStore(
             cache,
