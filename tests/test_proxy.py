@@ -472,3 +472,16 @@ def test_attach_to_a_sliding_window_server_checks_it_extends_restores(
         with pytest.raises(AssertionError, match="start llama-server with --swa-full"):
             procs(args)
     assert not list(slots.iterdir())  # the check's slot file removed
+
+
+def test_a_request_for_several_choices_gets_them_all(procs: Any, model: Path, tmp_path: Path) -> None:
+    """n > 1: llama-server runs the extra choices in slots of its own choosing; the proxy relays them
+    all (and stops believing it knows what its other slots hold)."""
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    proxy = procs(managed(model, f"lmdb://{tmp_path}/store", parallel=2))
+    messages = conversation("which ship passed first?")
+    cold = chat(reference.url, messages, cache_prompt=False)[0]
+    status, _, data = proxy.post("/v1/chat/completions", {"messages": messages, "n": 2, **GREEDY})
+    assert status == 200, data
+    assert [c["message"]["content"] for c in data["choices"]] == [cold, cold]
+    assert chat(proxy.url, messages)[0] == cold  # and the next request is served as before

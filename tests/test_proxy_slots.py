@@ -88,3 +88,17 @@ def test_what_llama_server_can_reuse_of_a_state() -> None:
     assert reusable(stored=80, common=50, prompt=100, can_cut=False) == 0  # a recurrent state cannot be cut
     assert reusable(stored=80, common=80, prompt=100, can_cut=False) == 80  # extended at exactly its length
     assert reusable(stored=100, common=100, prompt=100, can_cut=False) == 0  # llama-server must evaluate one
+
+
+def test_forgetting_a_servers_idle_slots_keeps_the_busy_ones_and_other_servers() -> None:
+    async def scenario() -> None:
+        table = SlotTable([2, 1])
+        busy, _ = await table.acquire([1, 2, 3], "")
+        busy.tokens = (1, 2, 3)
+        idle = next(s for s in table.slots if s.server == busy.server and s is not busy)
+        other = next(s for s in table.slots if s.server != busy.server)
+        idle.tokens, other.tokens = (4, 5), (6, 7)
+        await table.forget_idle(busy.server)
+        assert (busy.tokens, idle.tokens, other.tokens) == ((1, 2, 3), (), (6, 7))
+
+    run(scenario())

@@ -192,7 +192,14 @@ class Proxy:
             await self.slots.release(slot)
             raise
         prompt = len(tokens or ())
-        return _RelayResponse(answer, stream, strip, lambda relay: self._finish(slot, how, relay, prompt, flight))
+        fanned = isinstance(payload.get("n"), int) and payload["n"] > 1  # child tasks ran in other slots
+
+        async def done(relay: _Relay) -> None:
+            if fanned:  # while this request's own slot is still busy: its belief is kept
+                await self.slots.forget_idle(slot.server)
+            await self._finish(slot, how, relay, prompt, flight)
+
+        return _RelayResponse(answer, stream, strip, done)
 
     async def _prompt_tokens(self, how: str, payload: dict[str, Any]) -> list[int] | None:
         """The prompt's tokens as llama-server will see them; None for a request that has no single prompt."""

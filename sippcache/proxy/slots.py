@@ -140,6 +140,14 @@ class SlotTable:
                     slot.tokens, slot.origin = (), None
             self._freed.notify_all()
 
+    async def forget_idle(self, server: int) -> None:
+        """Drop what the proxy believes a server's idle slots hold: llama-server ran the child tasks
+        of a request with ``n`` > 1 in slots of its own choosing."""
+        async with self._freed:
+            for slot in self.slots:
+                if slot.server == server and not slot.busy:
+                    slot.tokens, slot.origin = (), None
+
     @property
     def waiting(self) -> int:
         return self._waiting
