@@ -6,12 +6,13 @@ real gemma-3-270m (iSWA) when its PyPI package is installed. For each, in one ru
 
 1. Time to first token (TTFT) in a new process, the demo's path: `sippcache.llama.Llama`
    and `PrefixCache` on LMDB, `prefill` then `sample`. A cold process on an empty store,
-   then a new process on the store the first one left (`--runs` pairs, medians; model
-   loading is not timed). `LlamaRAMCache` keeps its entries in the memory of the process
-   that made them: a new process starts with it empty, so there its warm TTFT is its cold
-   one. What it does in process is measured instead: `create_completion(max_tokens=1)` on
-   a fresh `llama_cpp.Llama`, then on another fresh `Llama` given the same cache object
-   (TTFT up to the first token sampled, not the state it saves afterwards).
+   then a new process on the store the first one left (medians of `--runs` pairs on each
+   tiny model, `--gemma-runs` on gemma; model loading is not timed). `LlamaRAMCache` keeps
+   its entries in the memory of the process that made them: a new process starts with it
+   empty, so there its warm TTFT is its cold one. What it does in process is measured
+   instead: `create_completion(max_tokens=1)` on a fresh `llama_cpp.Llama`, then on another
+   fresh `Llama` given the same cache object (TTFT up to the first token sampled, not the
+   state it saves afterwards).
 2. Tokens reused on a 3-turn conversation: each turn's prompt is the conversation so far
    (the previous prompt and the answer the model gave, as tokens) and a new question;
    every turn runs on a fresh `Llama` (a context that holds nothing, as after a restart or
@@ -20,13 +21,16 @@ real gemma-3-270m (iSWA) when its PyPI package is installed. For each, in one ru
    Reuse is counted from what llama.cpp did not evaluate (`llama_perf_context`: the prompt
    tokens its decode calls took), never from what a cache handed over.
 
-Goals (PASS/FAIL, exit code 1 if one fails), on every kind: sippcache's warm new-process
-TTFT beats cold, evaluates at most one prompt token, and samples the first token the cold
-process sampled; sippcache's turns 2 and 3 reuse at least the previous turn's prompt (minus
-`MARGIN` tokens); and sippcache reuses no fewer tokens than `LlamaRAMCache` on any turn.
+Goals (PASS/FAIL, exit code 1 if one fails), on every kind: sippcache's warm new process
+reaches its first token at least `MIN_SPEEDUP` times sooner than the cold one, evaluates at
+most one prompt token and samples the first token the cold process sampled; sippcache's
+turns 2 and 3 reuse at least the previous turn's prompt (minus `MARGIN` tokens); and
+sippcache reuses no smaller share of any turn's prompt than `LlamaRAMCache`. The answers
+are compared with the no-cache run's, token for token, and reported, not a goal: a
+restored state's batch split differs from a cold one's, so a near-tie may go the other way.
 
     python benchmarks/families.py [--kinds attention,swa,recurrent,hybrid,gemma] [--tokens 2000]
-                                  [--runs 3] [--json]
+                                  [--runs 5] [--gemma-runs 3] [--json]
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ N_CTX = 4096
 #: Tokens the model answers each turn with (greedy; fewer if it ends its answer, more if the
 #: text would end inside a UTF-8 character: see `timed_completion`).
 ANSWER_TOKENS = 16
+#: The warm new process's TTFT against the cold one's. "Faster at all" is not enough: with the
+#: cache's reads turned off, noise alone made a warm process 1.1x faster on the tiny model.
+MIN_SPEEDUP = 5.0
 #: A warm turn may evaluate this many tokens of the previous turn's prompt again and still pass.
 MARGIN = 1
 QUESTIONS = (
@@ -288,7 +295,9 @@ def goals_of(row: Result) -> dict[str, bool]:
         return float(turns["reused"][k] / turns["prompt_tokens"][k])
 
     return {
-        f"{kind}: sippcache's warm new-process TTFT beats cold": sipp["warm_s"] < sipp["cold_s"],
+        f"{kind}: sippcache's warm new-process TTFT >= {MIN_SPEEDUP:g}x faster than cold": (
+            sipp["cold_s"] >= MIN_SPEEDUP * sipp["warm_s"]
+        ),
         f"{kind}: warm new process evaluates at most 1 prompt token, same first token as cold": (
             sipp["warm_evaluated"] <= 1 and sipp["same_first_token"]
         ),
@@ -372,7 +381,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     parser.add_argument("--tokens", type=int, default=2000, help="prompt length of turn 1 (default 2,000)")
-    parser.add_argument("--runs", type=int, default=3, help="cold/warm process pairs per kind (default 3)")
+    parser.add_argument("--runs", type=int, default=5, help="cold/warm process pairs per tiny model (default 5)")
+    parser.add_argument("--gemma-runs", type=int, default=3, help="cold/warm process pairs on gemma (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--child", nargs=4, metavar=("WHAT", "MODEL", "URL", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -386,7 +396,10 @@ def main() -> int:
         parser.error(f"unknown kinds: {', '.join(sorted(unknown))}")
     with tempfile.TemporaryDirectory() as tmp:
         paths = model_paths(kinds, Path(tmp))
-        rows = [measure(kind, path, args.tokens, args.runs) for kind, path in paths.items()]
+        rows = [
+            measure(kind, path, args.tokens, args.gemma_runs if kind == "gemma" else args.runs)
+            for kind, path in paths.items()
+        ]
     goals = {goal: ok for row in rows for goal, ok in goals_of(row).items()}
     if args.json:
         print(json.dumps({"rows": rows, "goals": goals}))
