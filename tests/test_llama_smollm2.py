@@ -33,13 +33,13 @@ DOCUMENT = (
 
 @pytest.fixture(scope="module")
 def tokens(smollm2_model: Path) -> list[int]:
-    """About 2,000 tokens of text that never repeats itself (so prefixes are unambiguous)."""
+    """About 1,400 tokens of text that never repeats itself (so prefixes are unambiguous)."""
     words = DOCUMENT.split()
-    text = " ".join(f"{words[i % len(words)]}-{i}" for i in range(700))
+    text = " ".join(f"{words[i % len(words)]}-{i}" for i in range(500))
     llm = llama_cpp.Llama(model_path=str(smollm2_model), n_ctx=N_CTX, vocab_only=True, verbose=False)
     ids = llm.tokenize(text.encode())
     llm.close()
-    assert len(ids) > 1500
+    assert len(ids) > 1100
     return ids
 
 
@@ -61,26 +61,26 @@ def test_a_full_attention_llama_with_a_chat_template_of_its_own(smollm2_model: P
 def test_restart_in_another_process(smollm2_model: Path, make_llama, tokens, tmp_path) -> None:
     """A new process restores the prompt another one stored: it evaluates one token, and the
     logits are the never-cached ones with the same batch split, bit for bit."""
-    prompt = tokens[:1200]
+    prompt = tokens[:800]
     whole, split = reference_logits(make_llama, smollm2_model, prompt, n_ctx=N_CTX)
     url = f"lmdb://{tmp_path}/cache"
-    assert prefill_in_new_process(smollm2_model, url, prompt, n_ctx=N_CTX)[::2] == (0, 1200)
+    assert prefill_in_new_process(smollm2_model, url, prompt, n_ctx=N_CTX)[::2] == (0, 800)
     reused, logits, evaluated = prefill_in_new_process(smollm2_model, url, prompt, n_ctx=N_CTX)
-    assert (reused, evaluated) == (1199, 1)
+    assert (reused, evaluated) == (799, 1)
     np.testing.assert_array_equal(logits, split)
     assert np.argmax(logits) == np.argmax(whole)
 
 
 def test_extension_and_divergence_after_a_restart(smollm2_model: Path, make_llama, tokens, tmp_path) -> None:
     """Full attention can be cut back anywhere: a new `Llama` on the same store restores what
-    a longer prompt shares with the stored entry (its first 999 tokens: an entry holds the
-    state before a prompt's last token), and what one that parts from it at 700 shares (the
+    a longer prompt shares with the stored entry (its first 599 tokens: an entry holds the
+    state before a prompt's last token), and what one that parts from it at 400 shares (the
     entry cut back); the logits are the never-cached ones split where the restore ends."""
     url = f"lmdb://{tmp_path}/cache"
-    stored = tokens[:1000]
+    stored = tokens[:600]
     with PrefixCache(make_llama(smollm2_model, n_ctx=N_CTX), url) as pc:
         assert pc.prefill(stored) == 0
-    for prompt, shared in ((tokens[:1400], 999), (tokens[:700] + tokens[1500:1800], 700)):
+    for prompt, shared in ((tokens[:800], 599), (tokens[:400] + tokens[900:1100], 400)):
         llm = make_llama(smollm2_model, n_ctx=N_CTX)
         with PrefixCache(llm, url) as pc:
             assert pc.prefill(prompt) == shared
