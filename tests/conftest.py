@@ -1,4 +1,4 @@
-"""Shared fixtures: real llama.cpp models (a generated tiny one, and gemma-3-270m)."""
+"""Shared fixtures: real llama.cpp models (a generated tiny one, gemma-3-270m and SmolLM2-135M)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,13 @@ def gemma_model() -> Path:
     from sippcache.demo.model import gemma_model_path
 
     return gemma_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    from sippcache.demo.model import smollm2_model_path
+
+    return smollm2_model_path()
 
 
 @pytest.fixture

