@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from sippcache.demo.model import GEMMA_FILE_NAME, assemble_model, gemma_model_path, partial_path
-from tests.bounded import finish, kill, read_line
+from sippcache.testing.bounded import finish, kill, read_line
 
 _ASSEMBLE = "import sys; from pathlib import Path; from sippcache.demo.model import gemma_model_path; "
 
