@@ -26,7 +26,7 @@ from sippcache.demo.model import (
     partial_path,
     smollm2_model_path,
 )
-from tests.bounded import finish, kill, read_line
+from sippcache.testing.bounded import finish, kill, read_line
 
 _ASSEMBLE = "import sys; from pathlib import Path; from sippcache.demo.model import gemma_model_path; "
 

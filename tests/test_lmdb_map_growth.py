@@ -25,7 +25,7 @@ import pytest
 import sippcache
 from sippcache import CacheBackend
 from sippcache.errors import SippcacheError
-from tests.bounded import BOUND, finish, read_line
+from sippcache.testing.bounded import BOUND, finish, read_line
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -32,7 +32,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.bounded import join_all
+from sippcache.testing.bounded import join_all
 from tests.servers import (
     QUESTIONS,
     Conversation,

@@ -23,7 +23,7 @@ import pytest
 import sippcache
 from sippcache.base import BaseBackend
 from sippcache.errors import NoStore, ReadOnlyStore
-from tests.bounded import wait_forked
+from sippcache.testing.bounded import wait_forked
 
 SCHEMES = ["lmdb", "diskcache"]
 STORE_FILE = {"lmdb": "data.mdb", "diskcache": "cache.db"}

@@ -22,6 +22,9 @@ alone, with a `cache_url`, runs a subset: ``class TestMyPrefixes(PrefixTests)``.
 The suite opens stores through `sippcache.open`, so the URL scheme, the
 entry point and the shared options (`max_bytes`, `max_entries`) are tested
 too. Needs pytest (and numpy for the array-type test).
+
+Every wait in the suite is bounded (a hang is never a test result): the helpers,
+for a backend's own tests too, are in `sippcache.testing.bounded`.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import textwrap
 import sippcache
 from sippcache import CacheBackend
 
+from .bounded import finish_all
 from .fixtures import BackendFixtures, blob_of
 
 _CHILD = textwrap.dedent(
@@ -37,16 +38,10 @@ def run_in_child(url: str, action: str, first: int, count: int) -> subprocess.Po
 
 
 def _wait(*children: subprocess.Popen[bytes]) -> None:
-    """Every child ended, and ended well. One still running after 120 s (a deadlock) fails
-    the test, and every child is killed: a hang is never a result."""
-    for child in children:
-        try:
-            code = child.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            for other in children:
-                other.kill()
-                other.wait(timeout=60)  # SIGKILL: at once
-            raise AssertionError(f"child process {child.pid} still running after 120 s; killed it") from None
+    """Every child ended, and ended well. One still running after `BOUND` seconds (a
+    deadlock) fails the test, and every child is killed: a hang is never a result."""
+    codes = finish_all(children, "store or delete its keys and exit")
+    for child, code in zip(children, codes, strict=True):
         assert code == 0, f"child process {child.pid} exited with {code}"
 
 

@@ -7,6 +7,7 @@ import threading
 
 from sippcache import CacheBackend
 
+from .bounded import join_all
 from .fixtures import BackendFixtures
 
 
@@ -36,8 +37,6 @@ class ThreadTests(BackendFixtures):
         threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in range(8)]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-        assert not any(thread.is_alive() for thread in threads), "deadlock"
+        join_all(threads, "8 workers storing, looking up and deleting on one handle: a deadlock")
         assert not errors, errors
         assert 0 < len(cache) <= 8 * 80

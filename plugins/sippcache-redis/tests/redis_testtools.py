@@ -1,67 +1,9 @@
-"""Fault injection and bounded waits for the plugin's tests (imported by name: this folder is
-on sys.path)."""
+"""Fault injection for the plugin's tests (imported by name: this folder is on sys.path). The
+bounded waits are sippcache.testing.bounded's."""
 
 from __future__ import annotations
 
 from typing import Any
-
-#: Seconds a test waits for a child process that should be done in a few; past it, the
-#: child is killed and the test fails saying what it waited for (a hang is never a result).
-BOUND = 120.0
-
-
-def wait_forked(pid: int, what: str, seconds: float = BOUND) -> int:
-    """The exit code of the forked child `pid`; SIGKILL it and fail if it still runs after `seconds`."""
-    import os
-    import signal
-    import time
-
-    deadline = time.monotonic() + seconds
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)  # SIGKILL cannot be caught or ignored: it is gone at once
-            raise AssertionError(f"forked child {pid} still running after {seconds:g} s (expected: {what}); killed it")
-        time.sleep(0.01)
-
-
-def read_line(process: Any, what: str, seconds: float = BOUND) -> str:
-    """The next line of `process`'s stdout (a text pipe); kill it and fail if none comes
-    within `seconds`. The read runs in a daemon thread, which ends when the pipe closes."""
-    import queue
-    import threading
-
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: lines.put(process.stdout.readline()), daemon=True).start()
-    try:
-        return lines.get(timeout=seconds)
-    except queue.Empty:
-        process.kill()
-        process.wait(timeout=60)  # SIGKILL: at once
-        raise AssertionError(
-            f"process {process.pid} wrote no line in {seconds:g} s (expected: {what}); killed it"
-        ) from None
-
-
-def finish_all(processes: list[Any], seconds: float = BOUND) -> list[int]:
-    """Every process's exit code; if one still runs after `seconds` in all, kill them all and fail."""
-    import subprocess
-    import time
-
-    deadline = time.monotonic() + seconds
-    codes = []
-    for process in processes:
-        try:
-            codes.append(process.wait(timeout=max(0.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-                other.wait(timeout=60)  # SIGKILL: at once
-            raise AssertionError(f"process {process.pid} still running after {seconds:g} s; killed them all") from None
-    return codes
 
 
 class Proxy:

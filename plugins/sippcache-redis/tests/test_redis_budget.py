@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 
-from redis_testtools import wait_forked
 from sippcache_redis.backend import DEFAULT_MAX_BYTES
 from sippcache_redis.servers import ValkeyServer
 
 import sippcache
+from sippcache.testing.bounded import wait_forked
 
 
 def fill(cache: sippcache.CacheBackend, first: int, count: int) -> None:

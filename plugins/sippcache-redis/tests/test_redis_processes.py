@@ -10,10 +10,10 @@ import sys
 import textwrap
 import time
 
-from redis_testtools import BOUND, finish_all, read_line
 from sippcache_redis.servers import ValkeyCluster, ValkeyServer
 
 import sippcache
+from sippcache.testing.bounded import BOUND, finish_all, read_line
 
 _WORKER = textwrap.dedent(
     """
@@ -45,12 +45,13 @@ class Worker:
         assert self.process.stdin is not None and self.process.stdout is not None
         self.process.stdin.write(line + "\n")
         self.process.stdin.flush()
-        return read_line(self.process, f"the answer to {line!r}").strip()  # once the call has returned there
+        answer = read_line(self.process, self.process.stdout, f"the answer to {line!r}")
+        return answer.strip()  # once the call has returned there
 
     def close(self) -> None:
         assert self.process.stdin is not None
         self.process.stdin.close()
-        assert finish_all([self.process]) == [0]
+        assert finish_all([self.process], "exit once its stdin ends") == [0]
 
 
 def _check_visibility(url: str) -> None:
@@ -106,7 +107,7 @@ def test_two_writers_of_one_key_keep_the_newest_generation(valkey_server: Valkey
             if match is not None:  # always a whole blob
                 g = int(bytes(match.blob[:5]))
                 assert bytes(match.blob) == (b"%05d" % g) * (300 + g)
-        assert finish_all(writers) == [0, 0]
+        assert finish_all(writers, "store their 200 generations of one key and exit") == [0, 0]
         entry = next(iter(cache.entries()))
         assert entry.generation == 399
         assert bytes(cache.lookup([1, 2, 3]).blob) == b"00399" * 699
@@ -133,7 +134,7 @@ def test_a_budget_holds_across_concurrent_writers(valkey_server: ValkeyServer, p
         while any(f.poll() is None for f in fillers) and time.monotonic() < deadline:
             assert cache.stats().bytes <= 200_000
             cache.lookup([rng.randrange(3) * 1000 + rng.randrange(60)] * 2)
-        assert finish_all(fillers) == [0, 0, 0]
+        assert finish_all(fillers, "store their 60 entries and exit") == [0, 0, 0]
         stats = cache.stats()
         assert stats.bytes <= 200_000 and 15 <= stats.entries <= 20
         # Evicted entries' chunks are gone from the server too.

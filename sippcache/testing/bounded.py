@@ -1,10 +1,28 @@
-"""Bounded waits: a test waiting on a child process, one of its pipes or a thread gives up
-after a bound, kills the child it waited for and fails saying what it waited for.
+"""Bounded waits, for the conformance suite and any backend's own tests: a test waiting on
+a child process, one of its pipes or a thread gives up after a bound, kills the child it
+waited for and fails saying what it waited for.
 
 A hang is never a test result. Started from a background job (SIGINT ignored, no
-stdin), the suite once waited 13 minutes on a child that could not die of the signal
-the test sent (issue 24); with these, such a child is a failure with a message. The
-bounds only turn a hang into a failure: nothing here asserts a speed.
+stdin), sippcache's suite once waited 13 minutes on a child that could not die of the
+signal the test sent (issue 24); with these, such a child is a failure with a message.
+The bounds only turn a hang into a failure: nothing here asserts a speed.
+
+Every helper takes `what`, the thing the test waited for, named in the failure, and
+`seconds`, the bound (`BOUND` unless given)::
+
+    from sippcache.testing.bounded import finish, read_line
+
+    child = subprocess.Popen([...], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert read_line(child, child.stdout, 'its first line ("ready")') == "ready\\n"
+    stdout, stderr = finish(child, "exit once its input ends")
+
+- `kill`: kill a child if it still runs, and reap it.
+- `finish`: wait for a child to exit, reading the rest of its pipes.
+- `finish_all`: wait for several children to exit; an overrun kills them all.
+- `wait_forked`: wait for a child made with ``os.fork()``.
+- `read_line`: read the next line of a child's pipe.
+- `join_all`: join threads (daemon threads, so one left running cannot keep the test
+  process from exiting).
 """
 
 from __future__ import annotations
@@ -17,6 +35,8 @@ import threading
 import time
 from collections.abc import Iterable
 from typing import IO, Any, AnyStr
+
+__all__ = ["BOUND", "finish", "finish_all", "join_all", "kill", "read_line", "wait_forked"]
 
 #: Seconds a test waits for a child or a thread that should be done in a few: generous,
 #: for a loaded machine.
@@ -58,6 +78,28 @@ def finish(child: subprocess.Popen[Any], what: str, seconds: float = BOUND) -> t
             f"process {child.pid} still running after {seconds:g} s (expected: {what}); killed it. "
             f"Its stderr ends:\n{_tail(stderr)}"
         ) from None
+
+
+def finish_all(children: Iterable[subprocess.Popen[Any]], what: str, seconds: float = BOUND) -> list[int]:
+    """Every child's exit code, in order, once all have exited (`seconds` in all). If one
+    still runs then, kill every child and fail saying `what` they were expected to do.
+
+    It waits without reading the children's pipes: a child with ``stdout=PIPE`` that
+    writes more than a pipe holds needs `finish`."""
+    children = list(children)
+    deadline = time.monotonic() + seconds
+    codes = []
+    for child in children:
+        try:
+            codes.append(child.wait(timeout=max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for other in children:
+                kill(other)
+            raise AssertionError(
+                f"process {child.pid} still running after {seconds:g} s (expected: {what}); "
+                f"killed {'it' if len(children) == 1 else f'all {len(children)}'}"
+            ) from None
+    return codes
 
 
 def wait_forked(pid: int, what: str, seconds: float = BOUND) -> int:
