@@ -30,6 +30,10 @@ from tests.tinymodel import ARCHITECTURES, N_SWA, write_tiny_model
 KINDS = tuple(ARCHITECTURES)
 #: Logits of a batched step against a sequence alone: float32 rounding of other batch shapes.
 TINY_TOLERANCE = 1e-3
+#: The same in a pool that loads the model (flash attention on, its default), where two
+#: sessions batched together are compared with one alone (measured: at most 6.7e-3, under
+#: 1e-3 with flash attention off).
+POOL_BATCHED_TOLERANCE = 2e-2
 #: A restored sliding-window state against a live one: the window's cells land elsewhere
 #: in the KV buffer, so attention sums in another order (measured: at most 1.5e-6).
 SWA_RESTORE_TOLERANCE = 1e-5
@@ -266,7 +270,7 @@ def test_session_pool_shares_a_prefix_between_slots(kind, model) -> None:
             alone = solo.generate({session: tokens}, max_tokens=4, logits=True)[session]
         assert both[session].tokens == alone.tokens
         for row, expected in zip(both[session].logits, alone.logits, strict=True):  # type: ignore[arg-type]
-            np.testing.assert_allclose(row, expected, atol=TINY_TOLERANCE)
+            np.testing.assert_allclose(row, expected, atol=POOL_BATCHED_TOLERANCE)
 
 
 def test_serve_parallel_repeats_in_a_new_server(servers, kind, model, tmp_path) -> None:

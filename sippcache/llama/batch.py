@@ -182,6 +182,8 @@ class BatchEngine:
             params = llama_cpp.llama_context_params.from_buffer_copy(llm.context_params)
             params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx, slots, True
             params.n_batch = params.n_ubatch = min(n_batch, n_ctx)
+            #: The parameters the context was made with (flash attention, swa_full, ...).
+            self.params = params
             self._ctx = llama_cpp.llama_init_from_model(llm.model, params)
             if self._ctx is None:
                 raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} tokens for {slots} sequences")

@@ -30,7 +30,9 @@ sliding-window rule, checkpoints, stored logits, generations, and backend
 errors that cost speed, never a wrong answer or an exception. The context
 copies the `Llama`'s own parameters with one unified KV buffer, so a slot's
 states are exactly those of a single-sequence context: they move between
-slots, `PrefixCache` users and other processes.
+slots, `PrefixCache` users of a `Llama` with the same parameters, and other
+processes. A pool that loads the model turns flash attention on unless told
+otherwise (`LOADED_DEFAULTS`, and why).
 """
 
 from __future__ import annotations
@@ -57,6 +59,18 @@ from .seqcache import SequenceCache, check_prompt
 
 #: Tokens of history the repetition penalties look at (llama-cpp-python's `last_n_tokens_size`).
 PENALTY_LAST_N = 64
+
+#: llama options a pool that loads the model itself uses unless given others (as
+#: ``sippcache serve --parallel`` does). Flash attention: every resident session's cells
+#: share one KV buffer, and without it llama.cpp's CPU kernels compute each token's
+#: attention over all of them (and, in the sliding-window layers, over the whole
+#: full-size SWA cache) and mask the result; with it they skip the masked cells, so a
+#: step costs what its own session's cells cost, and a restored state sums its cells in
+#: the order a live sequence does wherever it lands in the buffer (docs/pool.md, "Slots,
+#: context size and memory": measured on gemma-3-270m). `swa_full` is left at llama.cpp's
+#: default (on): a slot's sequence keeps every position in the sliding-window layers, so
+#: it can be cut back or shared at any length, as a full-attention one can.
+LOADED_DEFAULTS: dict[str, Any] = {"flash_attn": True, "verbose": False}
 
 
 @dataclass
@@ -133,8 +147,14 @@ class SessionPool:
     """Up to `slots` conversations resident in one llama.cpp context, decoded together.
 
     `model` is a GGUF path (loaded here, with `llama_options` passed to
-    `llama_cpp.Llama`) or a `llama_cpp.Llama` whose model (weights) the pool
-    shares. `cache` is a URL, an open `CacheBackend`, or None for
+    `llama_cpp.Llama` over `LOADED_DEFAULTS`: flash attention on, as
+    ``sippcache serve --parallel`` has it, unless ``flash_attn=False`` is given)
+    or a `llama_cpp.Llama` whose model (weights) and context parameters the pool
+    shares as they are (build it with ``flash_attn=True``). The pool's context
+    copies those parameters, and its entries share a namespace with a
+    `PrefixCache` on a `Llama` built with the same ones: a default pool's are not
+    a default `Llama`'s (flash attention off), whose states llama.cpp cannot load
+    (another V layout). `cache` is a URL, an open `CacheBackend`, or None for
     `sippcache.open()`'s default. `n_ctx` is the KV buffer all live sessions
     share (default: 2,048 tokens per slot); one session's prompt plus its
     `max_tokens` must fit in it. `options` (`CacheOptions`) are `PrefixCache`'s;
@@ -171,9 +191,8 @@ class SessionPool:
             self._owns_llm, self.llm = False, model
         else:  # a small context of its own: the pool's context is the engine's
             self._owns_llm = True
-            self.llm = llama_cpp.Llama(
-                model_path=os.fspath(model), n_ctx=n_batch, n_batch=n_batch, verbose=False, **llama_options
-            )
+            options_here = {**LOADED_DEFAULTS, **llama_options}
+            self.llm = llama_cpp.Llama(model_path=os.fspath(model), n_ctx=n_batch, n_batch=n_batch, **options_here)
         self._engine: BatchEngine | None = None
         try:
             self.fingerprint = llama_fingerprint(self.llm)  # the engine's context has the same K/V types and kernels
