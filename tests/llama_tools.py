@@ -18,6 +18,29 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: The text `unique_text_tokens` numbers word by word: a keeper's log.
+LOG_TEXT = (
+    "The lighthouse keeper kept a log of every ship that passed the northern cape. "
+    "Each entry named the vessel, its flag, the hour, the weather and the state of the sea. "
+    "Over forty years the log grew to eleven volumes, and historians now read it to learn "
+    "how trade moved along the coast before the railway arrived. "
+)
+
+
+def unique_text_tokens(model: Path, words: int, at_least: int) -> list[int]:
+    """The tokens of `words` words of text that never repeats itself (each word numbered), so
+    prefixes are unambiguous; at least `at_least` of them."""
+    import llama_cpp
+
+    vocabulary = LOG_TEXT.split()
+    text = " ".join(f"{vocabulary[i % len(vocabulary)]}-{i}" for i in range(words))
+    llm = llama_cpp.Llama(model_path=str(model), n_ctx=512, vocab_only=True, verbose=False)
+    ids = llm.tokenize(text.encode())
+    llm.close()
+    assert len(ids) > at_least, (len(ids), at_least)
+    return ids
+
+
 def last_logits(llm: object) -> np.ndarray:
     """A copy of the logits of the last evaluated token, read from the llama context."""
     import llama_cpp

@@ -13,29 +13,18 @@ import pytest
 from sippcache.llama import CHECKPOINT_ALIGNMENT, LlamaCache, PrefixCache, layout, states
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama.seqcache import SequenceCache
-from tests.llama_tools import last_logits, prefill_in_new_process, reference_logits
+from tests.llama_tools import LOG_TEXT, last_logits, prefill_in_new_process, reference_logits, unique_text_tokens
 
 pytestmark = pytest.mark.gemma
 
 N_CTX = 4096
-DOCUMENT = (
-    "The lighthouse keeper kept a log of every ship that passed the northern cape. "
-    "Each entry named the vessel, its flag, the hour, the weather and the state of the sea. "
-    "Over forty years the log grew to eleven volumes, and historians now read it to learn "
-    "how trade moved along the coast before the railway arrived. "
-)
+DOCUMENT = LOG_TEXT
 
 
 @pytest.fixture(scope="module")
 def tokens(gemma_model: Path) -> list[int]:
     """About 3,000 tokens of text that never repeats itself (so prefixes are unambiguous)."""
-    words = DOCUMENT.split()
-    text = " ".join(f"{words[i % len(words)]}-{i}" for i in range(1500))
-    llm = llama_cpp.Llama(model_path=str(gemma_model), n_ctx=N_CTX, vocab_only=True, verbose=False)
-    ids = llm.tokenize(text.encode())
-    llm.close()
-    assert len(ids) > 2200
-    return ids
+    return unique_text_tokens(gemma_model, 1500, at_least=2200)
 
 
 def test_sliding_window_model(gemma_model: Path, make_llama) -> None:

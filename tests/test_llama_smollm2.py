@@ -19,28 +19,18 @@ import pytest
 
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama import LlamaCache, PrefixCache, states
-from tests.llama_tools import last_logits, prefill_in_new_process, reference_logits
+from tests.llama_tools import last_logits, prefill_in_new_process, reference_logits, unique_text_tokens
 from tests.servers import QUESTIONS, SYSTEM, served_args
 
 pytestmark = pytest.mark.smollm2
 
 N_CTX = 4096
-DOCUMENT = (
-    "The lighthouse keeper kept a log of every ship that passed the northern cape. "
-    "Each entry named the vessel, its flag, the hour, the weather and the state of the sea. "
-)
 
 
 @pytest.fixture(scope="module")
 def tokens(smollm2_model: Path) -> list[int]:
     """About 1,400 tokens of text that never repeats itself (so prefixes are unambiguous)."""
-    words = DOCUMENT.split()
-    text = " ".join(f"{words[i % len(words)]}-{i}" for i in range(500))
-    llm = llama_cpp.Llama(model_path=str(smollm2_model), n_ctx=N_CTX, vocab_only=True, verbose=False)
-    ids = llm.tokenize(text.encode())
-    llm.close()
-    assert len(ids) > 1100
-    return ids
+    return unique_text_tokens(smollm2_model, 500, at_least=1100)
 
 
 def chatml(messages: list[dict[str, str]]) -> str:
