@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import sippcache
+from sippcache.testing.bounded import join_all
 from tests.proxy_tools import LlamaServer, ProxyServer, metric, settle
 
 SYSTEM = (
@@ -115,6 +116,21 @@ def _text(data: dict[str, Any]) -> str:
     return str(choice.get("text") or "")
 
 
+def chats_at_once(url: str, chats: list[list[dict[str, str]]]) -> list[tuple[str, int, dict[str, Any]]]:
+    """Send every chat at once, each from its own thread; each one's `chat()` result."""
+    results: list[Any] = [None] * len(chats)
+
+    def run(i: int) -> None:
+        results[i] = chat(url, chats[i])
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(chats))]
+    for t in threads:
+        t.start()
+    join_all(threads, "the chats sent at once", seconds=600)
+    assert all(r is not None for r in results), "a chat sent at once failed"
+    return results
+
+
 def conversation(question: str, name: str = "A") -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{name}: {question}"}]
 
@@ -211,17 +227,7 @@ def test_two_upstreams_behind_one_proxy_move_a_conversation_warm(procs: Any, mod
     settle(proxy)
     # Two requests at once: the one that finds the first conversation's slot busy runs on the other server,
     # restored from the store.
-    results: list[Any] = [None, None]
-
-    def ask(i: int) -> None:
-        results[i] = chat(proxy.url, conversation("what was the weather?", f"client {i}"))
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    assert all(r is not None for r in results), "a request did not finish in 600 s"
+    results = chats_at_once(proxy.url, [conversation("what was the weather?", f"client {i}") for i in range(2)])
     assert all(r[2]["cache_n"] >= len(SYSTEM) - 20 for r in results), results
     assert metric(proxy, "sippcache_proxy_requests_total", upstream=a.url) >= 1
     assert metric(proxy, "sippcache_proxy_requests_total", upstream=b.url) >= 1
@@ -235,17 +241,7 @@ def test_concurrent_clients_each_get_their_solo_answer(procs: Any, model: Path, 
     proxy = procs(managed(model, f"lmdb://{tmp_path}/store", parallel=4))
     chats = [[*conversation(f"question {i}?", f"client {i}")] for i in range(6)]
     solo = [chat(reference.url, c, cache_prompt=False)[0] for c in chats]
-    answers: list[str | None] = [None] * len(chats)
-
-    def run(i: int) -> None:
-        answers[i] = chat(proxy.url, chats[i])[0]
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(chats))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    assert answers == solo
+    assert [r[0] for r in chats_at_once(proxy.url, chats)] == solo
 
 
 def test_a_burst_over_a_new_system_prompt_computes_it_once(procs: Any, model: Path, tmp_path: Path) -> None:
@@ -253,17 +249,7 @@ def test_a_burst_over_a_new_system_prompt_computes_it_once(procs: Any, model: Pa
     proxy = procs(managed(model, f"lmdb://{tmp_path}/store", parallel=4))
     chats = [conversation(f"question {i}?", f"client {i}") for i in range(4)]
     solo = [chat(reference.url, c, cache_prompt=False) for c in chats]
-    results: list[Any] = [None] * len(chats)
-
-    def run(i: int) -> None:
-        results[i] = chat(proxy.url, chats[i])
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(chats))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    assert all(r is not None for r in results), "a request did not finish in 600 s"
+    results = chats_at_once(proxy.url, chats)
     assert [r[0] for r in results] == [s[0] for s in solo]
     whole = max(s[2]["prompt_n"] for s in solo)  # one conversation's prompt, all computed
     computed = sum(r[2]["prompt_n"] for r in results)  # llama-server's own counts

@@ -154,7 +154,7 @@ class Proxy:
         except (UpstreamDown, NoServer):
             return _unavailable("no llama-server is reachable")
         scope = request.headers.get(SCOPE_HEADER, self.scope)
-        cached = tokens is not None and payload.get("cache_prompt", True) is not False
+        cached = payload.get("cache_prompt", True) is not False
         flight = await self._take_off(tokens, scope) if cached and tokens and self.store.can_cut else None
         try:
             slot, held = await self.slots.acquire(tokens or (), scope)

@@ -87,22 +87,27 @@ class SlotTable:
     def busy(self, server: int) -> int:
         return sum(1 for s in self.slots if s.server == server and s.busy)
 
+    def _idle(self) -> list[Slot]:
+        return [s for s in self.slots if not s.busy and s.server not in self.down]
+
     def _pick(self, tokens: Sequence[int], scope: str) -> tuple[Slot, int] | None:
-        idle = [s for s in self.slots if not s.busy and s.server not in self.down]
+        idle = self._idle()
         if not idle:
             return None
         load = {server: self.busy(server) for server in {s.server for s in idle}}
         return max(
-            ((s, self._held(s, tokens) if s.scope == scope else 0) for s in idle),
+            ((s, self._held(s, tokens, scope)) for s in idle),
             key=lambda pair: (pair[1], -load[pair[0].server], not pair[0].tokens, -pair[0].used),
         )
 
     def held(self, tokens: Sequence[int], scope: str) -> int:
-        """How many of `tokens` the best idle slot of `scope` would give llama-server to reuse."""
-        idle = (s for s in self.slots if not s.busy and s.server not in self.down and s.scope == scope)
-        return max((self._held(s, tokens) for s in idle), default=0)
+        """How many of `tokens` the best idle slot would give llama-server to reuse for `scope`."""
+        return max((self._held(s, tokens, scope) for s in self._idle()), default=0)
 
-    def _held(self, slot: Slot, tokens: Sequence[int]) -> int:
+    def _held(self, slot: Slot, tokens: Sequence[int], scope: str) -> int:
+        """What `slot` gives a prompt of `scope` to reuse: nothing if it holds another scope's state."""
+        if slot.scope != scope:
+            return 0
         return reusable(len(slot.tokens), common_prefix(slot.tokens, tokens), len(tokens), self.can_cut)
 
     async def acquire(self, tokens: Sequence[int], scope: str) -> tuple[Slot, int]:
