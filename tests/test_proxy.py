@@ -400,6 +400,38 @@ def test_a_client_that_hangs_up_frees_its_slot(procs: Any, model: Path, tmp_path
     assert metric(proxy, "sippcache_proxy_requests_total", outcome="ok") == 1
 
 
+def test_a_stream_read_to_its_end_is_stored_however_soon_the_client_leaves(
+    procs: Any, model: Path, tmp_path: Path
+) -> None:
+    """A client that closes its connection the moment it has read ``[DONE]`` (as a short-lived
+    `openai` client does) got the whole answer: the slot's state is stored, every time. (Whether the
+    hang-up lands before the proxy's last send is up to the machine here; test_proxy_relay.py
+    sets that order exactly.)"""
+    import socket
+
+    proxy = procs(managed(model, f"lmdb://{tmp_path}/store"))
+    host, port = proxy.url.removeprefix("http://").split(":")
+    rounds = 6
+    for i in range(rounds):
+        body = json.dumps({"messages": conversation(f"question {i}?", f"client {i}"), "stream": True, **GREEDY})
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        with socket.create_connection((host, int(port)), timeout=600) as sock:
+            sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+            received = b""
+            while b"data: [DONE]" not in received:
+                chunk = sock.recv(65536)
+                assert chunk, f"the stream ended without [DONE]: {received[-300:]!r}"
+                received += chunk
+        # closed here, at once
+    deadline = time.monotonic() + 120
+    while metric(proxy, "sippcache_proxy_requests_total") < rounds:
+        assert time.monotonic() < deadline, "the proxy did not finish every request"
+        time.sleep(0.2)
+    settle(proxy)
+    assert metric(proxy, "sippcache_proxy_requests_total", outcome="ok") == rounds
+    assert metric(proxy, "sippcache_proxy_saves_total") == rounds
+
+
 def test_the_proxy_imports_nothing_from_llama_cpp() -> None:
     import subprocess
     import sys

@@ -425,7 +425,7 @@ class _RelayResponse(Response):
             async for event in events:
                 event = self._read(event)
                 if disconnected.done():
-                    return
+                    return  # the client left mid-answer: llama-server stops when its connection closes
                 if held is not None:
                     held.append(event)
                     if not self.relay.timings:
@@ -433,11 +433,13 @@ class _RelayResponse(Response):
                     await self._start_with_reuse(send, headers)
                     event, held = b"".join(held), None
                 await send({"type": "http.response.body", "body": event, "more_body": True})
+            # llama-server's answer ran to its end, so the slot holds all of it: complete, even if the
+            # client leaves now, having read the last event (a short-lived client closes at [DONE]).
+            self.relay.complete = True
             if held is not None:
                 await self._start_with_reuse(send, headers)
                 await send({"type": "http.response.body", "body": b"".join(held), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-            self.relay.complete = not disconnected.done()
         except httpx.TransportError:
             self.relay.lost = True  # the upstream died mid-stream: the client's stream ends here
         finally:
