@@ -121,13 +121,18 @@ def chats_at_once(url: str, chats: list[list[dict[str, str]]]) -> list[tuple[str
     results: list[Any] = [None] * len(chats)
 
     def run(i: int) -> None:
-        results[i] = chat(url, chats[i])
+        try:
+            results[i] = chat(url, chats[i])
+        except Exception as exc:  # raised below, on the test's thread
+            results[i] = exc
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(chats))]
     for t in threads:
         t.start()
     join_all(threads, "the chats sent at once", seconds=600)
-    assert all(r is not None for r in results), "a chat sent at once failed"
+    for result in results:
+        if isinstance(result, Exception):
+            raise AssertionError(f"a chat sent at once failed: {result!r}") from result
     return results
 
 
