@@ -27,8 +27,8 @@ Workloads 2-6 give every llama-server 8,192 tokens of context a slot, one slot f
 Every reuse figure is llama-server's own (``timings``). Every answer (c) gives at temperature 0
 is compared with plain llama-server's cold answer to the same messages (``cache_prompt: false``):
 identical, or parting from it only at a near-tie, whose margin is printed. Workload 1 also
-measures the floor: the follow-up on llama-server whose slot still holds the conversation. Goals (issue 23), PASS/FAIL,
-exit code 1 if one fails:
+measures the floor: the follow-up on llama-server whose slot still holds the conversation.
+Goals (issue 23), PASS/FAIL, exit code 1 if one fails:
 
     python benchmarks/proxy.py [--models gemma,tiny] [--workloads 1,2,3,4,5,6]
 """
@@ -160,8 +160,8 @@ def targets(model: Path, tmp: Path, n_ctx: int | None, parallel: int, body: dict
     procs: dict[str, list[Any]] = {"a": [], "b": [], "c": []}
     hearth_dir = tmp / "hearth"
     hearth_dir.mkdir(parents=True)
-    plain_args = [] if n_ctx is None else ["-c", str(n_ctx), "-np", "1"]
-    hearth_args = HEARTH_SERVER if n_ctx is None else ["-c", str(n_ctx), "-np", "1"]
+    one_slot = HEARTH_SERVER if n_ctx is None else ["-c", str(n_ctx), "-np", "1"]
+    plain_args = [] if n_ctx is None else one_slot
     proxy_args = [] if n_ctx is None else ["--", "-c", str(n_ctx * parallel)]
 
     def plain() -> str:
@@ -170,7 +170,7 @@ def targets(model: Path, tmp: Path, n_ctx: int | None, parallel: int, body: dict
         return server.url
 
     def hearth() -> str:
-        server = LlamaServer(model, tmp / "b-llama.log", *hearth_args, "--slot-save-path", str(hearth_dir))
+        server = LlamaServer(model, tmp / "b-llama.log", *one_slot, "--slot-save-path", str(hearth_dir))
         procs["b"].append(server.start())
         port = free_port()
         log = open(tmp / "b.log", "ab")  # noqa: SIM115  # closed with the process
