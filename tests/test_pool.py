@@ -158,9 +158,10 @@ def test_a_default_pool_runs_flash_attention_and_a_hit_equals_the_never_cached_p
 
 
 def test_admission_kinds_and_parking(tiny_model: Path, system: list[int], tmp_path: Path) -> None:
+    """Two sequences for two slots: a third session parks one."""
     url = f"lmdb://{tmp_path}/cache"
     users = {f"c{i}": prompt(25, seed=100 + i) for i in range(6)}
-    with SessionPool(tiny_model, url, slots=2) as pool:
+    with SessionPool(tiny_model, url, slots=2, sequences=2) as pool:
         first = pool.generate({"c0": system + users["c0"], "c1": system + users["c1"]}, max_tokens=8)
         assert (first["c0"].admitted, first["c1"].admitted) == ("cold", "shared")
         assert first["c1"].reused == len(system) and first["c1"].evaluated == 25
@@ -185,7 +186,7 @@ def test_admission_kinds_and_parking(tiny_model: Path, system: list[int], tmp_pa
 def test_a_parked_session_continues_exactly(tiny_model: Path, system: list[int]) -> None:
     """Live, parked-and-restored, and alone: one conversation, the same tokens."""
     turn1 = system + prompt(30, seed=1)
-    with SessionPool(tiny_model, "ram://", slots=1) as pool:
+    with SessionPool(tiny_model, "ram://", slots=1, sequences=1) as pool:
         answer = pool.generate({"a": turn1}, max_tokens=10)["a"].tokens
         pool.generate({"b": prompt(50, seed=2)}, max_tokens=2)  # parks "a"
         turn2 = turn1 + answer + prompt(12, seed=3)
@@ -202,6 +203,51 @@ def test_an_exact_repeat_samples_from_stored_logits(tiny_model: Path, system: li
         again = pool.generate({"y": tokens}, max_tokens=12)["y"]
     assert again.logits_from_store and again.evaluated == 0 and again.admitted == "warm"
     assert again.tokens == first.tokens == alone(tiny_model, tokens, 12)[0]
+
+
+def test_idle_sessions_stay_live_beyond_the_slots(tiny_model: Path, system: list[int]) -> None:
+    """Four conversations taking turns in calls of two on two slots: by default the pool
+    keeps all four sequences, so every later turn is live (nothing parked or restored),
+    the new sessions share the system prompt's cells, and the tokens are each one's alone."""
+    users = {f"c{i}": system + prompt(20, seed=40 + i) for i in range(4)}
+    with SessionPool(tiny_model, "ram://", slots=2) as pool:
+        assert pool.sequences == 2 * 4 and pool.slots == 2
+        histories = dict(users)
+        for turn in range(2):
+            for pair in (("c0", "c1"), ("c2", "c3")):
+                prompts = {c: histories[c] + ([] if turn == 0 else prompt(5, seed=turn * 10 + int(c[1]))) for c in pair}
+                results = pool.generate(prompts, max_tokens=6)
+                for c, result in results.items():
+                    expected = "live" if turn else ("cold" if c == "c0" else "shared")
+                    assert result.admitted == expected, (turn, c, result.admitted)
+                    assert result.tokens == alone(tiny_model, prompts[c], 6)[0]
+                    histories[c] = prompts[c] + result.tokens
+        stats = pool.stats()
+        assert stats["parked"] == 0 and stats["admitted_live"] == 4 and stats["admitted_warm"] == 0
+        assert sorted(pool.sessions) == ["c0", "c1", "c2", "c3"]
+        with pytest.raises(ValueError, match="3 sessions in one call, but the pool has 2 slots"):
+            pool.generate({c: users[c] for c in ("c0", "c1", "c2")})
+
+
+def test_a_step_without_room_parks_an_idle_sequence(tiny_model: Path, tmp_path: Path) -> None:
+    """Two sessions restored from the cache hold cells of their own, though they share
+    a prefix: the pool's estimate counts that prefix once, so a third session's prompt
+    looks as if it fitted; llama.cpp finds no room for the step, the least recently used
+    idle sequence is parked and the step tried again, with the tokens of the session alone."""
+    shared = [1] + prompt(249, seed=7)
+    url = f"lmdb://{tmp_path}/cache"
+    firsts = {c: shared + prompt(30, seed=8 + i) for i, c in enumerate(("x", "y"))}
+    with SessionPool(tiny_model, url, slots=2) as pool:
+        pool.generate(firsts, max_tokens=2)  # parked at close
+    with SessionPool(tiny_model, url, slots=2, n_ctx=768) as pool:
+        assert pool.n_ctx == 768
+        for c, ids in firsts.items():
+            assert pool.generate({c: ids}, max_tokens=2)[c].admitted == "warm"
+        new = [1] + prompt(349, seed=9)
+        result = pool.generate({"z": new}, max_tokens=4)["z"]
+        stats = pool.stats()
+    assert stats["parked_for_room"] >= 1 and stats["refused_load"] == 0
+    assert result.reused <= 1 and result.tokens == alone(tiny_model, new, 4)[0]  # at most the BOS shared
 
 
 def test_room_in_the_kv_buffer_is_made_by_parking(tiny_model: Path) -> None:
@@ -352,8 +398,17 @@ def test_bad_input(tiny_model: Path) -> None:
         assert pool.sessions == [] and pool.stats()["decode_calls"] == 0
     with pytest.raises(RuntimeError, match="closed"):
         pool.generate({"a": [1, 2]}, max_tokens=1)
-    for options in (dict(slots=0), dict(slots=1.5), dict(n_ctx=4), dict(n_batch=0)):
-        with pytest.raises(ValueError):
+    too_many = llama_cpp.llama_max_parallel_sequences() + 1
+    for options in (
+        dict(slots=0),
+        dict(slots=1.5),
+        dict(n_ctx=4),
+        dict(n_batch=0),
+        dict(sequences=3),  # fewer than the 4 slots
+        dict(sequences=4.5),
+        dict(sequences=too_many),
+    ):
+        with pytest.raises(ValueError, match=str(next(iter(options)))):
             SessionPool(tiny_model, "ram://", **options)
     with pytest.raises(TypeError, match="loaded already"):
         SessionPool(llama_cpp.Llama(model_path=str(tiny_model), n_ctx=64, verbose=False), "ram://", n_gpu_layers=0)

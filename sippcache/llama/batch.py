@@ -1,13 +1,16 @@
 """Continuous batching over one llama.cpp context: slots, jobs, and one step at a time.
 
-A `BatchEngine` keeps `slots` llama.cpp sequences in one context (one unified
-KV buffer) and runs jobs on them: a prompt to prefill, then tokens to sample
-until the job stops. Each `step()` is one `llama_decode` holding the next
-token of every decoding job together with chunks of prompts being prefilled
-(at most `chunk` prompt tokens a step), so a long new prompt never holds the
-others' decoding back by more than one chunk. Jobs join between steps and
-leave when they finish or are cancelled; their slot keeps its sequence for
-whoever comes next.
+A `BatchEngine` keeps `sequences` llama.cpp sequences in one context (one
+unified KV buffer) and runs up to `slots` jobs on them at once: a prompt to
+prefill, then tokens to sample until the job stops. Each `step()` is one
+`llama_decode` holding the next token of every decoding job together with
+chunks of prompts being prefilled (at most `chunk` prompt tokens a step), so a
+long new prompt never holds the others' decoding back by more than one chunk.
+Jobs join between steps and leave when they finish or are cancelled; their
+slot keeps its sequence for whoever comes next. With more sequences than slots
+(`SessionPool`), idle conversations stay in the KV buffer between calls and
+come back live; when llama.cpp finds no room for a step, the least recently
+used idle sequence is parked (stored, then cleared) and the step tried again.
 
 Where a job's prompt starts, cheapest first:
 
@@ -43,6 +46,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import llama_cpp
@@ -143,7 +147,8 @@ class StepReport:
 
 class BatchEngine:
     """Up to `slots` jobs at once in one llama.cpp context of `n_ctx` cells, one
-    sequence each, decoded together.
+    sequence each, decoded together; `sequences` (default `slots`) sequences in all,
+    each holding the last conversation it ran until it is parked.
 
     `llm` lends its model (weights, vocabulary) and context parameters (K/V types,
     flash attention, threads): the engine's context copies them with
@@ -166,12 +171,20 @@ class BatchEngine:
         n_batch: int = 512,
         chunk: int = DEFAULT_CHUNK,
         store_finished: bool = False,
+        sequences: int | None = None,
     ) -> None:
-        for name, value, lowest in (("slots", slots, 1), ("n_batch", n_batch, 1), ("n_ctx", n_ctx, 16)):
+        sequences = slots if sequences is None else sequences
+        for name, value, lowest in (
+            ("slots", slots, 1),
+            ("n_batch", n_batch, 1),
+            ("n_ctx", n_ctx, 16),
+            ("sequences", sequences, slots if isinstance(slots, int) else 1),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
                 raise ValueError(f"{name} must be an int >= {lowest}, got {value!r}")
-        if slots > llama_cpp.llama_max_parallel_sequences():
-            raise ValueError(f"slots must be at most {llama_cpp.llama_max_parallel_sequences()} (llama.cpp's limit)")
+        if sequences > llama_cpp.llama_max_parallel_sequences():
+            name = "slots" if sequences == slots else "sequences"
+            raise ValueError(f"{name} must be at most {llama_cpp.llama_max_parallel_sequences()} (llama.cpp's limit)")
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < CHECKPOINT_ALIGNMENT:
             raise ValueError(f"chunk must be an int >= {CHECKPOINT_ALIGNMENT}, got {chunk!r}")
         if chunk % CHECKPOINT_ALIGNMENT:
@@ -180,23 +193,23 @@ class BatchEngine:
         self._ctx = self._batch = None
         try:
             params = llama_cpp.llama_context_params.from_buffer_copy(llm.context_params)
-            params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx, slots, True
+            params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx, sequences, True
             params.n_batch = params.n_ubatch = min(n_batch, n_ctx)
             #: The parameters the context was made with (flash attention, swa_full, ...).
             self.params = params
             self._ctx = llama_cpp.llama_init_from_model(llm.model, params)
             if self._ctx is None:
-                raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} tokens for {slots} sequences")
+                raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} tokens for {sequences} sequences")
             self.n_ctx, self.n_batch = int(llama_cpp.llama_n_ctx(self._ctx)), int(params.n_batch)
             self._batch = llama_cpp.llama_batch_init(max(self.n_batch, slots), 0, 1)
         except BaseException:
             self.free()
             raise
-        self.slots = slots
+        self.slots, self.sequences = slots, sequences
         self.chunk = min(chunk, max(CHECKPOINT_ALIGNMENT, self.n_batch - self.n_batch % CHECKPOINT_ALIGNMENT))
         self.store_finished = store_finished
         self._vocab = llama_cpp.llama_model_get_vocab(llm.model)
-        self._slots = [_Slot(seq) for seq in range(slots)]
+        self._slots = [_Slot(seq) for seq in range(sequences)]
         self._queue: deque[Job] = deque()
         self._running: list[Job] = []  # in admission order
         self._clock = 0
@@ -206,6 +219,7 @@ class BatchEngine:
             admitted_shared=0,
             admitted_cold=0,
             parked=0,
+            parked_for_room=0,
             borrowed_tokens=0,
             decode_calls=0,
             tokens_generated=0,
@@ -315,7 +329,7 @@ class BatchEngine:
             if job.cancelled:
                 self._finish(job, "cancelled", report)
                 continue
-            slot = self._choose_slot(job)
+            slot = self._choose_slot(job) if len(self._running) < self.slots else None
             if slot is None:
                 waiting.append(job)
                 continue
@@ -344,6 +358,8 @@ class BatchEngine:
 
     def _admit(self, job: Job, slot: _Slot, report: StepReport) -> None:
         own = job.session is not None and slot.session == job.session
+        if not slot.tokens:  # an empty sequence: what another slot holds first, then the cache's if longer
+            self._share(slot, job.prompt[:-1], 0)
         live = slot.tokens
         slot.job, slot.session = job, job.session
         self._clock += 1
@@ -396,15 +412,26 @@ class BatchEngine:
         return segments
 
     def _borrow(self, job: Job) -> None:
-        """Share (`llama_memory_seq_cp`) the longest prefix of the prompt, minus its last
-        token, that another slot holds beyond what this job has, where cutting that
-        slot's sequence there is exact (`MemoryKind.can_truncate`: the sliding-window
-        rule; recurrent and hybrid, only a slot holding exactly that prefix)."""
+        """Share the longest prefix of the prompt, minus its last token, that another
+        slot holds beyond what this job has (`_share`)."""
         slot = job._slot
         assert slot is not None
-        target = job.prompt[:-1]
+        best = self._share(slot, job.prompt[:-1], job._position)
+        if best <= job._position:
+            return
+        if job.admitted == "cold":
+            job.admitted = "shared"
+        job.reused = job._position = job.evaluated = best
+        job._plan.skip_to(best)
+
+    def _share(self, slot: _Slot, target: list[int], beyond: int) -> int:
+        """Make `slot`'s sequence the longest prefix of `target` longer than `beyond`
+        that another slot holds (`llama_memory_seq_cp`: the same cells, not a copy),
+        where cutting that slot's sequence there is exact (`MemoryKind.can_truncate`:
+        the sliding-window rule; recurrent and hybrid, only a slot holding exactly that
+        prefix). Returns the tokens the sequence now shares (`beyond`: none found)."""
         mem, kind = states.memory(self._ctx), self.cache.kind
-        best, donor = job._position, None
+        best, donor = beyond, None
         for other in self._slots:
             if other is slot or not other.tokens:
                 continue
@@ -412,15 +439,12 @@ class BatchEngine:
             if length > best and kind.can_truncate(mem, other.seq, length):
                 best, donor = length, other
         if donor is None:
-            return
+            return beyond
         states.clear(mem, slot.seq)
         llama_cpp.llama_memory_seq_cp(mem, donor.seq, slot.seq, 0, best)
-        self.counters["borrowed_tokens"] += best - job._position
-        if job.admitted == "cold":
-            job.admitted = "shared"
-        job.reused = job._position = job.evaluated = best
-        slot.tokens = job.prompt[:best]
-        job._plan.skip_to(best)
+        self.counters["borrowed_tokens"] += best - beyond
+        slot.tokens = target[:best]
+        return best
 
     def _waits_for(self, job: Job, earlier: list[Job]) -> bool:
         """Whether an earlier job is still evaluating a prefix this one shares beyond its
@@ -490,7 +514,9 @@ class BatchEngine:
             self._leave(job, report)
 
     def _decode(self, items: Sequence[tuple[int, int, int, bool]]) -> None:
-        """One `llama_decode` of (sequence, position, token, wants logits) items."""
+        """One `llama_decode` of (sequence, position, token, wants logits) items; while
+        llama.cpp finds no room for them (status 1: nothing was evaluated), park the
+        least recently used idle sequence and try again."""
         batch = self._batch
         assert batch is not None and items
         batch.n_tokens = len(items)
@@ -498,6 +524,9 @@ class BatchEngine:
             batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
             batch.seq_id[i][0] = seq
         status = llama_cpp.llama_decode(self._ctx, batch)
+        while status == 1 and self.park_least_recent({job.session for job in self._queue}):
+            self.counters["parked_for_room"] += 1
+            status = llama_cpp.llama_decode(self._ctx, batch)
         self.counters["decode_calls"] += 1
         if status != 0:
             raise RuntimeError(f"llama_decode failed with status {status} ({len(items)} tokens)")
@@ -553,14 +582,23 @@ class BatchEngine:
         """The sessions holding a slot, least recently used first."""
         return [s.session for s in sorted(self._slots, key=lambda s: s.used) if s.session is not None]
 
-    def idle_tokens(self, sessions: set[Hashable]) -> list[tuple[Hashable | None, int]]:
-        """(session, tokens held) of every idle slot holding a sequence, but those of
-        `sessions`, least recently used first."""
-        return [
-            (s.session, len(s.tokens))
-            for s in sorted(self._slots, key=lambda s: s.used)
-            if s.job is None and s.tokens and (s.session is None or s.session not in sessions)
-        ]
+    def held_cells(self, adding: Sequence[Sequence[int]] = ()) -> int:
+        """The KV cells the sequences hold (with `adding`: and these prompts beside them),
+        a prefix several of them hold counted once: what `_borrow` shares is one set of
+        cells. A restored sequence has cells of its own, so this can be lower than what
+        llama.cpp holds (a step then parks for room), never higher than the sum of the
+        sequences' lengths."""
+        held = sorted([list(s.tokens) for s in self._slots if s.tokens] + [list(p) for p in adding if p])
+        return sum(map(len, held)) - sum(common_length(a, b) for a, b in pairwise(held))
+
+    def park_least_recent(self, keep: set[Hashable] | frozenset[Hashable] = frozenset()) -> bool:
+        """Park (store, then clear) the least recently used idle sequence, but those of
+        the sessions in `keep`; False if there is none."""
+        idle = [s for s in self._slots if s.job is None and s.tokens and (s.session is None or s.session not in keep)]
+        if not idle:
+            return False
+        self._park(min(idle, key=lambda s: s.used))
+        return True
 
     def park(self, session: Hashable) -> bool:
         """Snapshot the idle slot of `session` into the cache and free it; False if no
@@ -576,9 +614,6 @@ class BatchEngine:
         for slot in self._slots:
             if slot.job is None and (slot.tokens or slot.session is not None):
                 self._park(slot)
-
-    def held_tokens(self) -> int:
-        return sum(len(s.tokens) for s in self._slots)
 
     def _park(self, slot: _Slot, *, keep: bool = False) -> None:
         """Snapshot the slot's sequence into the cache (unless stored already) and free
