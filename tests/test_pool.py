@@ -250,6 +250,50 @@ def test_a_step_without_room_parks_an_idle_sequence(tiny_model: Path, tmp_path: 
     assert result.reused <= 1 and result.tokens == alone(tiny_model, new, 4)[0]  # at most the BOS shared
 
 
+def test_a_live_conversation_is_stored_when_parked_or_far_beyond_the_store(tiny_model: Path, system: list[int]) -> None:
+    """A new conversation's prompt is stored at once. A later turn of a conversation kept
+    live writes nothing (its few new tokens wait in the slot with their logits); parking
+    stores the conversation and its last prompt's end, so an exact repeat in another
+    session samples from stored logits. A turn `checkpoint_interval` tokens beyond what
+    is stored is stored at once. Tokens: each prompt's alone."""
+    first = system + prompt(20, seed=60)
+    with SessionPool(tiny_model, "ram://", slots=1) as pool:
+        a1 = pool.generate({"a": first}, max_tokens=6)["a"]
+        pool.flush()
+        written = pool.stats()["entries_written"]
+        assert written >= 1
+        second = first + a1.tokens + prompt(5, seed=61)
+        a2 = pool.generate({"a": second}, max_tokens=6)["a"]
+        pool.flush()
+        assert a2.admitted == "live" and pool.stats()["entries_written"] == written
+        assert pool.park("a")
+        pool.flush()
+        assert pool.stats()["entries_written"] == written + 2  # the conversation, and its last prompt's end
+        again = pool.generate({"b": second}, max_tokens=6)["b"]
+    assert again.logits_from_store and again.evaluated == 0 and again.admitted == "warm"
+    assert again.tokens == a2.tokens == alone(tiny_model, second, 6)[0]
+    with SessionPool(tiny_model, "ram://", slots=1, checkpoint_interval=64) as pool:
+        a1 = pool.generate({"a": first}, max_tokens=6)["a"]
+        third = first + a1.tokens + prompt(70, seed=62)  # 76 tokens beyond the stored first prompt
+        a3 = pool.generate({"a": third}, max_tokens=6)["a"]
+        repeat = pool.generate({"b": third}, max_tokens=6)["b"]  # "a" stays live
+    assert a3.admitted == "live" and repeat.logits_from_store and repeat.tokens == a3.tokens
+
+
+def test_an_unsaved_prompt_end_is_stored_before_a_turn_cuts_it(tiny_model: Path, system: list[int]) -> None:
+    """A live session's next prompt that leaves its last prompt early (an edited turn)
+    cuts the sequence back: the last prompt's end, not stored yet, is stored first."""
+    first = system + prompt(20, seed=70)
+    with SessionPool(tiny_model, "ram://", slots=1) as pool:
+        a1 = pool.generate({"a": first}, max_tokens=4)["a"]
+        second = first + a1.tokens + prompt(5, seed=71)
+        a2 = pool.generate({"a": second}, max_tokens=4)["a"]
+        edited = first + prompt(9, seed=72)
+        assert pool.generate({"a": edited}, max_tokens=4)["a"].admitted == "live"
+        again = pool.generate({"b": second}, max_tokens=4)["b"]
+    assert again.logits_from_store and again.tokens == a2.tokens
+
+
 def test_room_in_the_kv_buffer_is_made_by_parking(tiny_model: Path) -> None:
     with SessionPool(tiny_model, "ram://", slots=4, n_ctx=700) as pool:
         pool.generate({"a": [1] + prompt(300, seed=1)}, max_tokens=4)

@@ -14,13 +14,15 @@ used idle sequence is parked (stored, then cleared) and the step tried again.
 
 Where a job's prompt starts, cheapest first:
 
-- its slot: the slot of its session (`SessionPool`), else an empty slot, else
-  the idle slot whose sequence the prompt loses least of (a conversation
-  continued loses nothing), least recently used among equals, parked first
-  (a snapshot goes to the cache unless it is there already);
-- the cache (`SequenceCache.reuse`): a stored entry for the whole prompt with
-  its logits (nothing to evaluate), the longest stored prefix, or the entry
-  sharing the most with it where cutting it back is exact;
+- its slot: the slot of its session (`SessionPool`), else an empty slot (which
+  first shares the longest prefix another slot holds), else the idle slot
+  whose sequence the prompt loses least of (a conversation continued loses
+  nothing), least recently used among equals, parked first (a snapshot goes
+  to the cache unless it is there already);
+- the cache (`SequenceCache.reuse`), where it holds more than the slot: a
+  stored entry for the whole prompt with its logits (nothing to evaluate), the
+  longest stored prefix, or the entry sharing the most with it where cutting
+  it back is exact;
 - other slots: before each chunk, the longest prefix another slot holds is
   shared (`llama_memory_seq_cp`) instead of evaluated again, and a job waits
   a step for an earlier job still evaluating a prefix they share (a system
@@ -125,6 +127,9 @@ class _Slot:
     job: Job | None = None
     session: Hashable | None = None
     used: int = 0  # a clock, for least-recently-used choices
+    saved: int = 0  # the longest prefix of `tokens` the cache held when its job was admitted, or stored since
+    #: A prompt end not stored yet (`store_finished` off): its tokens and logits, stored when the slot is parked.
+    unsaved: tuple[list[int], np.ndarray] | None = None
 
 
 @dataclass
@@ -358,6 +363,8 @@ class BatchEngine:
 
     def _admit(self, job: Job, slot: _Slot, report: StepReport) -> None:
         own = job.session is not None and slot.session == job.session
+        if slot.unsaved is not None and common_length(slot.tokens, job.prompt) < len(slot.unsaved[0]):
+            self._save_prompt_end(slot)  # the new prompt leaves it: store it before the sequence is cut
         if not slot.tokens:  # an empty sequence: what another slot holds first, then the cache's if longer
             self._share(slot, job.prompt[:-1], 0)
         live = slot.tokens
@@ -366,6 +373,7 @@ class BatchEngine:
         slot.used = self._clock
         reuse = self.cache.reuse(self._ctx, slot.seq, job.prompt, live, with_logits=True)
         slot.tokens = job.prompt[: reuse.start]
+        slot.saved = max(reuse.restored, reuse.branch)
         job.admitted = "warm" if reuse.restored else ("live" if own else "shared") if reuse.start else "cold"
         job.reused, job._position = reuse.start, reuse.start
         job._plan = self.cache.plan(reuse.start, reuse.branch, len(job.prompt))
@@ -485,10 +493,42 @@ class BatchEngine:
             self.cache.checkpoint(job._plan, self._ctx, slot.seq, job.prompt[:end])
         elif end == len(job.prompt):
             job.state = "decode"
-            if len(job.prompt) >= self.cache.min_tokens:  # store it with its logits: an exact repeat evaluates nothing
+            if len(job.prompt) >= self.cache.min_tokens:  # stored with its logits: an exact repeat evaluates nothing
                 logits = states.copy_logits(self._ctx, self.cache.n_vocab, index)
-                self.cache.snapshot(self._ctx, slot.seq, job.prompt, logits=logits, replace=True)
+                if self._store_now(slot, end):
+                    self.cache.snapshot(self._ctx, slot.seq, job.prompt, logits=logits, replace=True)
+                    slot.saved, slot.unsaved = end, None
+                else:
+                    slot.unsaved = (list(job.prompt), logits)
             self._sample(job, index, report)
+
+    def _store_now(self, slot: _Slot, end: int) -> bool:
+        """Whether a prompt's end is stored as soon as it is evaluated. With
+        `store_finished` (the server: other processes and requests may want it now) and
+        on a model whose states cannot be cut back (recurrent, hybrid), always. Else
+        (`SessionPool`) when nothing stored held a prefix of it at admission (a new
+        conversation or system prompt) or it is `checkpoint_interval` tokens beyond that
+        (what a crash could cost, as a long prefill's checkpoints bound it); otherwise
+        its tokens and logits wait in the slot and are stored when the slot is parked
+        (for room, `park`, `park_all`), a later turn of a conversation kept live
+        superseding them: a 12 MB state written per turn for the few tokens it adds was
+        most of what the cache cost a pool (benchmarks/pool.py)."""
+        if self.store_finished or self.cache.kind.exact_length_only or slot.saved < self.cache.min_tokens:
+            return True
+        return end - slot.saved >= self.cache.options.checkpoint_interval
+
+    def _save_prompt_end(self, slot: _Slot) -> None:
+        """Store the slot's unsaved prompt end with its logits, cutting the sequence back
+        to it (when the slot still holds it and cutting there is exact)."""
+        assert slot.unsaved is not None
+        key, logits = slot.unsaved
+        slot.unsaved = None
+        if slot.tokens[: len(key)] != key:
+            return
+        if len(slot.tokens) > len(key) and not self.cache.truncate(self._ctx, slot.seq, len(key)):
+            return
+        slot.tokens = list(key)
+        self.cache.snapshot(self._ctx, slot.seq, key, logits=logits, replace=True)
 
     # -- decoding and sampling ----------------------------------------------------------------
 
@@ -616,10 +656,13 @@ class BatchEngine:
                 self._park(slot)
 
     def _park(self, slot: _Slot, *, keep: bool = False) -> None:
-        """Snapshot the slot's sequence into the cache (unless stored already) and free
-        the slot (with `keep`, its KV stays for the next job to reuse)."""
+        """Snapshot the slot's sequence into the cache (unless stored already), then its
+        unsaved prompt end, and free the slot (with `keep`, its KV, cut back to that
+        prompt end if there was one, stays for the next job to reuse)."""
         if len(slot.tokens) >= self.cache.min_tokens:
             self.cache.snapshot(self._ctx, slot.seq, list(slot.tokens))
+        if slot.unsaved is not None:
+            self._save_prompt_end(slot)
         self.counters["parked"] += 1
         if keep:
             slot.session = None
@@ -628,7 +671,7 @@ class BatchEngine:
 
     def _forget(self, slot: _Slot) -> None:
         states.clear(states.memory(self._ctx), slot.seq)
-        slot.session, slot.tokens = None, []
+        slot.session, slot.tokens, slot.saved, slot.unsaved = None, [], 0, None
 
     def free(self) -> None:
         """Free the context (the jobs still in it end, unfinished)."""
