@@ -217,11 +217,7 @@ class SessionPool:
             self.fingerprint = llama_fingerprint(self.llm)  # the engine's context has the same K/V types and kernels
             kind = states.MemoryKind.of(self.llm.model)
             if sequences is None:
-                sequences = (
-                    slots
-                    if kind.exact_length_only
-                    else min(RESIDENT_PER_SLOT * slots, llama_cpp.llama_max_parallel_sequences())
-                )
+                sequences = slots if kind.exact_length_only else min(RESIDENT_PER_SLOT * slots, limit)
             self._states = SequenceCache(
                 cache,
                 fingerprint=self.fingerprint,
