@@ -280,6 +280,23 @@ def test_a_live_conversation_is_stored_when_parked_or_far_beyond_the_store(tiny_
     assert a3.admitted == "live" and repeat.logits_from_store and repeat.tokens == a3.tokens
 
 
+def test_parking_at_a_prompt_end_writes_it_once_with_its_logits(tiny_model: Path, system: list[int]) -> None:
+    """A session whose sequence holds just its last prompt (one token asked: the sampled
+    token is never evaluated) is parked as one entry, the prompt with its logits."""
+    first = system + prompt(20, seed=80)
+    with SessionPool(tiny_model, "ram://", slots=1) as pool:
+        pool.generate({"a": first}, max_tokens=4)
+        second = first + prompt(30, seed=81)  # a later turn, kept live: its end waits in the slot
+        a2 = pool.generate({"a": second}, max_tokens=1)["a"]
+        pool.flush()
+        written = pool.stats()["entries_written"]
+        assert pool.park("a")
+        pool.flush()
+        assert pool.stats()["entries_written"] == written + 1
+        again = pool.generate({"b": second}, max_tokens=1)["b"]
+    assert again.logits_from_store and again.tokens == a2.tokens
+
+
 def test_an_unsaved_prompt_end_is_stored_before_a_turn_cuts_it(tiny_model: Path, system: list[int]) -> None:
     """A live session's next prompt that leaves its last prompt early (an edited turn)
     cuts the sequence back: the last prompt's end, not stored yet, is stored first."""

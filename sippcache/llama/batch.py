@@ -659,7 +659,8 @@ class BatchEngine:
         """Snapshot the slot's sequence into the cache (unless stored already), then its
         unsaved prompt end, and free the slot (with `keep`, its KV, cut back to that
         prompt end if there was one, stays for the next job to reuse)."""
-        if len(slot.tokens) >= self.cache.min_tokens:
+        at_prompt_end = slot.unsaved is not None and slot.unsaved[0] == slot.tokens  # stored below, with logits
+        if len(slot.tokens) >= self.cache.min_tokens and not at_prompt_end:
             self.cache.snapshot(self._ctx, slot.seq, list(slot.tokens))
         if slot.unsaved is not None:
             self._save_prompt_end(slot)
