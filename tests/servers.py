@@ -47,13 +47,15 @@ class Server:
         log_path: Path,
         *,
         module: str = "sippcache.server",
+        program: Sequence[str] | None = None,
         env: dict[str, str] | None = None,
         preexec_fn: Callable[[], None] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [sys.executable, "-m", module, *self.arguments(args)]
+        # `program` runs it as a user types it (e.g. the `sippcache proxy` entry point) instead of `-m module`.
+        command = [*(program or (sys.executable, "-m", module)), *self.arguments(args)]
         # HOST and PORT win over settings, with or without a config file (as upstream).
         env = {"HOST": "127.0.0.1", "PORT": str(self.port), **(env or {})}
         self._log = open(log_path, "ab")  # noqa: SIM115  # the server's log for its whole life: closed in stop()

@@ -21,6 +21,19 @@ from .params import EXISTING_FILE, resolve_url, url_argument
 if TYPE_CHECKING:
     from ..demo.run import DemoReport
 
+
+class _PassThrough(click.Command):
+    """A command whose arguments all go, exactly as typed, to another program's parser.
+
+    Click's own parsing would drop a ``--`` (the end of its options), and the
+    proxy needs it: what follows is llama-server's (``sippcache proxy ... -- -c 4096``).
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.params["args"] = tuple(args)
+        return []
+
+
 _json_report = click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 
 
@@ -94,10 +107,7 @@ def warm(
     click.echo(f"cache: {report.cache}  namespace: {report.namespace}")
 
 
-@click.command(
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
-    add_help_option=False,
-)
+@click.command(cls=_PassThrough, add_help_option=False)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[SERVER OPTIONS]... [--cache URL]")
 def serve(args: tuple[str, ...]) -> None:
     """Serve models over HTTP: llama-cpp-python's OpenAI-compatible server with
@@ -110,10 +120,7 @@ def serve(args: tuple[str, ...]) -> None:
     sys.exit(serve_main(list(args), prog="sippcache serve"))
 
 
-@click.command(
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
-    add_help_option=False,
-)
+@click.command(cls=_PassThrough, add_help_option=False)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[PROXY OPTIONS]... [-- LLAMA-SERVER ARGS]")
 def proxy(args: tuple[str, ...]) -> None:
     """A persistent, shared prefix cache in front of llama.cpp's own llama-server
