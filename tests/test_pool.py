@@ -280,14 +280,27 @@ def test_a_live_conversation_is_stored_when_parked_or_far_beyond_the_store(tiny_
     assert a3.admitted == "live" and repeat.logits_from_store and repeat.tokens == a3.tokens
 
 
-def test_parking_at_a_prompt_end_writes_it_once_with_its_logits(tiny_model: Path, system: list[int]) -> None:
+@pytest.mark.parametrize("writer", ["behind", "done"])
+def test_parking_at_a_prompt_end_writes_it_once_with_its_logits(
+    tiny_model: Path, system: list[int], writer: str
+) -> None:
     """A session whose sequence holds just its last prompt (one token asked: the sampled
-    token is never evaluated) is parked as one entry, the prompt with its logits."""
+    token is never evaluated) is parked as one entry, the prompt with its logits. Whether
+    the first turn's entry is written yet when the second turn comes ("behind": the writer
+    still holds it) changes nothing: a queued snapshot counts as stored (this raced)."""
     first = system + prompt(20, seed=80)
-    with SessionPool(tiny_model, "ram://", slots=1) as pool:
+    cache = sippcache.open("ram://")
+    release = threading.Event()
+    real_store = cache.store
+    if writer == "behind":
+        cache.store = lambda *a, **k: release.wait(30) and real_store(*a, **k)  # type: ignore[method-assign]
+    with SessionPool(tiny_model, cache, slots=1) as pool:
         pool.generate({"a": first}, max_tokens=4)
+        if writer == "done":
+            pool.flush()
         second = first + prompt(30, seed=81)  # a later turn, kept live: its end waits in the slot
         a2 = pool.generate({"a": second}, max_tokens=1)["a"]
+        release.set()
         pool.flush()
         written = pool.stats()["entries_written"]
         assert pool.park("a")

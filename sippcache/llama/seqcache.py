@@ -317,7 +317,7 @@ class SequenceCache:
         extends it, and a stored entry only if its key is a prefix of the prompt.
         """
         self.stats.lookups += 1
-        if self._queued_beyond(ids, common_length(live, ids)):
+        if self._queued_common(ids) > common_length(live, ids):
             self.flush()  # a snapshot still queued (a session just parked, a repeat) holds more than the context
         n, target = len(ids), ids[:-1]
         prefix: Peek | None = None
@@ -341,7 +341,9 @@ class SequenceCache:
                 candidates.append((shared.length, True))
             elif shared.length >= self.min_tokens:
                 self._refuse(shared.key_length, states.REFUSED_CUT)  # not fetched: it could not be cut back
-        branch = shared.length if shared is not None else 0
+        # What the store holds or will hold once its writer catches up: a snapshot still queued
+        # counts as stored, so what a caller decides from `branch` never depends on the writer's pace.
+        branch = max(shared.length if shared is not None else 0, self._queued_common(target))
         for length, partial in sorted(candidates, reverse=True):
             common = common_length(live, target)
             if common >= length and self._truncate_live(ctx, seq, live, common):
@@ -516,10 +518,10 @@ class SequenceCache:
         self._writer.submit(snapshot)
         return len(state)
 
-    def _queued_beyond(self, ids: list[int], length: int) -> bool:
-        """Whether a snapshot not yet written shares more than `length` tokens with `ids`."""
+    def _queued_common(self, ids: Sequence[int]) -> int:
+        """The most tokens a snapshot not yet written shares with `ids`."""
         with self._queued_lock:
-            return any(common_length(key, ids) > length for key in self._queued.values())
+            return max((common_length(key, ids) for key in self._queued.values()), default=0)
 
     def _write_entry(self, snapshot: states.Snapshot) -> None:
         try:
