@@ -27,10 +27,14 @@ def test_read_tokens_reads_the_header_alone(tmp_path: Path) -> None:
     assert slotfile.read_tokens(str(path)) == tuple(range(1000))
 
 
-def test_sequence_state_form_round_trips() -> None:
-    seq = slotfile.seq_state(b"payload", seq_id=3)
+@pytest.mark.parametrize("n_tokens", [0, 1, 5])
+def test_sequence_state_form_round_trips_in_place(n_tokens: int) -> None:
+    """The sequence header goes over the slot header's last 8 bytes: even a file of no tokens has 12."""
+    data = bytearray(b"".join(slotfile.build(4, list(range(n_tokens)), b"payload")))
+    parsed = slotfile.parse(data)
+    seq = slotfile.seq_state_in_place(memoryview(data), parsed, seq_id=3)
     assert struct.unpack_from("<Ii", seq) == (slotfile.SEQ_STATE_MAGIC, 3)
-    assert bytes(slotfile.state_of(seq)) == b"payload"
+    assert bytes(slotfile.state_of(seq)) == b"payload" and len(seq) == 8 + len(b"payload")
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,8 @@ prompt) never deletes it."""
 
 from __future__ import annotations
 
+import os
+import struct
 import time
 from pathlib import Path
 
@@ -68,3 +70,45 @@ def test_an_entry_whose_prompt_is_not_known_is_replaced_by_the_slack_rule(store:
     keep(store, tokens, len(tokens), None)
     keep(store, (*tokens[:-2], 9, 9, 9, 9), 0, Origin(tokens, 0))  # an entry from before prompts were kept
     assert keys(store) == {(*tokens[:-2], 9, 9, 9, 9)}
+
+
+# -- the byte path: what a save stores and what a restore stages ------------------------------------------
+
+
+def test_a_saved_state_is_stored_byte_for_byte_in_the_sequence_form(store: SlotStore) -> None:
+    """The slot file is mapped, its header overwritten in that private mapping only: the entry holds
+    exactly llama_state_seq_get_data's form of the state (seq header + the file's state bytes)."""
+    from sippcache import frame
+
+    tokens = (*SYSTEM, 1, 2, 3)
+    state = bytes(range(256)) * 64
+    keep_state = Path(store.staging) / "s.slot"
+    keep_state.write_bytes(b"".join(slotfile.build(4, tokens, state)))
+    saved = store.keep(Snapshot(str(keep_state), tokens, len(tokens), time.perf_counter()), None, "")
+    assert saved is not None and saved.tokens == tokens
+    with store.cache.lookup(tokens, namespace=store.namespace("")) as match:
+        entry = frame.decode(match.blob)
+        assert entry.tokens == tokens and entry.meta["slot_version"] == 4
+        assert bytes(entry.sections[0]) == struct.pack("<Ii", slotfile.SEQ_STATE_MAGIC, 0) + state
+
+
+def test_restores_rewrite_one_staging_file_per_slot_in_place(store: SlotStore) -> None:
+    """Each restore into a slot goes through the same file, rewritten over its own pages and cut to
+    the new state's length; `close` removes it."""
+    long_state, short_state = b"L" * 40_000, b"s" * 1_000
+    for state, tokens in ((long_state, (*SYSTEM, 1)), (short_state, (*SYSTEM, 2))):
+        path = Path(store.staging) / "in.slot"
+        path.write_bytes(b"".join(slotfile.build(4, tokens, state)))
+        assert store.keep(Snapshot(str(path), tokens, len(tokens), time.perf_counter()), None, "") is not None
+    target = store.restore_file("http://127.0.0.1:1", 0)
+    assert store.restore_file("http://127.0.0.1:2", 0) != target != store.restore_file("http://127.0.0.1:1", 1)
+    staged = store._stage((*SYSTEM, 1, 7), store.namespace(""), target)
+    assert staged is not None and staged[1] == len(long_state)
+    inode = os.stat(target).st_ino
+    assert bytes(slotfile.parse(Path(target).read_bytes()).state) == long_state
+    staged = store._stage((*SYSTEM, 2, 7), store.namespace(""), target)
+    assert staged is not None and staged[0].tokens == (*SYSTEM, 2)
+    assert os.stat(target).st_ino == inode
+    assert slotfile.parse(Path(target).read_bytes()) == slotfile.SlotFile(4, (*SYSTEM, 2), memoryview(short_state))
+    store.close()
+    assert not Path(target).exists()

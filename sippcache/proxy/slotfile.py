@@ -38,7 +38,7 @@ __all__ = [
     "build",
     "parse",
     "read_tokens",
-    "seq_state",
+    "seq_state_in_place",
     "state_of",
 ]
 
@@ -114,9 +114,18 @@ def build(version: int, tokens: tuple[int, ...] | list[int], state: Blob) -> lis
     return [_HEAD.pack(SLOT_FILE_MAGIC, version, len(tokens)), struct.pack(f"<{len(tokens)}i", *tokens), state]
 
 
-def seq_state(state: Blob, seq_id: int = 0) -> bytes:
-    """A slot file's state bytes as `llama_state_seq_get_data` frames them (its 8-byte header first)."""
-    return b"".join((_SEQ_HEAD.pack(SEQ_STATE_MAGIC, seq_id), state))
+def seq_state_in_place(data: memoryview, parsed: SlotFile, seq_id: int = 0) -> memoryview:
+    """The state bytes of a parsed slot file as `llama_state_seq_get_data` frames them (its 8-byte
+    header first), without copying the state: the header is written over the last 8 bytes
+    before the state in `data` (a writable buffer `parsed` was read from: a private mapping of the
+    slot file, say; there are always at least 12 bytes of slot-file header before the state).
+    The slot file's own header in `data` is spoiled, and `parsed.tokens` is what it said."""
+    view = memoryview(data).cast("B")
+    end = len(view) - len(parsed.state)
+    if end < _SEQ_HEAD.size:
+        raise SlotFileError("no room for the sequence header before the state")
+    _SEQ_HEAD.pack_into(view, end - _SEQ_HEAD.size, SEQ_STATE_MAGIC, seq_id)
+    return view[end - _SEQ_HEAD.size :]
 
 
 def state_of(seq: Blob) -> memoryview:

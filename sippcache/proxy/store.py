@@ -2,10 +2,17 @@
 
 llama-server reads and writes slot files only in its ``--slot-save-path``; the
 proxy keeps that directory for staging (RAM-backed where there is one): a
-restore writes the entry there as a slot file, asks llama-server to load it and
-removes it; a save asks llama-server to write one, frames it as an entry and
-removes it. The entry is keyed by the tokens the slot file itself lists, so
-whatever a slot held is stored under exactly its own tokens.
+restore writes the entry there as a slot file and asks llama-server to load it;
+a save asks llama-server to write one, frames it as an entry and removes it.
+The entry is keyed by the tokens the slot file itself lists, so whatever a slot
+held is stored under exactly its own tokens.
+
+A state's bytes are the whole cost of a restore on a fast GPU, so they are
+copied as few times as the formats allow: a save maps the slot file (no read
+into a new buffer), the entry's sequence header is written into that private
+mapping and the frame is joined once; a restore writes the stored state into a
+staging file kept for that slot, rewritten in place each time (a new file on a
+RAM disk costs a page allocation per 4 KB, about as much as the copy).
 
 Correctness does not rest on the proxy: llama-server reuses a restored state
 only as far as its own comparison of the restored tokens with the prompt goes,
@@ -27,16 +34,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import os
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import xxhash
+
 from .. import frame
 from ..errors import CorruptEntry, SippcacheError, UnsupportedEntry
 from ..modelfile import MemoryKind
-from ..protocol import CacheBackend
+from ..protocol import Blob, CacheBackend, Peek
 from . import slotfile
 from .slots import Origin, common_prefix, reusable
 from .upstream import Upstream, UpstreamRefused
@@ -110,6 +120,7 @@ class SlotStore:
         self.staging = staging
         self.min_tokens = min_tokens
         self.secret = secret
+        self._restore_files: set[str] = set()
         self.errors = 0
         self.refused = 0  # entries llama-server would not load (kept: another configuration may)
 
@@ -125,16 +136,18 @@ class SlotStore:
         """Whether llama-server can cut a restored state of this model where a prompt parts from it."""
         return self.kind != "recurrent"
 
-    def best_length(self, tokens: Sequence[int], scope: str) -> int:
-        """How many of `tokens` the best stored state would give llama-server to reuse."""
+    def best(self, tokens: Sequence[int], scope: str) -> Peek | None:
+        """The best stored state for `tokens` (not fetched); a store that fails is a miss."""
         try:
-            peek = self.cache.peek(tokens, namespace=self.namespace(scope), partial=self.can_cut)
+            return self.cache.peek(tokens, namespace=self.namespace(scope), partial=self.can_cut)
         except SippcacheError as exc:
             self._failed("peek", exc)
-            return 0
-        if peek is None:
-            return 0
-        return reusable(peek.key_length, peek.length, len(tokens), self.can_cut)
+            return None
+
+    def best_length(self, tokens: Sequence[int], scope: str) -> int:
+        """How many of `tokens` the best stored state would give llama-server to reuse."""
+        peek = self.best(tokens, scope)
+        return 0 if peek is None else reusable(peek.key_length, peek.length, len(tokens), self.can_cut)
 
     # -- restore -----------------------------------------------------------------
 
@@ -142,21 +155,32 @@ class SlotStore:
         """Load the best stored state for `tokens` into `slot`; None if there is none or it was refused
         (then the slot is empty)."""
         started = time.perf_counter()
-        path = os.path.join(self.staging, f"sippcache-restore-{uuid.uuid4().hex}.slot")
+        path = self.restore_file(upstream.url, slot)
+        staged = await asyncio.to_thread(self._stage, tokens, self.namespace(scope), path)
+        if staged is None:
+            return None
+        origin, nbytes = staged
         try:
-            staged = await asyncio.to_thread(self._stage, tokens, self.namespace(scope), path)
-            if staged is None:
-                return None
-            origin, nbytes = staged
-            try:
-                await upstream.slot_action(slot, "restore", os.path.basename(path))
-            except UpstreamRefused as exc:
-                self.refused += 1
-                log.warning("%s refused a stored state of %d tokens (kept): %s", upstream.url, len(origin.tokens), exc)
-                raise
-            return Restored(origin, nbytes, time.perf_counter() - started)
-        finally:
+            await upstream.slot_action(slot, "restore", os.path.basename(path))
+        except UpstreamRefused as exc:
+            self.refused += 1
+            log.warning("%s refused a stored state of %d tokens (kept): %s", upstream.url, len(origin.tokens), exc)
+            raise
+        return Restored(origin, nbytes, time.perf_counter() - started)
+
+    def restore_file(self, url: str, slot: int) -> str:
+        """The staging file restores into `slot` of the llama-server at `url` go through: one per
+        slot and process, rewritten in place by each restore, removed by `close`."""
+        name = f"sippcache-restore-{os.getpid()}-{xxhash.xxh64_hexdigest(url.encode())}-{slot}.slot"
+        path = os.path.join(self.staging, name)
+        self._restore_files.add(path)
+        return path
+
+    def close(self) -> None:
+        """Remove the staging files this store's restores used."""
+        for path in self._restore_files:
             _remove(path)
+        self._restore_files.clear()
 
     def _stage(self, tokens: Sequence[int], namespace: str, path: str) -> tuple[Origin, int] | None:
         """Write the best entry for `tokens` as a slot file at `path`: (the entry, bytes), or None."""
@@ -183,11 +207,10 @@ class SlotStore:
                 self._drop(match.key, namespace)
                 return None
             try:
-                with open(path, "wb") as f:
-                    for part in slotfile.build(version, match.key, state):
-                        f.write(part)
+                _rewrite(path, slotfile.build(version, match.key, state))
             except OSError as exc:
                 self._failed("staging write", exc)
+                _remove(path)
                 return None
             return Origin(match.key, prompt), len(state)
 
@@ -215,27 +238,34 @@ class SlotStore:
         try:
             if len(snapshot.tokens) < self.min_tokens:
                 return None
-            with open(snapshot.path, "rb") as f:
-                parsed = slotfile.parse(f.read())
-            blob = frame.encode(
-                parsed.tokens,
-                [slotfile.seq_state(parsed.state)],
-                fingerprint=self.fingerprint,
-                kind=KIND,
-                versions={"llama_server": self.facts.get("build_info", "")},
-                meta={"slot_version": parsed.version, "memory": self.kind, "prompt": snapshot.prompt},
-                roles=["state"],
-                secret=self.secret,
-            )
-            self.cache.store(parsed.tokens, blob, namespace=self.namespace(scope))
-            if supersedes and self.can_cut and self._keeps(parsed.tokens, supersedes):
+            tokens, blob = self._frame(snapshot)
+            self.cache.store(tokens, blob, namespace=self.namespace(scope))
+            if supersedes and self.can_cut and self._keeps(tokens, supersedes):
                 self.cache.delete(supersedes.tokens, namespace=self.namespace(scope))
-        except (OSError, slotfile.SlotFileError, SippcacheError) as exc:
+        except (OSError, ValueError, slotfile.SlotFileError, SippcacheError) as exc:
             self._failed("save", exc)
             return None
         finally:
             _remove(snapshot.path)
-        return Saved(parsed.tokens, len(blob), time.perf_counter() - snapshot.started)
+        return Saved(tokens, len(blob), time.perf_counter() - snapshot.started)
+
+    def _frame(self, snapshot: Snapshot) -> tuple[tuple[int, ...], bytes]:
+        """A saved slot file as an entry: its tokens and the framed bytes, the state copied once."""
+        with open(snapshot.path, "rb") as f:  # mapped copy-on-write: writing the header spoils no file
+            mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        view = memoryview(mapped)
+        parsed = slotfile.parse(view)
+        blob = frame.encode(
+            parsed.tokens,
+            [slotfile.seq_state_in_place(view, parsed)],
+            fingerprint=self.fingerprint,
+            kind=KIND,
+            versions={"llama_server": self.facts.get("build_info", "")},
+            meta={"slot_version": parsed.version, "memory": self.kind, "prompt": snapshot.prompt},
+            roles=["state"],
+            secret=self.secret,
+        )
+        return parsed.tokens, blob  # the views into `mapped` go with this frame: it is unmapped then
 
     @staticmethod
     def _keeps(tokens: tuple[int, ...], old: Origin) -> bool:
@@ -253,6 +283,15 @@ class SlotStore:
     def _failed(self, what: str, exc: Exception) -> None:
         self.errors += 1
         log.warning("sippcache proxy: %s failed (a miss): %s", what, exc)
+
+
+def _rewrite(path: str, parts: Sequence[Blob]) -> None:
+    """Write `parts` back to back as the whole content of `path`, over the pages it already has
+    (created if missing, cut to the new length)."""
+    with os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "r+b") as f:
+        for part in parts:
+            f.write(part)
+        f.truncate()
 
 
 def _remove(path: str) -> None:
