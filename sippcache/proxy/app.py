@@ -6,7 +6,8 @@ A completion request (``/v1/chat/completions``, ``/v1/completions``,
     client ──> tokens (llama-server's /apply-template + /tokenize: its template, its tokenizer)
            ──> wait while a request in flight computes a long prefix of it that nothing holds yet
            ──> a slot (SlotTable: the idle slot holding the longest prefix, else the least loaded server)
-           ──> restore the store's best state into it when that beats what the slot holds
+           ──> restore the store's best state into it when that beats what the slot holds, and
+               loading it is expected to be faster than computing its tokens (`sippcache.rates`)
            ──> the request, pinned with id_slot, relayed as llama-server answers it (streamed or not)
            ──> the slot's state saved to the staging directory; the slot is free again
            ──> in a worker thread: the state framed and stored; the staging file removed
@@ -16,6 +17,14 @@ unchanged (headers, ``Authorization`` included), so llama-server's own errors
 (a malformed request's 400) reach the client as they are. Reuse is counted
 only from what llama-server reports (`timings.cache_n` and `prompt_n`), and the
 ``X-Sippcache-Prompt-Reused`` header carries its `cache_n`.
+
+Whether a restore pays is measured per upstream (`RestoreRates`): each answer's
+``timings`` give the server's prefill rate, each restore its rate in bytes a
+second (store read, staging, load); a restore expected to be slower than
+computing the tokens it saves is skipped, and counted with its reason. A
+restore llama-server then hardly used (its `cache_n` under half of what the
+restore gave the prompt) is counted as ineffective and taught to the rates as
+a restore that bought (next to) nothing.
 """
 
 from __future__ import annotations
@@ -32,9 +41,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from ..rates import INEFFECTIVE_SHARE, RestoreRates
 from .metrics import ProxyMetrics
-from .slots import NoServer, Origin, QueueFull, Slot, SlotTable, common_prefix
-from .store import SlotStore, Snapshot
+from .slots import NoServer, Origin, QueueFull, Slot, SlotTable, common_prefix, reusable
+from .store import Restored, SlotStore, Snapshot
 from .upstream import Upstream, UpstreamDown, UpstreamRefused
 
 __all__ = ["COMPLETION_PATHS", "REUSED_HEADER", "Proxy"]
@@ -73,6 +83,15 @@ class _Flight:
     landed: asyncio.Event
 
 
+@dataclass(frozen=True)
+class _Restore:
+    """A restore done for a request: what was loaded, and how many of the prompt's tokens it gave
+    llama-server to reuse (what `timings.cache_n` should then report)."""
+
+    restored: Restored
+    promised: int
+
+
 @dataclass
 class _Relay:
     """What one relayed completion reported: llama-server's timings, and whether it ran to the end."""
@@ -88,6 +107,9 @@ class Proxy:
     A burst of requests over one long new prefix (a system prompt or document that nothing holds
     yet) would have llama-server compute it once per slot, all at once. Instead the first computes
     it and the others wait for its stored state, at most `flight_wait` seconds (0: never wait).
+
+    `rates` decides per upstream whether a restore beats computing (default: ``auto``, measured);
+    its mode is the command line's ``--restore``.
     """
 
     def __init__(
@@ -99,9 +121,11 @@ class Proxy:
         client: httpx.AsyncClient,
         scope: str = "",
         flight_wait: float = 60.0,
+        rates: RestoreRates | None = None,
     ) -> None:
         self.scope = scope
         self.flight_wait = flight_wait
+        self.rates = rates if rates is not None else RestoreRates()
         self.upstreams = upstreams
         self.slots = slots
         self.store = store
@@ -112,6 +136,7 @@ class Proxy:
         self._writes: set[asyncio.Task[Any]] = set()  # store writes: waited for on shutdown
         self._watchers: dict[int, asyncio.Task[Any]] = {}  # health polls of down servers: cancelled
         self._flights: set[_Flight] = set()
+        self._warned: set[str] = set()  # upstreams already warned about an ineffective restore
 
     # -- the ASGI entry --------------------------------------------------------
 
@@ -166,12 +191,13 @@ class Proxy:
             self._land(flight)
             raise
         upstream = self.upstreams[slot.server]
+        restore: _Restore | None = None
         try:
             if slot.scope != scope and slot.tokens:  # another tenant's state: never reused, erased first
                 await upstream.slot_action(slot.id, "erase")
             slot.tokens, slot.scope = (slot.tokens if slot.scope == scope else ()), scope
             if tokens and cached:
-                await self._restore(upstream, slot, tokens, held)
+                restore = await self._restore(upstream, slot, tokens, held)
             payload["id_slot"] = slot.id
             stream = bool(payload.get("stream"))
             if stream and not payload.get("timings_per_token"):
@@ -197,7 +223,7 @@ class Proxy:
         async def done(relay: _Relay) -> None:
             if fanned:  # while this request's own slot is still busy: its belief is kept
                 await self.slots.forget_idle(slot.server)
-            await self._finish(slot, how, relay, prompt, flight)
+            await self._finish(slot, how, relay, prompt, flight, restore)
 
         return _RelayResponse(answer, stream, strip, done)
 
@@ -234,7 +260,7 @@ class Proxy:
             held = max(await asyncio.to_thread(self.store.best_length, tokens, scope), self.slots.held(tokens, scope))
             if leader.landed.is_set():
                 continue  # it landed meanwhile: look again
-            if lead - held < MIN_FLIGHT_LEAD or loop.time() >= deadline:
+            if lead - held < MIN_FLIGHT_LEAD or loop.time() >= deadline or not self._would_restore(leader, lead - held):
                 break
             self.metrics.flight_waits.inc()
             try:
@@ -244,6 +270,15 @@ class Proxy:
         flight = _Flight(scope, tokens, asyncio.Event())
         self._flights.add(flight)
         return flight
+
+    def _would_restore(self, leader: _Flight, gain: int) -> bool:
+        """Whether a state of the leader's length, giving `gain` tokens, would be restored on some
+        reachable upstream: waiting for a state that will not be restored only adds latency."""
+        return any(
+            self.rates.estimate(u.url, tokens=gain, nbytes=self.rates.size_of(u.url, len(leader.tokens))).restore
+            for server, u in enumerate(self.upstreams)
+            if server not in self.slots.down
+        )
 
     def _land(self, flight: _Flight | None) -> None:
         """A request's state is stored (or will not be): requests waiting for it look again."""
@@ -257,27 +292,89 @@ class Proxy:
                 return upstream
         raise NoServer
 
-    async def _restore(self, upstream: Upstream, slot: Slot, tokens: list[int], held: int) -> None:
-        best = await asyncio.to_thread(self.store.best_length, tokens, slot.scope)
+    async def _restore(self, upstream: Upstream, slot: Slot, tokens: list[int], held: int) -> _Restore | None:
+        """Restore the store's best state for `tokens` into `slot` when it gives at least `MIN_GAIN`
+        tokens more than the slot holds (`held`) and the rates expect loading it (the whole entry's
+        bytes) to be faster than computing those tokens; the restore done, if any."""
+        peek = await asyncio.to_thread(self.store.best, tokens, slot.scope)
+        if peek is None:
+            return None
+        best = reusable(peek.key_length, peek.length, len(tokens), self.store.can_cut)
         if best < held + MIN_GAIN:
-            return
+            return None
+        url = upstream.url
+        decision = self.rates.decide(url, tokens=best - held, nbytes=self.rates.size_of(url, peek.key_length))
+        if not decision:
+            self.metrics.restores_skipped.labels(url, decision.reason).inc()
+            log.debug(
+                "sippcache proxy: no restore of %d tokens (%d more than slot %d of %s holds): %s "
+                "(restore %s s, prefill %s s expected)",
+                peek.key_length,
+                best - held,
+                slot.id,
+                url,
+                decision.reason,
+                _seconds(decision.restore_seconds),
+                _seconds(decision.prefill_seconds),
+            )
+            return None
         try:
             restored = await self.store.restore(upstream, slot.id, tokens, slot.scope)
         except UpstreamRefused:
             slot.tokens, slot.origin = (), None  # a refused restore leaves the slot empty
-            self.metrics.restores.labels(upstream.url, "refused").inc()
-            return
+            self.metrics.restores.labels(url, "refused").inc()
+            return None
         if restored is None:
-            return
+            return None
         slot.tokens, slot.origin = restored.origin.tokens, restored.origin
-        self.metrics.restores.labels(upstream.url, "ok").inc()
-        self.metrics.restore_seconds.labels(upstream.url).observe(restored.seconds)
+        self.metrics.restores.labels(url, "ok").inc()
+        self.metrics.restore_seconds.labels(url).observe(restored.seconds)
+        origin = restored.origin.tokens
+        promised = reusable(len(origin), common_prefix(origin, tokens), len(tokens), self.store.can_cut)
+        return _Restore(restored, promised)
 
-    async def _finish(self, slot: Slot, how: str, relay: _Relay, prompt: int, flight: _Flight | None) -> None:
+    def _learn(self, url: str, timings: dict[str, Any], restore: _Restore | None) -> None:
+        """Teach the rates what one answer measured: the prefill rate (llama-server's own
+        `prompt_n` in `prompt_ms`) and, after a restore, its rate in bytes weighted by the share of
+        what it gave that llama-server reused (`cache_n`). A restore of which it reused less than
+        `INEFFECTIVE_SHARE` is ineffective (it recomputed what was restored: a slot cleared behind
+        the proxy's back, a sliding-window model without --swa-full): counted, with a warning once
+        per upstream."""
+        try:
+            computed, ms = int(timings["prompt_n"]), float(timings["prompt_ms"])
+        except (KeyError, TypeError, ValueError):
+            pass
+        else:
+            self.rates.record_prefill(url, computed, ms / 1000.0)
+        if restore is None:
+            return
+        restored, useful = restore.restored, 1.0  # no timings (a client that left): taken as used
+        if isinstance(timings.get("cache_n"), int) and restore.promised > 0:
+            reused = int(timings["cache_n"])
+            useful = reused / restore.promised
+            if useful < INEFFECTIVE_SHARE:
+                self.metrics.restores_ineffective.labels(url).inc()
+                log.log(
+                    logging.DEBUG if url in self._warned else logging.WARNING,
+                    "sippcache proxy: %s reused %d of the %d prompt tokens a restore gave it (timings.cache_n): "
+                    "it recomputes restored states (a slot cleared behind the proxy's back, --cache-idle-slots; "
+                    "a sliding-window model without --swa-full); restores there are skipped while they buy nothing",
+                    url,
+                    reused,
+                    restore.promised,
+                )
+                self._warned.add(url)
+        self.rates.record_restore(
+            url, nbytes=restored.nbytes, seconds=restored.seconds, tokens=len(restored.origin.tokens), useful=useful
+        )
+
+    async def _finish(
+        self, slot: Slot, how: str, relay: _Relay, prompt: int, flight: _Flight | None, restore: _Restore | None = None
+    ) -> None:
         """After the response: count what llama-server reported, save the slot, free it, store; then
         the requests waiting for this one's state look again."""
         try:
-            stored = await self._save(slot, how, relay, prompt)
+            stored = await self._save(slot, how, relay, prompt, restore)
         except BaseException:
             self._land(flight)
             raise
@@ -286,11 +383,14 @@ class Proxy:
         else:
             stored.add_done_callback(lambda _: self._land(flight))
 
-    async def _save(self, slot: Slot, how: str, relay: _Relay, prompt: int) -> asyncio.Task[Any] | None:
-        """Count, save and free the slot; the task storing its state, if any."""
+    async def _save(
+        self, slot: Slot, how: str, relay: _Relay, prompt: int, restore: _Restore | None = None
+    ) -> asyncio.Task[Any] | None:
+        """Count, learn the rates, save and free the slot; the task storing its state, if any."""
         upstream = self.upstreams[slot.server]
         timings = relay.timings
         self.metrics.requests.labels(upstream.url, how, "ok" if relay.complete else "incomplete").inc()
+        self._learn(upstream.url, timings, restore)
         if "cache_n" in timings:
             self.metrics.prompt_tokens.labels(upstream.url, "reused").inc(int(timings["cache_n"]))
             self.metrics.prompt_tokens.labels(upstream.url, "computed").inc(int(timings.get("prompt_n", 0)))
@@ -324,6 +424,7 @@ class Proxy:
     async def _keep(self, url: str, snapshot: Snapshot, supersedes: Origin | None, scope: str) -> None:
         saved = await asyncio.to_thread(self.store.keep, snapshot, supersedes, scope)
         if saved is not None:
+            self.rates.record_size(url, len(saved.tokens), saved.nbytes)
             self.metrics.saves.labels(url).inc()
             self.metrics.save_seconds.labels(url).observe(saved.seconds)
             self.metrics.bytes_stored.labels(url).inc(saved.nbytes)
@@ -507,6 +608,10 @@ async def _disconnect(receive: Receive) -> None:
 
 async def _start(send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
     await send({"type": "http.response.start", "status": status, "headers": headers})
+
+
+def _seconds(value: float | None) -> str:
+    return "?" if value is None else f"{value:.4g}"
 
 
 def _forwarded(headers: Any) -> dict[str, str]:

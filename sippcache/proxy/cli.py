@@ -35,6 +35,7 @@ import xxhash
 from .. import frame, registry
 from ..modelfile import ModelFacts, read_model_facts
 from ..protocol import CacheBackend
+from ..rates import DEFAULT_MODE, MODES, RestoreRates
 from .app import Proxy
 from .metrics import ProxyMetrics
 from .slots import SlotTable
@@ -92,6 +93,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "stored state instead of computing it again (default 60; 0: never wait)",
     )
     parser.add_argument("--min-tokens", type=int, default=16, help="slot states shorter than this are not stored")
+    parser.add_argument(
+        "--restore",
+        choices=MODES,
+        default=DEFAULT_MODE,
+        help="when to restore a stored state: auto (default) when loading it is expected to be faster than "
+        "llama-server computing its tokens, from the rates measured on each upstream; always; never "
+        "(states are still stored)",
+    )
     parser.add_argument("server_args", nargs="*", metavar="-- ARGS", help="more llama-server arguments (managed)")
     return parser
 
@@ -334,6 +343,7 @@ async def _serve(
             client,
             args.scope,
             args.flight_wait,
+            RestoreRates(args.restore),
         )
         config = uvicorn.Config(proxy, host=args.host, port=args.port, log_level="warning", lifespan="on")
         server = uvicorn.Server(config)
@@ -343,4 +353,7 @@ async def _serve(
             file=sys.stderr,
             flush=True,
         )
-        await server.serve()
+        try:
+            await server.serve()
+        finally:
+            store.close()  # its restore staging files (an attached server's --slot-save-path stays)

@@ -38,6 +38,19 @@ class ProxyMetrics:
             ["upstream", "outcome"],
             registry=registry,
         )
+        self.restores_skipped = Counter(
+            "sippcache_proxy_restores_skipped",
+            "Stored states not restored although one gave more tokens than the slot held, by why: "
+            "slower_than_prefill, ineffective (this server's recent restores bought nothing), never (--restore never).",
+            ["upstream", "reason"],
+            registry=registry,
+        )
+        self.restores_ineffective = Counter(
+            "sippcache_proxy_restores_ineffective",
+            "Restores after which llama-server reused (timings.cache_n) less than half of what they gave the prompt.",
+            ["upstream"],
+            registry=registry,
+        )
         self.restore_seconds = Histogram(
             "sippcache_proxy_restore_seconds", "Store read + slot restore.", ["upstream"], registry=registry
         )

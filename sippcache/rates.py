@@ -1,0 +1,294 @@
+"""Whether restoring a stored state beats computing its tokens again, from measured rates.
+
+A restore is not free. On a CPU, loading a llama.cpp state is three orders of
+magnitude faster than computing it, and restoring always wins. On a fast GPU
+the two are close: on an H200, a 32,768-token state of 1,074 MB took
+llama-server 538 ms to load from its own slot file, and computing the prompt
+from scratch 685 ms (see the design notes, "On a GPU: bytes are the cost"); a
+store read and a staging copy on top of that make the restore the slower way.
+So whoever restores (the proxy, for each llama-server behind it) asks
+`RestoreRates` first, which compares what was measured at that place:
+
+- the prefill rate: tokens computed per second, from the server's own report
+  of each request (llama-server's ``timings.prompt_n`` tokens in
+  ``timings.prompt_ms``); samples under `MIN_PREFILL_TOKENS` tokens are
+  dropped, they measure a request's fixed costs more than the rate;
+- the restore rate: bytes per second over a whole restore (store read,
+  staging, the server's load), each restore's bytes weighted by the share of
+  what it promised that the server then reused: a restore the server threw
+  away (it recomputed the prompt anyway) counts its seconds against no bytes,
+  so a place that wastes restores looks too slow to get any, and after
+  `WASTED_IN_A_ROW` wasted restores in a row it gets none at all;
+- the state size per token, from restores and saves, for a caller that knows
+  how many tokens a stored state holds but not its bytes.
+
+A rate depends on the size of the work: attention costs more per token the
+longer the prompt (on the H200, 8,192 tokens in 112 ms, 32,768 in 617 ms: 37%
+more a token), a batch too small to fill a GPU computes fewer tokens a second,
+and a small restore is mostly the fixed cost of its calls. So samples are
+kept by size, in buckets of a power of two (`WINDOW` recent samples each),
+and the rate for a given size is the ratio of sums (seconds over tokens,
+seconds over useful bytes) in the bucket of that size, else the nearest one
+that has samples: one odd sample moves it by its share only.
+
+The rule: restore when the expected restore seconds are at most `margin`
+times the expected seconds to compute the tokens it saves (`margin` 1: a
+restore must be expected no slower than computing). With nothing measured yet
+it restores: a cache exists to restore, and the first restores and requests
+teach it the rates. Once it declines, no restore is measured any more, so
+after `PROBE_EVERY` declines in a row at a place it restores once anyway,
+to measure again (a page cache that warmed up, a server that was fixed).
+
+The mode: ``auto`` (the rule), ``always`` (restore whatever the rates say,
+the behaviour before the rule), ``never`` (never restore; states are still
+stored, for the places where restores win).
+
+Nothing here blocks or does I/O; one instance belongs to one event loop or
+thread (it takes no locks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+__all__ = [
+    "ALWAYS",
+    "DEFAULT_MODE",
+    "FASTER",
+    "INEFFECTIVE",
+    "INEFFECTIVE_SHARE",
+    "MODES",
+    "NEVER",
+    "PROBE",
+    "SLOWER",
+    "UNMEASURED",
+    "Decision",
+    "Measured",
+    "Mode",
+    "RestoreRates",
+]
+
+Mode = Literal["auto", "always", "never"]
+#: The modes, for a command line's choices.
+MODES: Final[tuple[Mode, ...]] = ("auto", "always", "never")
+DEFAULT_MODE: Final[Mode] = "auto"
+
+#: Prefill samples of fewer tokens are dropped: HTTP, template and sampling costs dominate them.
+MIN_PREFILL_TOKENS = 64
+#: How many recent samples a place keeps of each kind and size (a power of two).
+WINDOW = 8
+#: After this many declined restores in a row at a place, one restore is done anyway, to measure
+#: the restore rate again: a declined restore is never measured.
+PROBE_EVERY = 32
+#: A restore is chosen when its expected seconds are at most this many times the prefill's.
+MARGIN = 1.0
+#: A restore is wasted when the server reused less than this share of what it promised.
+INEFFECTIVE_SHARE = 0.5
+#: After this many wasted restores in a row at a place, its restores are declined (until a probe).
+WASTED_IN_A_ROW = 2
+
+# Why a restore is done.
+ALWAYS: Final = "always"
+UNMEASURED: Final = "unmeasured"
+FASTER: Final = "faster_than_prefill"
+PROBE: Final = "probe"
+# Why a restore is declined.
+NEVER: Final = "never"
+SLOWER: Final = "slower_than_prefill"
+INEFFECTIVE: Final = "ineffective"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether to restore, why, and the two expectations it compared (None where not measured).
+
+    `reason` names the rule that decided: for a restore ``always``, ``unmeasured``,
+    ``faster_than_prefill`` or ``probe``; for a declined one ``never``,
+    ``slower_than_prefill`` or ``ineffective`` (the place's recent restores bought nothing)."""
+
+    restore: bool
+    reason: str
+    restore_seconds: float | None = None
+    prefill_seconds: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.restore
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a place's samples say; None where it has none of that kind."""
+
+    prefill_tokens_per_second: float | None
+    restore_bytes_per_second: float | None  # per useful byte: 0.0 when no restore bought anything
+    bytes_per_token: float | None
+    prefill_samples: int
+    restore_samples: int
+
+
+class _Samples:
+    """Recent (work, cost) samples by the size of the work, in buckets of a power of two; the cost
+    per unit of work of a given size. Work: tokens or bytes; cost: seconds or bytes. A sample may
+    count less work than its size (a restore's useful bytes): `size` picks its bucket."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, deque[tuple[float, float]]] = {}
+
+    def add(self, size: float, work: float, cost: float) -> None:
+        bucket = self._buckets.get(_bucket(size))
+        if bucket is None:
+            bucket = self._buckets[_bucket(size)] = deque(maxlen=WINDOW)
+        bucket.append((work, cost))
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self._buckets.values())
+
+    def per_unit(self, size: float | None = None) -> float | None:
+        """Cost per unit of work for work of `size` (None: over every sample): from the bucket of
+        that size, else the nearest one with samples (the larger of two as near: its fixed costs
+        weigh less). None with no samples; infinite where the samples did no work."""
+        if not self._buckets:
+            return None
+        if size is None:
+            samples = [s for b in self._buckets.values() for s in b]
+        else:
+            want = _bucket(size)
+            samples = list(self._buckets[min(self._buckets, key=lambda b: (abs(b - want), -b))])
+        work = sum(w for w, _ in samples)
+        cost = sum(c for _, c in samples)
+        if work <= 0:
+            return math.inf
+        return cost / work
+
+
+def _bucket(size: float) -> int:
+    """The power of two `size` falls in: 1 for 1, 2 for 2-3, 3 for 4-7 and so on."""
+    return int(max(size, 1.0)).bit_length()
+
+
+@dataclass
+class _Place:
+    prefill: _Samples = field(default_factory=_Samples)  # by tokens: tokens, seconds
+    restore: _Samples = field(default_factory=_Samples)  # by bytes: useful bytes, seconds
+    sizes: _Samples = field(default_factory=_Samples)  # by tokens: tokens, bytes
+    declined: int = 0  # declined restores in a row
+    wasted: int = 0  # wasted restores in a row
+
+
+class RestoreRates:
+    """Measured prefill and restore rates per place (for the proxy: per upstream URL), and the
+    decision whether a restore beats computing its tokens again (see the module's docstring)."""
+
+    def __init__(self, mode: Mode = DEFAULT_MODE, *, margin: float = MARGIN, probe_every: int = PROBE_EVERY) -> None:
+        if mode not in MODES:
+            raise ValueError(f"restore mode must be one of {', '.join(MODES)}, not {mode!r}")
+        if not (math.isfinite(margin) and margin > 0):
+            raise ValueError(f"margin must be a finite number > 0, got {margin}")
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be at least 1, got {probe_every}")
+        self.mode: Mode = mode
+        self.margin = margin
+        self.probe_every = probe_every
+        self._places: dict[str, _Place] = {}
+
+    def _place(self, place: str) -> _Place:
+        found = self._places.get(place)
+        if found is None:
+            found = self._places[place] = _Place()
+        return found
+
+    # -- samples -------------------------------------------------------------------
+
+    def record_prefill(self, place: str, tokens: int, seconds: float) -> bool:
+        """`tokens` prompt tokens computed in `seconds` at `place` (the server's own timing). False
+        when the sample is dropped: under `MIN_PREFILL_TOKENS` tokens, or a time that is no time."""
+        if tokens < MIN_PREFILL_TOKENS or not (math.isfinite(seconds) and seconds > 0):
+            return False
+        self._place(place).prefill.add(tokens, tokens, seconds)
+        return True
+
+    def record_restore(self, place: str, *, nbytes: int, seconds: float, tokens: int, useful: float = 1.0) -> bool:
+        """A whole restore at `place`: a state of `tokens` tokens and `nbytes` bytes, read, staged
+        and loaded in `seconds`. `useful`: the share (0 to 1) of the tokens it promised that the
+        server then reused; 0 for a restore it threw away, whose seconds then buy no bytes. False
+        when the sample is dropped (no bytes, or a time that is no time)."""
+        if nbytes <= 0 or not (math.isfinite(seconds) and seconds >= 0):
+            return False
+        useful = min(1.0, max(0.0, useful)) if math.isfinite(useful) else 0.0
+        entry = self._place(place)
+        entry.restore.add(nbytes, nbytes * useful, max(seconds, 1e-9))  # timed at 0 s: fast, not free
+        entry.wasted = entry.wasted + 1 if useful < INEFFECTIVE_SHARE else 0
+        if tokens > 0:
+            entry.sizes.add(tokens, tokens, nbytes)
+        return True
+
+    def record_size(self, place: str, tokens: int, nbytes: int) -> None:
+        """A state of `tokens` tokens took `nbytes` bytes at `place` (a save, say)."""
+        if tokens > 0 and nbytes > 0:
+            self._place(place).sizes.add(tokens, tokens, nbytes)
+
+    # -- what the samples say -----------------------------------------------------------
+
+    def size_of(self, place: str, tokens: int) -> int | None:
+        """The expected bytes of a state of `tokens` tokens at `place`; None before any size is known."""
+        entry = self._places.get(place)
+        per_token = None if entry is None else entry.sizes.per_unit(tokens)
+        return None if per_token is None else round(per_token * tokens)
+
+    def measured(self, place: str) -> Measured:
+        """The rates over every sample of `place`, whatever their size (for logs and tests)."""
+        entry = self._places.get(place) or _Place()
+        per_token = entry.prefill.per_unit()
+        per_byte = entry.restore.per_unit()
+        return Measured(
+            prefill_tokens_per_second=None if per_token is None else 1.0 / per_token,
+            restore_bytes_per_second=None if per_byte is None else (0.0 if math.isinf(per_byte) else 1.0 / per_byte),
+            bytes_per_token=entry.sizes.per_unit(),
+            prefill_samples=len(entry.prefill),
+            restore_samples=len(entry.restore),
+        )
+
+    # -- the decision ---------------------------------------------------------------------
+
+    def estimate(self, place: str, *, tokens: int, nbytes: int | None) -> Decision:
+        """What the mode and the measurements say of restoring `nbytes` bytes (None: not known)
+        that save computing `tokens` tokens at `place`. No side effects (no probe: see `decide`)."""
+        if self.mode == "always":
+            return Decision(True, ALWAYS)
+        if self.mode == "never":
+            return Decision(False, NEVER)
+        entry = self._places.get(place)
+        if entry is None:
+            return Decision(True, UNMEASURED)
+        if entry.wasted >= WASTED_IN_A_ROW:
+            return Decision(False, INEFFECTIVE)
+        per_token = entry.prefill.per_unit(tokens)
+        per_byte = None if nbytes is None else entry.restore.per_unit(nbytes)
+        prefill = None if per_token is None else per_token * tokens
+        restore = None if per_byte is None or nbytes is None else per_byte * nbytes
+        if restore is not None and math.isinf(restore):
+            return Decision(False, INEFFECTIVE, restore, prefill)
+        if restore is None or prefill is None:
+            return Decision(True, UNMEASURED, restore, prefill)
+        if restore <= self.margin * prefill:
+            return Decision(True, FASTER, restore, prefill)
+        return Decision(False, SLOWER, restore, prefill)
+
+    def decide(self, place: str, *, tokens: int, nbytes: int | None) -> Decision:
+        """`estimate`, and the probe: in ``auto`` mode, after `probe_every` declines in a row at
+        `place`, one restore is done anyway (reason ``probe``) so that its rate is measured again."""
+        decision = self.estimate(place, tokens=tokens, nbytes=nbytes)
+        if self.mode != "auto":
+            return decision
+        entry = self._place(place)
+        if decision.restore:
+            entry.declined = 0
+            return decision
+        entry.declined += 1
+        if entry.declined < self.probe_every:
+            return decision
+        entry.declined = 0
+        return Decision(True, PROBE, decision.restore_seconds, decision.prefill_seconds)

@@ -1,0 +1,379 @@
+"""Restore only when it beats recomputing: `sippcache.rates` on its own, the proxy's judgement of an
+ineffective restore, and the proxy in front of real llama-server processes (the tiny model) with
+its rates preset one way or the other. No timed assertions: the rates are preset or fed, never
+measured against a clock."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import sippcache
+from sippcache.protocol import CacheBackend
+from sippcache.proxy.app import REUSED_HEADER, Proxy, _Flight, _Restore
+from sippcache.proxy.cli import build_parser
+from sippcache.proxy.metrics import ProxyMetrics
+from sippcache.proxy.slots import Origin, SlotTable
+from sippcache.proxy.store import Restored, SlotStore
+from sippcache.proxy.upstream import Upstream
+from sippcache.rates import MIN_PREFILL_TOKENS, RestoreRates
+from tests.proxy_tools import LlamaServer, ProxyServer, llama_server_binary, metric, settle
+from tests.servers import parse_metrics
+
+HERE = "http://127.0.0.1:8080"
+THERE = "http://127.0.0.1:8081"
+
+# -- the rates on their own ------------------------------------------------------------------------
+
+
+def test_with_nothing_measured_it_restores() -> None:
+    rates = RestoreRates()
+    decision = rates.decide(HERE, tokens=1000, nbytes=10**9)
+    assert decision and decision.reason == "unmeasured"
+    rates.record_prefill(HERE, 1000, 1.0)  # one side only: still nothing to compare
+    assert rates.decide(HERE, tokens=1000, nbytes=10**9).reason == "unmeasured"
+    assert rates.decide(HERE, tokens=1000, nbytes=None).reason == "unmeasured"  # the size not known
+
+
+def test_a_restore_slower_than_the_prefill_is_declined() -> None:
+    rates = RestoreRates()
+    rates.record_prefill(HERE, 32768, 0.685)  # the H200's cold prefill: about 48,000 tokens a second
+    rates.record_restore(HERE, nbytes=1_074_000_000, seconds=1.0, tokens=32768)  # staging + load: 1 s
+    decision = rates.decide(HERE, tokens=32768, nbytes=1_074_000_000)
+    assert not decision and decision.reason == "slower_than_prefill"
+    assert decision.restore_seconds is not None and decision.prefill_seconds is not None
+    assert decision.restore_seconds > decision.prefill_seconds
+    assert rates.decide(THERE, tokens=32768, nbytes=1_074_000_000).reason == "unmeasured"  # another place
+
+
+def test_a_restore_faster_than_the_prefill_is_done() -> None:
+    rates = RestoreRates()
+    rates.record_prefill(HERE, 1502, 3.5)  # a CPU: 430 tokens a second
+    rates.record_restore(HERE, nbytes=12_500_000, seconds=0.002, tokens=1502)
+    decision = rates.decide(HERE, tokens=1502, nbytes=12_500_000)
+    assert decision and decision.reason == "faster_than_prefill"
+
+
+def test_the_margin_is_how_much_slower_a_restore_may_be() -> None:
+    for margin, restores in ((1.0, False), (2.5, True)):
+        rates = RestoreRates(margin=margin)
+        rates.record_prefill(HERE, 1000, 1.0)
+        rates.record_restore(HERE, nbytes=1000, seconds=2.0, tokens=1000)
+        assert rates.decide(HERE, tokens=1000, nbytes=1000).restore is restores
+
+
+def test_always_and_never_ignore_the_rates() -> None:
+    for mode, restores in (("always", True), ("never", False)):
+        rates = RestoreRates(mode)  # type: ignore[arg-type]
+        rates.record_prefill(HERE, 1000, 0.001)
+        rates.record_restore(HERE, nbytes=1000, seconds=100.0, tokens=1000)  # a hopeless restore
+        decisions = [rates.decide(HERE, tokens=1000, nbytes=10**6) for _ in range(100)]  # no probes either
+        assert {(d.restore, d.reason) for d in decisions} == {(restores, mode)}
+    with pytest.raises(ValueError, match="auto, always, never"):
+        RestoreRates("sometimes")  # type: ignore[arg-type]
+
+
+def test_short_prefills_are_not_samples() -> None:
+    rates = RestoreRates()
+    assert not rates.record_prefill(HERE, MIN_PREFILL_TOKENS - 1, 10.0)  # a follow-up's few new tokens
+    assert not rates.record_prefill(HERE, 1000, 0.0)
+    assert rates.measured(HERE).prefill_samples == 0
+    assert rates.record_prefill(HERE, MIN_PREFILL_TOKENS, 0.064)
+    assert rates.measured(HERE).prefill_tokens_per_second == pytest.approx(1000)
+
+
+def test_a_rate_is_read_from_samples_of_about_that_size() -> None:
+    """Per token, a long prompt may cost less than a short suffix (a GPU's batch filled) or more
+    (attention): a long restore is weighed against long prefills, a short one against short ones."""
+    rates = RestoreRates()
+    rates.record_prefill(HERE, 30000, 0.6)  # 50,000 tokens a second
+    rates.record_prefill(HERE, 100, 0.015)  # 6,700 tokens a second
+    rates.record_restore(HERE, nbytes=10**9, seconds=0.8, tokens=30000)
+    long = rates.decide(HERE, tokens=30000, nbytes=10**9)
+    assert not long and long.prefill_seconds == pytest.approx(0.6)
+    short = rates.decide(HERE, tokens=100, nbytes=rates.size_of(HERE, 100))
+    assert short and short.prefill_seconds == pytest.approx(0.015)
+    rates.record_prefill(HERE, 110, 1.0)  # one odd sample moves its own size's rate by its share
+    assert rates.estimate(HERE, tokens=100, nbytes=None).prefill_seconds == pytest.approx(100 * 1.015 / 210)
+    assert rates.estimate(HERE, tokens=30000, nbytes=None).prefill_seconds == pytest.approx(0.6)
+
+
+def test_restores_that_bought_nothing_stop_restores() -> None:
+    rates = RestoreRates(probe_every=1000)
+    rates.record_prefill(HERE, 1000, 1.0)
+    rates.record_restore(HERE, nbytes=1000, seconds=0.01, tokens=1000, useful=0.0)  # thrown away
+    decision = rates.decide(HERE, tokens=1000, nbytes=1000)
+    assert not decision and decision.reason == "ineffective"
+    assert rates.measured(HERE).restore_bytes_per_second == 0.0
+    # One that was used makes restores pay again, at the cost of the wasted one: seconds per useful byte.
+    rates.record_restore(HERE, nbytes=1000, seconds=0.01, tokens=1000)
+    assert rates.measured(HERE).restore_bytes_per_second == pytest.approx(1000 / 0.02)
+    assert rates.decide(HERE, tokens=1000, nbytes=1000).reason == "faster_than_prefill"
+
+
+def test_wasted_restores_in_a_row_stop_restores_until_a_probe_finds_them_used() -> None:
+    rates = RestoreRates(probe_every=3)
+    rates.record_prefill(HERE, 1000, 1.0)
+    for _ in range(8):
+        rates.record_restore(HERE, nbytes=1000, seconds=0.001, tokens=1000)  # used, and fast
+    rates.record_restore(HERE, nbytes=1000, seconds=0.001, tokens=1000, useful=0.1)
+    assert rates.decide(HERE, tokens=1000, nbytes=1000).reason == "faster_than_prefill"  # one: a fluke
+    rates.record_restore(HERE, nbytes=1000, seconds=0.001, tokens=1000, useful=0.0)
+    reasons = [rates.decide(HERE, tokens=1000, nbytes=1000).reason for _ in range(3)]
+    assert reasons == ["ineffective", "ineffective", "probe"]
+    rates.record_restore(HERE, nbytes=1000, seconds=0.001, tokens=1000)  # the probe was used
+    assert rates.decide(HERE, tokens=1000, nbytes=1000).reason == "faster_than_prefill"
+
+
+def test_a_half_used_restore_costs_twice_as_much() -> None:
+    rates = RestoreRates()
+    rates.record_prefill(HERE, 1000, 1.0)  # 1 ms a token
+    rates.record_restore(HERE, nbytes=1000, seconds=0.6, tokens=1000, useful=0.5)
+    # 0.6 s bought 500 useful bytes: 1.2 ms a byte, slower than computing.
+    assert rates.decide(HERE, tokens=1000, nbytes=1000).reason == "slower_than_prefill"
+
+
+def test_after_many_declines_one_restore_measures_again() -> None:
+    rates = RestoreRates(probe_every=4)
+    rates.record_prefill(HERE, 1000, 0.001)
+    rates.record_restore(HERE, nbytes=1000, seconds=1.0, tokens=1000)
+    reasons = [rates.decide(HERE, tokens=1000, nbytes=1000).reason for _ in range(8)]
+    assert reasons == ["slower_than_prefill"] * 3 + ["probe"] + ["slower_than_prefill"] * 3 + ["probe"]
+    assert rates.estimate(HERE, tokens=1000, nbytes=1000).reason == "slower_than_prefill"  # estimate: no probe
+
+
+def test_the_size_of_a_state_is_learned_per_token() -> None:
+    rates = RestoreRates()
+    assert rates.size_of(HERE, 1000) is None
+    rates.record_size(HERE, 100, 3_200_000)  # a save
+    rates.record_restore(HERE, nbytes=9_600_000, seconds=0.01, tokens=300)
+    assert rates.size_of(HERE, 1000) == 32_000_000
+    assert rates.size_of(THERE, 1000) is None
+
+
+# -- the proxy's judgement of a restore ------------------------------------------------------------
+
+
+@pytest.fixture
+def bare_proxy(tmp_path: Path) -> Iterator[Proxy]:
+    """A proxy over two upstreams it never calls: for what it does with an answer's timings."""
+    client = httpx.AsyncClient()
+    store = SlotStore(sippcache.open("ram://"), fingerprint="f", facts={}, kind="full", staging=str(tmp_path))
+    upstreams = [Upstream(HERE, client), Upstream(THERE, client)]
+    yield Proxy(upstreams, SlotTable([1, 1]), store, ProxyMetrics(), client)
+    asyncio.run(client.aclose())
+
+
+def _restore(promised: int = 900) -> _Restore:
+    return _Restore(Restored(Origin(tuple(range(1000)), 900), nbytes=10**6, seconds=0.001), promised)
+
+
+def counted(proxy: Proxy, name: str, **labels: str) -> float:
+    total = 0.0
+    for key, value in parse_metrics(proxy.metrics.render().decode()).items():
+        series, _, rest = key.partition("{")
+        if series == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += value
+    return total
+
+
+def test_a_restore_llama_server_did_not_use_is_ineffective(bare_proxy: Proxy, caplog: Any) -> None:
+    proxy = bare_proxy
+    proxy.rates.record_prefill(HERE, 1000, 1.0)
+    with caplog.at_level(logging.DEBUG, logger="sippcache.proxy"):
+        proxy._learn(HERE, {"prompt_n": 905, "prompt_ms": 900.0, "cache_n": 0}, _restore())
+        proxy._learn(HERE, {"prompt_n": 905, "prompt_ms": 900.0, "cache_n": 3}, _restore())
+        proxy._learn(THERE, {"prompt_n": 5, "prompt_ms": 1.0, "cache_n": 899}, _restore())  # used: fine
+    assert counted(proxy, "sippcache_proxy_restores_ineffective_total", upstream=HERE) == 2
+    assert counted(proxy, "sippcache_proxy_restores_ineffective_total", upstream=THERE) == 0
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "reused" in r.getMessage()]
+    assert len(warnings) == 1 and HERE in warnings[0].getMessage()  # once per upstream
+    assert proxy.rates.measured(HERE).prefill_samples == 3  # the preset one and the two answers'
+    assert proxy.rates.measured(THERE).prefill_samples == 0  # 5 tokens: not a sample
+    decision = proxy.rates.decide(HERE, tokens=900, nbytes=10**6)
+    assert not decision and decision.reason == "ineffective"
+    assert proxy.rates.measured(THERE).restore_samples == 1
+
+
+def test_a_restore_whose_answer_has_no_timings_counts_as_used(bare_proxy: Proxy) -> None:
+    bare_proxy._learn(HERE, {}, _restore())  # a client that left before the first event
+    assert counted(bare_proxy, "sippcache_proxy_restores_ineffective_total") == 0
+    assert bare_proxy.rates.measured(HERE).restore_bytes_per_second == pytest.approx(10**6 / 0.001)
+
+
+def test_no_wait_for_a_state_in_flight_that_would_not_be_restored(bare_proxy: Proxy) -> None:
+    """Step 1b waits for another request's state only to restore it."""
+    leader = _Flight("", list(range(5000)), asyncio.Event())
+    assert bare_proxy._would_restore(leader, 4000)  # nothing measured: it would be restored
+    for url in (HERE, THERE):
+        bare_proxy.rates.record_prefill(url, 5000, 0.001)
+        bare_proxy.rates.record_restore(url, nbytes=10**6, seconds=1.0, tokens=5000)
+    assert not bare_proxy._would_restore(leader, 4000)
+    bare_proxy.rates.mode = "always"
+    assert bare_proxy._would_restore(leader, 4000)
+
+
+# -- in front of real llama-servers ----------------------------------------------------------------
+
+SYSTEM = (
+    "You are the archivist of a lighthouse on the northern cape. You keep the keeper's log: every ship that "
+    "passed, its flag, the hour, the weather and the state of the sea. Answer briefly and plainly. "
+) * 4  # about 850 tokens on the tiny model's byte-level vocabulary
+GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 8}
+FIRST = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "which ship passed first?"}]
+FOLLOW = [*FIRST, {"role": "assistant", "content": "the Eider"}, {"role": "user", "content": "and her flag?"}]
+
+
+@contextlib.asynccontextmanager
+async def in_process(url: str, slots: Path, cache: CacheBackend, rates: RestoreRates) -> AsyncIterator[Any]:
+    """A `Proxy` built as the command line builds it, in this process (its rates at hand), in front
+    of the llama-server at `url`; (the proxy, an HTTP client for it). Its store writes are waited for."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, read=None), limits=limits) as client:
+        upstream = Upstream(url, client)
+        info = await upstream.info()
+        store = SlotStore(cache, fingerprint="rates", facts={}, kind="full", staging=str(slots))
+        proxy = Proxy([upstream], SlotTable([info.slots]), store, ProxyMetrics(), client, rates=rates)
+        transport = httpx.ASGITransport(app=proxy)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://proxy", timeout=600) as front:
+                yield proxy, front
+        finally:
+            await proxy.drain()
+
+
+async def ask(client: httpx.AsyncClient, messages: list[dict[str, str]], **extra: Any) -> tuple[str, int, Any]:
+    """(the answer, the X-Sippcache-Prompt-Reused header or -1, llama-server's timings)."""
+    response = await client.post("/v1/chat/completions", json={"messages": messages, **GREEDY, **extra})
+    assert response.status_code == 200, response.text
+    data = response.json()
+    return data["choices"][0]["message"]["content"], int(response.headers.get(REUSED_HEADER) or -1), data["timings"]
+
+
+@pytest.fixture
+def restarted(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[[], LlamaServer]]:
+    """`restarted()`: a new llama-server process (empty slots) on the shared slot directory; the
+    last one is stopped first. Teardown stops the last."""
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    running: list[LlamaServer] = []
+    numbers = itertools.count()
+
+    def start() -> LlamaServer:
+        if running:
+            running.pop().stop()
+        args = ("-c", "4096", "-np", "1", "--slot-save-path", str(slots), "--no-cache-idle-slots")
+        server = LlamaServer(tiny_model, tmp_path / f"llama-{next(numbers)}.log", *args)
+        running.append(server.start())
+        return server
+
+    yield start
+    for server in running:
+        server.stop()
+
+
+def stored_first_turn(restarted: Callable[[], LlamaServer], slots: Path, cache: CacheBackend) -> None:
+    """The first turn through a proxy, stored; then the server restarts (its slot is empty)."""
+    server = restarted()
+
+    async def first() -> None:
+        async with in_process(server.url, slots, cache, RestoreRates()) as (proxy, front):
+            await ask(front, FIRST)
+        assert counted(proxy, "sippcache_proxy_saves_total") == 1
+
+    asyncio.run(first())
+
+
+def test_a_restore_preset_slower_than_prefill_is_skipped(restarted: Any, tmp_path: Path) -> None:
+    cache = sippcache.open("ram://")
+    stored_first_turn(restarted, tmp_path / "slots", cache)
+    server = restarted()
+    rates = RestoreRates()
+    rates.record_prefill(server.url, 100_000, 0.001)  # a hundred million tokens a second
+    rates.record_restore(server.url, nbytes=1000, seconds=10.0, tokens=10)  # 100 bytes a second
+
+    async def follow_up() -> tuple[Proxy, tuple[str, int, Any], str]:
+        async with in_process(server.url, tmp_path / "slots", cache, rates) as (proxy, front):
+            answer = await ask(front, FOLLOW)
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as plain:  # after: it fills the slot
+            response = await plain.post(
+                "/v1/chat/completions", json={"messages": FOLLOW, **GREEDY, "cache_prompt": False}
+            )
+        return proxy, answer, response.json()["choices"][0]["message"]["content"]
+
+    proxy, (text, reused, timings), cold = asyncio.run(follow_up())
+    assert reused == timings["cache_n"] == 0, timings  # nothing restored: all of it computed
+    assert text == cold
+    url = server.url
+    assert counted(proxy, "sippcache_proxy_restores_skipped_total", upstream=url, reason="slower_than_prefill") == 1
+    assert counted(proxy, "sippcache_proxy_restores_total") == 0
+    assert rates.measured(url).prefill_samples == 2  # the preset one, and this answer's
+
+
+def test_a_restore_preset_faster_than_prefill_is_done(restarted: Any, tmp_path: Path) -> None:
+    cache = sippcache.open("ram://")
+    stored_first_turn(restarted, tmp_path / "slots", cache)
+    server = restarted()
+    rates = RestoreRates()
+    rates.record_prefill(server.url, 100, 100.0)  # a token a second
+    rates.record_restore(server.url, nbytes=10**9, seconds=0.001, tokens=10**6)
+
+    async def follow_up() -> tuple[Proxy, tuple[str, int, Any], str]:
+        async with in_process(server.url, tmp_path / "slots", cache, rates) as (proxy, front):
+            answer = await ask(front, FOLLOW)
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as plain:
+            response = await plain.post(
+                "/v1/chat/completions", json={"messages": FOLLOW, **GREEDY, "cache_prompt": False}
+            )
+        return proxy, answer, response.json()["choices"][0]["message"]["content"]
+
+    proxy, (text, reused, timings), cold = asyncio.run(follow_up())
+    assert reused == timings["cache_n"] > 800, timings  # the stored first turn, restored
+    assert text == cold
+    url = server.url
+    assert counted(proxy, "sippcache_proxy_restores_total", upstream=url, outcome="ok") == 1
+    assert counted(proxy, "sippcache_proxy_restores_skipped_total") == 0
+    assert counted(proxy, "sippcache_proxy_restores_ineffective_total") == 0
+    assert rates.measured(url).restore_samples == 2  # the preset one, and this restore
+
+
+# -- the command line ----------------------------------------------------------------------------------
+
+
+def test_the_restore_option() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["--upstream", HERE]).restore == "auto"
+    assert parser.parse_args(["--restore", "never"]).restore == "never"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--restore", "sometimes"])
+
+
+def test_restore_never_on_the_command_line(tiny_model: Path, tmp_path: Path) -> None:
+    cache = f"lmdb://{tmp_path}/store"
+    managed = ["--llama-server", str(llama_server_binary()), "--model", str(tiny_model), "--cache", cache]
+    body = {"messages": FOLLOW, **GREEDY}
+    started: list[ProxyServer] = []
+    try:
+        for i, extra in enumerate(([], ["--restore", "never"])):
+            started.append(ProxyServer([*managed, *extra, "--", "-c", "4096"], tmp_path / f"proxy-{i}.log"))
+            proxy = started[-1]
+            proxy.wait_ready()
+            status, headers, answer = proxy.post("/v1/chat/completions", body)
+            assert status == 200, answer
+            settle(proxy)
+            skipped = metric(proxy, "sippcache_proxy_restores_skipped_total", reason="never")
+            proxy.stop()
+        # The second proxy's llama-server started empty, and the stored state was not restored.
+        assert headers[REUSED_HEADER.lower()] == "0" and answer["timings"]["cache_n"] == 0
+        assert skipped == 1
+    finally:
+        for proxy in started:
+            proxy.stop()
