@@ -1,0 +1,416 @@
+"""State-path benchmark: how fast sippcache moves a llama.cpp state's bytes, stage by stage.
+
+On a GPU the compute is cheap: an H200 prefills 32K tokens of an 8B model in about 0.6 s, and
+llama-server's own slot save/restore of that 1 GB state already takes 0.5-0.7 s (1.6-2 GB/s). So
+a state's bytes are the whole cost of a restore, and this benchmark prices every copy and hash of
+them as GB/s and as a ratio to a plain memory copy of the same bytes measured in the same run
+(1.0x: as fast as memcpy; 0.5x: costs two memcpys). Per state size:
+
+- anchors: memcpy into a preallocated buffer, into a new buffer (page faults included), xxh3_64,
+  writing a new file and rewriting an existing one on the --dir filesystem;
+- framing: `frame.encode` of a one-section state, `frame.decode` of it (checksum checked);
+- each backend, opened by URL: `store` of the framed blob (a new key each repetition), `lookup` +
+  xxh3 of the whole blob (so mapped pages are read) + release; LMDB runs with ``sync=false`` and
+  its disk sync (fsync of data.mdb) is a row of its own; ``tiered`` (not run by default) is LMDB in
+  front of diskcache: its store times the LMDB write and the queueing (the L2 write is awaited untimed);
+- the proxy (`sippcache.proxy.store.SlotStore`, kind "full") on each backend: ``keep`` of a slot
+  file in llama-server's format (read + framing + store write; the file is written untimed first)
+  and ``_stage`` of the entry (lookup + decode + writing the staging slot file: one per slot, as
+  the proxy keeps it, so the first restore, which creates it, is untimed); beside them, the same
+  save and restore as the proxy made them before 2026-11-27 (a read into a new buffer and two more
+  copies; a new staging file per restore), the alternative measured in the same run.
+
+Sizes are the KV of 2K, 8K and 32K tokens of an 8B-class model (32 KiB a token). Goals, judged on
+the largest size and the RAM backend (the other backends' writes are their own cost, shown
+beside): the proxy's restore (``_stage``) at least 0.5x memcpy, its save (``keep``) at least 0.3x.
+Exit status 1 if a goal fails (unless --no-goals). Needs sippcache's ``proxy`` extra (httpx,
+starlette: `sippcache.proxy` imports them), not llama_cpp. Run it on an idle machine:
+
+    python benchmarks/state_path.py                            # 64M, 256M, 1G: a few GB of RAM
+    python benchmarks/state_path.py --sizes 16M --repeat 1     # a quick smoke test
+    python benchmarks/state_path.py --backends ram,lmdb,tiered --dir /var/tmp --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import xxhash
+
+import sippcache
+from sippcache import frame
+from sippcache.backends.tiered import tiered_url
+from sippcache.options import Size
+from sippcache.proxy import slotfile
+from sippcache.proxy.store import KIND, SlotStore, Snapshot
+
+KV_BYTES_PER_TOKEN = 32 * 1024  # Llama-3-8B, f16 K and V
+VOCAB = 128_256
+SLOT_VERSION = 4
+DEFAULT_SIZES = "64M,256M,1G"
+URLS = {
+    "ram": "ram://?max_bytes=64GiB",
+    "lmdb": "lmdb://{dir}/lmdb?sync=false&max_bytes=64GiB",
+    "diskcache": "diskcache://{dir}/diskcache?max_bytes=64GiB",
+    "tiered": "",  # LMDB in front of diskcache, built in `backend_url`
+}
+RESTORE_GOAL, SAVE_GOAL, GOAL_BACKEND = 0.5, 0.3, "ram"
+MEMCPY, LMDB_SYNC = "memcpy (preallocated buffer)", "lmdb: disk sync (fsync data.mdb)"
+
+
+def parse_size(text: str) -> int:
+    """``16M``, ``1G`` (binary: MiB, GiB), or anything `sippcache.options.Size` reads (``1.5GB``)."""
+    text = text.strip()
+    return int(Size.parse(text + "iB" if text[-1:].upper() in "KMGT" and text[-1:].isalpha() else text))
+
+
+def show_size(n: int) -> str:
+    return f"{n / 2**30:g} GiB" if n >= 2**30 else f"{n / 2**20:g} MiB"
+
+
+def random_state(size: int, seed: int) -> bytes:
+    """`size` random bytes (numpy's generator if importable, else a random 1 MiB block repeated)."""
+    try:
+        import numpy as np
+    except ImportError:
+        block = os.urandom(1 << 20)
+        return (block * (size // len(block) + 1))[:size]
+    return np.random.default_rng(seed).bytes(size)
+
+
+def filesystem(path: str) -> str:
+    """The type of the filesystem `path` is on (the longest mount point in /proc/mounts above it)."""
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return "unknown"
+    above = [(m, kind) for m, kind in mounts if path == m or path.startswith(m.rstrip("/") + "/")]
+    return max(above, key=lambda mount: len(mount[0]))[1] if above else "unknown"
+
+
+class Clock:
+    """Times of the stages, in the order first timed."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = defaultdict(list)
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.times[stage].append(time.perf_counter() - start)
+
+
+def backend_url(name: str, root: str) -> str:
+    if name == "tiered":
+        l1, l2 = URLS["lmdb"].format(dir=root), URLS["diskcache"].format(dir=root)
+        return tiered_url(l1, l2, queue_bytes="4GiB")
+    return URLS[name].format(dir=root)
+
+
+def anchors(clock: Clock, state: bytes, repeat: int, root: str) -> None:
+    """memcpy, xxh3 and file writes of the state: what every other row is compared with."""
+    target = bytearray(len(state))
+    memoryview(target)[:] = state  # fault the target's pages in first
+    for _ in range(repeat):
+        with clock(MEMCPY):
+            memoryview(target)[:] = state
+    del target
+    for _ in range(repeat):
+        with clock("memcpy (new buffer)"):
+            fresh = bytearray(state)
+        del fresh
+    for _ in range(repeat):
+        with clock("xxh3_64"):
+            xxhash.xxh3_64_intdigest(state)
+    path = os.path.join(root, "anchor.bin")
+    for _ in range(repeat):
+        with clock("file: write a new one"), open(path, "wb") as f:
+            f.write(state)
+        os.unlink(path)
+    with open(path, "wb") as f:
+        f.write(state)
+    for _ in range(repeat):
+        with clock("file: rewrite an existing one"), open(path, "r+b") as f:
+            f.write(state)
+    os.unlink(path)
+
+
+def framing(clock: Clock, state: bytes, tokens: tuple[int, ...], repeat: int) -> bytes:
+    blob = b""
+    for _ in range(repeat):
+        blob = b""  # free the last one before making the next
+        with clock("frame.encode"):
+            blob = frame.encode(tokens, [state], fingerprint="bench", kind=KIND, roles=["state"])
+    for _ in range(repeat):
+        with clock("frame.decode (checksum checked)"):
+            decoded = frame.decode(blob)
+        if decoded.payload_size != len(state):
+            sys.exit(f"FAIL: frame.decode gave {decoded.payload_size} bytes, expected {len(state)}")
+        del decoded
+    return blob
+
+
+def backend(clock: Clock, name: str, url: str, blob: bytes, keys: list[tuple[int, ...]]) -> None:
+    """store (new key each time) and lookup + read + release of the framed blob."""
+    repeat, last = len(keys), keys[-1]
+    digest = xxhash.xxh3_64_intdigest(blob)
+    with sippcache.open(url) as cache:
+        data_file = os.path.join(getattr(cache, "path", ""), "data.mdb") if name == "lmdb" else ""
+        for i in range(repeat):
+            with clock(f"{name}: store"):
+                stored = cache.store(keys[i], blob)
+            if not stored:
+                sys.exit(f"FAIL: {name} refused a {len(blob):,}-byte entry")
+            if data_file:
+                with clock(LMDB_SYNC):
+                    fd = os.open(data_file, os.O_RDONLY)
+                    os.fsync(fd)
+                    os.close(fd)
+            len(cache)  # tiered: wait for the L2 write (untimed)
+            if i < repeat - 1:
+                cache.delete(keys[i])
+        for _ in range(repeat):
+            with clock(f"{name}: lookup + read + release"):
+                match = cache.lookup(last)
+                assert match is not None
+                with match:
+                    read = xxhash.xxh3_64_intdigest(match.blob)
+            if read != digest or match.length != len(last):
+                sys.exit(f"FAIL: {name} returned other bytes or another key")
+
+
+def proxy(clock: Clock, name: str, url: str, state: bytes, keys: list[tuple[int, ...]], staging: str) -> None:
+    """`SlotStore.keep` of a llama-server slot file, then `SlotStore._stage` of the entry back to one."""
+    repeat, last = len(keys), keys[-1]
+    os.makedirs(staging)
+    with sippcache.open(url) as cache:
+        slots = SlotStore(cache, fingerprint="bench", facts={}, kind="full", staging=staging, min_tokens=16)
+        namespace = slots.namespace("bench")
+        for i in range(repeat):
+            path = os.path.join(staging, f"save-{i}.slot")
+            with open(path, "wb") as f:  # what llama-server's slot save writes (untimed)
+                for part in slotfile.build(SLOT_VERSION, keys[i], state):
+                    f.write(part)
+            with clock(f"proxy save: keep ({name})"):
+                saved = slots.keep(Snapshot(path, keys[i], len(keys[i]), time.perf_counter()), None, "bench")
+            if saved is None or os.path.exists(path):
+                sys.exit(f"FAIL: SlotStore.keep on {name} stored nothing (errors: {slots.errors})")
+            len(cache)  # tiered: wait for the L2 write (untimed)
+            if i < repeat - 1:
+                cache.delete(keys[i], namespace=namespace)
+        for i in range(repeat):  # the same save as the proxy made it before 2026-11-27, side by side
+            path = os.path.join(staging, f"save-before-{i}.slot")
+            with open(path, "wb") as f:
+                for part in slotfile.build(SLOT_VERSION, last, state):
+                    f.write(part)
+            with clock(f"proxy save, before: read + 3 copies ({name})"):
+                keep_before(cache, path, namespace)
+        expected = xxhash.xxh3_64()
+        for part in slotfile.build(SLOT_VERSION, last, state):
+            expected.update(part)
+        for _ in range(repeat):
+            with clock(f"proxy restore, before: a new staging file ({name})"):
+                stage_before(cache, last, namespace, os.path.join(staging, "restore-before.slot"))
+        path = os.path.join(staging, "restore.slot")  # one per slot, as the proxy keeps it
+        for i in range(repeat + 1):  # the first creates the staging file: untimed, and checked
+            with clock(f"proxy restore: _stage ({name})") if i else nullcontext():
+                staged = slots._stage(last, namespace, path)
+            if staged is None or staged[1] != len(state):
+                sys.exit(f"FAIL: SlotStore._stage on {name} staged nothing (errors: {slots.errors})")
+            if i == 0:  # the slot file llama-server would have written
+                with open(path, "rb") as f:
+                    if xxhash.xxh3_64_intdigest(f.read()) != expected.intdigest():
+                        sys.exit(f"FAIL: SlotStore._stage on {name} wrote another slot file")
+
+
+def keep_before(cache: sippcache.CacheBackend, path: str, namespace: str) -> None:
+    """`SlotStore.keep` as it was: the file read into a new buffer, the sequence header joined to a
+    copy of the state, the frame joined again, the file removed."""
+    with open(path, "rb") as f:
+        parsed = slotfile.parse(f.read())
+    seq = b"".join((struct.pack("<Ii", slotfile.SEQ_STATE_MAGIC, 0), parsed.state))
+    meta = {"slot_version": parsed.version, "memory": "full", "prompt": len(parsed.tokens)}
+    blob = frame.encode(parsed.tokens, [seq], fingerprint="bench", kind=KIND, meta=meta, roles=["state"])
+    cache.store(parsed.tokens, blob, namespace=namespace)
+    os.unlink(path)
+
+
+def stage_before(cache: sippcache.CacheBackend, tokens: tuple[int, ...], namespace: str, path: str) -> None:
+    """`SlotStore._stage` as it was: a new staging file per restore, removed after llama-server read it."""
+    match = cache.lookup(tokens, namespace=namespace, partial=True)
+    assert match is not None
+    with match:
+        entry = frame.decode(match.blob)
+        with open(path, "wb") as f:
+            for part in slotfile.build(SLOT_VERSION, match.key, slotfile.state_of(entry.sections[0])):
+                f.write(part)
+        del entry
+    os.unlink(path)
+
+
+def bench_size(size: int, backends: list[str], repeat: int, root: str) -> list[dict[str, Any]]:
+    """Every stage for one state size; rows of stage, median seconds, GB/s and ratio to memcpy."""
+    n_tokens = max(16, size // KV_BYTES_PER_TOKEN)
+    state = random_state(size, seed=size)
+    words = (int.from_bytes(state[i : i + 4], "little") % VOCAB for i in range(0, 4 * n_tokens, 4))
+    prefix = tuple(words)[:-1]
+    keys = [(*prefix, i % VOCAB) for i in range(repeat)]  # a new key each repetition
+    clock = Clock()
+    anchors(clock, state, repeat, root)
+    blob = framing(clock, state, keys[0], repeat)
+    for name in backends:
+        print(f"  {show_size(size)}: {name} ...", file=sys.stderr, flush=True)
+        where = tempfile.mkdtemp(prefix=f"{name}-", dir=root)
+        backend(clock, name, backend_url(name, where), blob, keys)
+        shutil.rmtree(where)
+    del blob
+    gc.collect()
+    for name in backends:
+        print(f"  {show_size(size)}: proxy on {name} ...", file=sys.stderr, flush=True)
+        where = tempfile.mkdtemp(prefix=f"{name}-proxy-", dir=root)
+        proxy(clock, name, backend_url(name, where), state, keys, os.path.join(where, "staging"))
+        shutil.rmtree(where)
+    del state
+    gc.collect()
+    memcpy = statistics.median(clock.times[MEMCPY])
+    rows = []
+    for stage, times in clock.times.items():
+        seconds = statistics.median(times)
+        rows.append(
+            {
+                "size": size,
+                "tokens": n_tokens,
+                "stage": stage,
+                "seconds": seconds,
+                "gb_per_s": size / seconds / 1e9 if seconds else float("inf"),
+                "x_memcpy": memcpy / seconds if seconds else float("inf"),
+            }
+        )
+    return rows
+
+
+def print_table(size: int, rows: list[dict[str, Any]], repeat: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    tokens = rows[0]["tokens"]
+    table = Table(
+        title=f"A {show_size(size)} state ({tokens:,} tokens at {KV_BYTES_PER_TOKEN // 1024} KiB)",
+        caption=f"median of {repeat}; x memcpy: memcpy's time over the stage's (1.0x: as fast as memcpy)",
+    )
+    for column in ("stage", "ms", "GB/s", "x memcpy"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    for row in rows:
+        table.add_row(row["stage"], f"{row['seconds'] * 1e3:,.1f}", f"{row['gb_per_s']:.2f}", f"{row['x_memcpy']:.2f}x")
+    Console().print(table)
+
+
+def totals(rows: list[dict[str, Any]], backends: list[str]) -> list[dict[str, Any]]:
+    """The proxy's whole-state save, restore and round trip per backend, as ratios to memcpy."""
+    by_stage = {row["stage"]: row for row in rows}
+    memcpy = by_stage[MEMCPY]["seconds"]
+    out = []
+    for name in backends:
+        save, restore = by_stage[f"proxy save: keep ({name})"], by_stage[f"proxy restore: _stage ({name})"]
+        save_before = by_stage[f"proxy save, before: read + 3 copies ({name})"]
+        restore_before = by_stage[f"proxy restore, before: a new staging file ({name})"]
+        trip = save["seconds"] + restore["seconds"]
+        sync = by_stage.get(LMDB_SYNC) if name == "lmdb" else None
+        out.append(
+            {
+                "size": rows[0]["size"],
+                "backend": name,
+                "save_x": save["x_memcpy"],
+                "restore_x": restore["x_memcpy"],
+                "round_trip_x": 2 * memcpy / trip,
+                "save_before_x": save_before["x_memcpy"],
+                "restore_before_x": restore_before["x_memcpy"],
+                "save_ms": save["seconds"] * 1e3,
+                "restore_ms": restore["seconds"] * 1e3,
+                "sync_ms": None if sync is None else sync["seconds"] * 1e3,
+            }
+        )
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--sizes", default=DEFAULT_SIZES, help=f"comma-separated, e.g. 16M,1G (default {DEFAULT_SIZES})"
+    )
+    parser.add_argument("--repeat", type=int, default=5, help="repetitions of each stage; the median is shown (5)")
+    parser.add_argument("--backends", default="ram,lmdb,diskcache", help=f"of {', '.join(URLS)} (ram,lmdb,diskcache)")
+    parser.add_argument("--dir", help="where stores and files go (default: a temp dir under /dev/shm, if it exists)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
+    parser.add_argument("--no-goals", action="store_true", help="report only: exit 0 whatever the ratios")
+    args = parser.parse_args()
+    sizes = sorted(parse_size(s) for s in args.sizes.split(",") if s.strip())
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if unknown := [b for b in backends if b not in URLS]:
+        parser.error(f"unknown backends {', '.join(unknown)} (known: {', '.join(URLS)})")
+    if args.repeat < 1 or not sizes or min(sizes) < KV_BYTES_PER_TOKEN:
+        parser.error(f"--repeat must be >= 1 and every size >= {KV_BYTES_PER_TOKEN // 1024} KiB")
+    parent = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    root = tempfile.mkdtemp(prefix="sippcache-state-path-", dir=parent)
+    fs = filesystem(os.path.realpath(root))
+    print(f"files in {root} ({fs}); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+
+    results: list[dict[str, Any]] = []
+    summary: list[dict[str, Any]] = []
+    try:
+        for size in sizes:
+            rows = bench_size(size, backends, args.repeat, root)
+            print_table(size, rows, args.repeat)
+            results += rows
+            summary += totals(rows, backends)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    print("proxy totals (save: keep; restore: _stage; round trip: both, against two memcpys):")
+    for t in summary:
+        sync = f", fsync {t['sync_ms']:,.1f} ms more" if t["sync_ms"] is not None else ""
+        print(
+            f"  {show_size(t['size']):>8} {t['backend']:<10} save {t['save_ms']:,.1f} ms ({t['save_x']:.2f}x memcpy)"
+            f"{sync}, restore {t['restore_ms']:,.1f} ms ({t['restore_x']:.2f}x), round trip {t['round_trip_x']:.2f}x;"
+            f" before: save {t['save_before_x']:.2f}x, restore {t['restore_before_x']:.2f}x"
+        )
+    judged = [t for t in summary if t["size"] == sizes[-1] and t["backend"] == GOAL_BACKEND]
+    goals: dict[str, bool | None] = {"restore": None, "save": None}
+    if judged:
+        goals = {"restore": judged[0]["restore_x"] >= RESTORE_GOAL, "save": judged[0]["save_x"] >= SAVE_GOAL}
+        for what, goal, ratio in (("restore", RESTORE_GOAL, "restore_x"), ("save", SAVE_GOAL, "save_x")):
+            verdict = "PASS" if goals[what] else "MISS (--no-goals)" if args.no_goals else "FAIL"
+            print(
+                f"{verdict}: proxy {what} of a {show_size(sizes[-1])} state on {GOAL_BACKEND}"
+                f" {judged[0][ratio]:.2f}x memcpy >= {goal}x"
+            )
+    else:
+        print(f"goals not judged: they are judged on the {GOAL_BACKEND} backend, which was not run")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"dir": parent, "filesystem": fs, "repeat": args.repeat, "sizes": sizes, "backends": backends,
+                 "load_average": os.getloadavg()[0], "rows": results, "totals": summary, "goals": goals},
+                f, indent=1,
+            )  # fmt: skip
+    failed = any(ok is False for ok in goals.values())
+    return 1 if failed and not args.no_goals else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
