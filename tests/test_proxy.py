@@ -57,8 +57,14 @@ def procs(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 
 
 def managed(model: Path, cache: str, *extra: str, parallel: int = 1) -> list[str]:
+    """A managed proxy's arguments. These tests check what a restore gives, so every stored state that
+    gains tokens is restored (``--restore always``, unless `extra` says otherwise): whether a restore
+    pays is measured, and on the tiny model a short gain is cheaper to compute (tests/test_proxy_rates.py
+    tests that choice)."""
     from tests.proxy_tools import llama_server_binary
 
+    if "--restore" not in extra:
+        extra = ("--restore", "always", *extra)
     return [
         "--llama-server",
         str(llama_server_binary()),
@@ -178,7 +184,11 @@ def test_reuse_in_metrics_is_what_llama_server_reported(procs: Any, model: Path,
     assert metric(proxy, "sippcache_proxy_prompt_tokens_total", how="reused") == sum(t["cache_n"] for t in reported)
     assert metric(proxy, "sippcache_proxy_prompt_tokens_total", how="computed") == sum(t["prompt_n"] for t in reported)
     assert metric(proxy, "sippcache_proxy_requests_total", outcome="ok") == 3
-    assert metric(proxy, "sippcache_proxy_saves_total") == 3
+    # Three conversations on one slot: the first is new (saved at once), the second is saved when the
+    # third takes its slot, the third stays unsaved in the slot.
+    assert metric(proxy, "sippcache_proxy_slot_saves_total", reason="new") == 1
+    assert metric(proxy, "sippcache_proxy_slot_saves_total", reason="leave") == 1
+    assert metric(proxy, "sippcache_proxy_saves_total") == 2
 
 
 # -- restarts, new conversations, replicas -------------------------------------------------------------
@@ -414,7 +424,7 @@ def test_a_stream_read_to_its_end_is_stored_however_soon_the_client_leaves(
     sets that order exactly.)"""
     import socket
 
-    proxy = procs(managed(model, f"lmdb://{tmp_path}/store"))
+    proxy = procs(managed(model, f"lmdb://{tmp_path}/store", "--save-idle", "0"))  # each saved once free
     host, port = proxy.url.removeprefix("http://").split(":")
     rounds = 6
     for i in range(rounds):
@@ -435,6 +445,101 @@ def test_a_stream_read_to_its_end_is_stored_however_soon_the_client_leaves(
     settle(proxy)
     assert metric(proxy, "sippcache_proxy_requests_total", outcome="ok") == rounds
     assert metric(proxy, "sippcache_proxy_saves_total") == rounds
+
+
+# -- when a slot is saved ------------------------------------------------------------------------------
+
+
+def turns(
+    name: str, questions: list[str], url: str
+) -> list[tuple[list[dict[str, str]], tuple[str, int, dict[str, Any]]]]:
+    """One conversation, a turn per question, each turn's messages holding the earlier answers; (messages,
+    chat() result) per turn."""
+    messages = conversation(questions[0], name)
+    out = []
+    for i, _ in enumerate(questions):
+        if i:
+            messages = [*messages, {"role": "assistant", "content": out[-1][1][0]}]
+            messages.append({"role": "user", "content": f"{name}: {questions[i]}"})
+        out.append((messages, chat(url, messages)))
+    return out
+
+
+def prompt_length(timings: dict[str, Any]) -> int:
+    return int(timings["prompt_n"]) + int(timings["cache_n"])
+
+
+def test_a_conversation_that_keeps_its_slot_is_saved_once_and_on_sigterm(
+    procs: Any, model: Path, tmp_path: Path
+) -> None:
+    """Four turns in one slot: the first (a new conversation) is saved at once, the later ones stay in
+    the slot; SIGTERM saves it before the proxy exits, and a new proxy restores the last turn."""
+    cache = f"lmdb://{tmp_path}/store"
+    proxy = procs(managed(model, cache))
+    done = turns("A", ["which ship passed first?", "and her flag?", "the hour?", "the weather?"], proxy.url)
+    settle(proxy)
+    assert metric(proxy, "sippcache_proxy_slot_saves_total") == metric(proxy, "sippcache_proxy_saves_total") == 1
+    assert metric(proxy, "sippcache_proxy_slot_saves_total", reason="new") == 1
+    proxy.process.terminate()  # SIGTERM, to the proxy alone
+    assert proxy.process.wait(120) == 0, proxy.log_tail()
+    last = prompt_length(done[-1][1][2])
+    with sippcache.open(cache) as store:
+        assert max(len(e.key) for e in store.entries()) > last  # the fourth turn's prompt and answer
+    proxy = procs(managed(model, cache))
+    follow = [*done[-1][0], {"role": "assistant", "content": done[-1][1][0]}, {"role": "user", "content": "A: why?"}]
+    answer, reused, timings = chat(proxy.url, follow)
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    assert answer == chat(reference.url, follow, cache_prompt=False)[0]
+    assert reused == timings["cache_n"] > last, timings
+
+
+def test_conversations_beyond_the_slots_are_saved_when_their_slot_changes_hands(
+    procs: Any, model: Path, tmp_path: Path
+) -> None:
+    """Two conversations take turns in one slot: each is saved when the other takes the slot, and its
+    next turn restores what it left (answers as llama-server alone gives them). The few tokens a
+    restore gains here cost the tiny model less to compute: `managed` restores them all the same."""
+    proxy = procs(managed(model, f"lmdb://{tmp_path}/store"))
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    a1 = conversation("which ship passed first?", "alice")
+    b1 = conversation("what was the weather?", "bob")
+    first = {"a": chat(proxy.url, a1), "b": chat(proxy.url, b1)}
+    for name, opening in (("a", a1), ("b", b1)):
+        follow = [*opening, {"role": "assistant", "content": first[name][0]}, {"role": "user", "content": "more?"}]
+        answer, reused, timings = chat(proxy.url, follow)
+        assert answer == chat(reference.url, follow, cache_prompt=False)[0]
+        assert reused == timings["cache_n"] >= prompt_length(first[name][2]), timings
+    settle(proxy)
+    assert metric(proxy, "sippcache_proxy_slot_saves_total", reason="new") == 1  # alice's: bob's shares her system
+    assert metric(proxy, "sippcache_proxy_slot_saves_total", reason="leave") == 2  # bob's first, alice's second
+    assert metric(proxy, "sippcache_proxy_slot_saves_total") == 3
+
+
+def test_a_slot_grown_past_the_bound_is_saved_and_kill_9_loses_no_more(procs: Any, model: Path, tmp_path: Path) -> None:
+    """With --save-every 32 every turn here grows the slot past the bound: each is saved at once, so a
+    proxy killed with SIGKILL (no shutdown at all) lost nothing of it."""
+    cache = f"lmdb://{tmp_path}/store"
+    proxy = procs(managed(model, cache, "--save-every", "32"))
+    done = turns("A", ["which ship passed first?", "and then, which one came?"], proxy.url)
+    settle(proxy)
+    assert metric(proxy, "sippcache_proxy_slot_saves_total", reason="grown") == 1
+    proxy.process.kill()
+    proxy.process.wait(60)
+    proxy = procs(managed(model, cache))
+    follow = [*done[-1][0], {"role": "assistant", "content": done[-1][1][0]}, {"role": "user", "content": "A: why?"}]
+    _, reused, timings = chat(proxy.url, follow)
+    assert reused == timings["cache_n"] >= prompt_length(done[-1][1][2]), timings
+
+
+def test_an_idle_slot_is_saved_after_save_idle(procs: Any, model: Path, tmp_path: Path) -> None:
+    proxy = procs(managed(model, f"lmdb://{tmp_path}/store", "--save-idle", "0.5"))
+    turns("A", ["which ship passed first?", "and her flag?"], proxy.url)
+    deadline = time.monotonic() + 60
+    while metric(proxy, "sippcache_proxy_slot_saves_total", reason="idle") < 1:
+        assert time.monotonic() < deadline, "the idle slot was not saved"
+        time.sleep(0.2)
+    settle(proxy)
+    assert metric(proxy, "sippcache_proxy_slot_saves_total") == 2  # the new conversation, then idle
 
 
 def test_the_proxy_imports_nothing_from_llama_cpp() -> None:
@@ -460,6 +565,8 @@ def test_every_memory_kind_extends_a_stored_state_after_a_restart(procs: Any, tm
     assert status == 200, first
     settle(proxy)
     proxy.stop()
+    with sippcache.open(cache) as store:
+        stored = max(len(e.key) for e in store.entries())
     proxy = procs(managed(model, cache))
     follow = {"prompt": prompt + first["content"] + " and", **text_only}
     status, headers, again = proxy.post("/completion", follow)
@@ -469,9 +576,10 @@ def test_every_memory_kind_extends_a_stored_state_after_a_restart(procs: Any, tm
         again["content"] == ProxyServer.post(reference, "/completion", {**follow, "cache_prompt": False})[2]["content"]
     )
     assert int(headers["x-sippcache-prompt-reused"]) == again["timings"]["cache_n"] >= len(prompt), again["timings"]
-    settle(proxy)
+    proxy.stop()  # the follow-up's state, left in its slot, is saved on the way out
     with sippcache.open(cache) as store:  # a state that cannot be cut is kept beside the one extending it
         assert len(store) == (2 if kind in ("recurrent", "hybrid") else 1)
+        assert max(len(e.key) for e in store.entries()) > stored
 
 
 @pytest.mark.parametrize("swa_full", [False, True], ids=["without-swa-full", "with-swa-full"])

@@ -9,14 +9,27 @@ A completion request (``/v1/chat/completions``, ``/v1/completions``,
            ──> restore the store's best state into it when that beats what the slot holds, and
                loading it is expected to be faster than computing its tokens (`sippcache.rates`)
            ──> the request, pinned with id_slot, relayed as llama-server answers it (streamed or not)
-           ──> the slot's state saved to the staging directory; the slot is free again
-           ──> in a worker thread: the state framed and stored; the staging file removed
+           ──> the slot is free again, its state left there unsaved, or saved now (see below)
+           ──> a save: llama-server writes it to the staging directory; in a worker thread it is
+               framed and stored, the staging file removed
 
 Every other path, and a request the proxy cannot read, goes to llama-server
 unchanged (headers, ``Authorization`` included), so llama-server's own errors
 (a malformed request's 400) reach the client as they are. Reuse is counted
 only from what llama-server reports (`timings.cache_n` and `prompt_n`), and the
 ``X-Sippcache-Prompt-Reused`` header carries its `cache_n`.
+
+A slot's state is saved when its conversation leaves it, not after every
+answer: a state holds every token from the first, so a save per turn writes the
+whole conversation again each time (on a GPU, a 1 GB state's save and store
+cost several times the answer). An answer's state is saved at once when other
+requests wait for it (a prefix in flight), when the store held nothing of its
+prompt (a new conversation or system prompt: other processes want it), or when
+the slot has grown `save_every` tokens beyond what the store holds (what a
+crash can lose), and always on a recurrent or hybrid model (a state extended
+only at exactly its length: every answer's end is kept). Otherwise it stays in the slot, unsaved, and is saved before
+the slot serves another conversation, after `save_idle` seconds idle, and when
+the proxy stops (SIGTERM or SIGINT).
 
 Whether a restore pays is measured per upstream (`RestoreRates`): each answer's
 ``timings`` give the server's prefill rate, each restore its rate in bytes a
@@ -67,6 +80,10 @@ SCOPE_HEADER = "X-Sippcache-Scope"
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length"}
 #: A stored state is restored only when it gives at least this many more tokens than the slot holds.
 MIN_GAIN = 32
+#: A slot's unsaved state is saved once it holds this many tokens beyond what the store holds (what a
+#: crash can lose), and once it has sat idle this many seconds.
+SAVE_EVERY = 2048
+SAVE_IDLE = 30.0
 #: A request waits for one in flight (`Proxy.flight_wait`) when that one computes at least this many
 #: tokens of its prompt beyond what the store and the idle slots hold.
 MIN_FLIGHT_LEAD = 256
@@ -81,6 +98,7 @@ class _Flight:
     scope: str
     tokens: list[int]
     landed: asyncio.Event
+    waiting: int = 0  # requests waiting for its state now: it is stored at once
 
 
 @dataclass(frozen=True)
@@ -109,7 +127,8 @@ class Proxy:
     it and the others wait for its stored state, at most `flight_wait` seconds (0: never wait).
 
     `rates` decides per upstream whether a restore beats computing (default: ``auto``, measured);
-    its mode is the command line's ``--restore``.
+    its mode is the command line's ``--restore``. A slot left unsaved is saved once it has grown
+    `save_every` tokens beyond the store, or sat `save_idle` seconds idle (module docstring).
     """
 
     def __init__(
@@ -122,9 +141,13 @@ class Proxy:
         scope: str = "",
         flight_wait: float = 60.0,
         rates: RestoreRates | None = None,
+        *,
+        save_every: int = SAVE_EVERY,
+        save_idle: float = SAVE_IDLE,
     ) -> None:
         self.scope = scope
         self.flight_wait = flight_wait
+        self.save_every, self.save_idle = save_every, save_idle
         self.rates = rates if rates is not None else RestoreRates()
         self.upstreams = upstreams
         self.slots = slots
@@ -134,6 +157,7 @@ class Proxy:
         for upstream in upstreams:
             metrics.upstream_up.labels(upstream.url).set(1)
         self._writes: set[asyncio.Task[Any]] = set()  # store writes: waited for on shutdown
+        self._idle_saves: set[asyncio.Task[Any]] = set()  # saves of idle slots, waiting their time: cancelled
         self._watchers: dict[int, asyncio.Task[Any]] = {}  # health polls of down servers: cancelled
         self._flights: set[_Flight] = set()
         self._warned: set[str] = set()  # upstreams already warned about an ineffective restore
@@ -156,9 +180,11 @@ class Proxy:
         await response(scope, receive, send)
 
     async def drain(self) -> None:
-        """On shutdown: wait for the store writes still running; stop watching down servers."""
-        for watcher in self._watchers.values():
-            watcher.cancel()
+        """On shutdown: save every slot left unsaved, wait for the store writes still running; stop
+        watching down servers."""
+        for task in (*self._watchers.values(), *self._idle_saves):
+            task.cancel()
+        await asyncio.gather(*(self._save_idle_slot(s) for s in self.slots.slots if s.unsaved is not None))
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
 
@@ -193,9 +219,13 @@ class Proxy:
         upstream = self.upstreams[slot.server]
         restore: _Restore | None = None
         try:
+            keeps = common_prefix(slot.tokens, tokens or ()) if slot.scope == scope else 0
+            if slot.unsaved is not None and keeps < len(slot.tokens):  # it changes hands: its state is saved first
+                await self._save_slot(slot, slot.unsaved, "leave")
             if slot.scope != scope and slot.tokens:  # another tenant's state: never reused, erased first
                 await upstream.slot_action(slot.id, "erase")
             slot.tokens, slot.scope = (slot.tokens if slot.scope == scope else ()), scope
+            slot.stored = min(slot.stored, keeps)
             if tokens and cached:
                 restore = await self._restore(upstream, slot, tokens, held)
             payload["id_slot"] = slot.id
@@ -217,13 +247,12 @@ class Proxy:
             self._land(flight)
             await self.slots.release(slot)
             raise
-        prompt = len(tokens or ())
         fanned = isinstance(payload.get("n"), int) and payload["n"] > 1  # child tasks ran in other slots
 
         async def done(relay: _Relay) -> None:
             if fanned:  # while this request's own slot is still busy: its belief is kept
                 await self.slots.forget_idle(slot.server)
-            await self._finish(slot, how, relay, prompt, flight, restore)
+            await self._finish(slot, how, relay, tokens, flight, restore)
 
         return _RelayResponse(answer, stream, strip, done)
 
@@ -263,10 +292,13 @@ class Proxy:
             if lead - held < MIN_FLIGHT_LEAD or loop.time() >= deadline or not self._would_restore(leader, lead - held):
                 break
             self.metrics.flight_waits.inc()
+            leader.waiting += 1
             try:
                 await asyncio.wait_for(leader.landed.wait(), deadline - loop.time())
             except TimeoutError:
                 break
+            finally:
+                leader.waiting -= 1
         flight = _Flight(scope, tokens, asyncio.Event())
         self._flights.add(flight)
         return flight
@@ -300,6 +332,7 @@ class Proxy:
         if peek is None:
             return None
         best = reusable(peek.key_length, peek.length, len(tokens), self.store.can_cut)
+        slot.stored = max(slot.stored, best)
         if best < held + MIN_GAIN:
             return None
         url = upstream.url
@@ -321,12 +354,12 @@ class Proxy:
         try:
             restored = await self.store.restore(upstream, slot.id, tokens, slot.scope)
         except UpstreamRefused:
-            slot.tokens, slot.origin = (), None  # a refused restore leaves the slot empty
+            slot.forget()  # a refused restore leaves the slot empty
             self.metrics.restores.labels(url, "refused").inc()
             return None
         if restored is None:
             return None
-        slot.tokens, slot.origin = restored.origin.tokens, restored.origin
+        slot.tokens, slot.origin, slot.stored = restored.origin.tokens, restored.origin, len(restored.origin.tokens)
         self.metrics.restores.labels(url, "ok").inc()
         self.metrics.restore_seconds.labels(url).observe(restored.seconds)
         origin = restored.origin.tokens
@@ -369,12 +402,18 @@ class Proxy:
         )
 
     async def _finish(
-        self, slot: Slot, how: str, relay: _Relay, prompt: int, flight: _Flight | None, restore: _Restore | None = None
+        self,
+        slot: Slot,
+        how: str,
+        relay: _Relay,
+        tokens: list[int] | None,
+        flight: _Flight | None,
+        restore: _Restore | None = None,
     ) -> None:
-        """After the response: count what llama-server reported, save the slot, free it, store; then
-        the requests waiting for this one's state look again."""
+        """After the response: count what llama-server reported, save the slot now or leave its state
+        there unsaved, free it; then the requests waiting for this one's state look again."""
         try:
-            stored = await self._save(slot, how, relay, prompt, restore)
+            stored = await self._after(slot, how, relay, tokens, flight, restore)
         except BaseException:
             self._land(flight)
             raise
@@ -383,14 +422,22 @@ class Proxy:
         else:
             stored.add_done_callback(lambda _: self._land(flight))
 
-    async def _save(
-        self, slot: Slot, how: str, relay: _Relay, prompt: int, restore: _Restore | None = None
+    async def _after(
+        self,
+        slot: Slot,
+        how: str,
+        relay: _Relay,
+        tokens: list[int] | None,
+        flight: _Flight | None,
+        restore: _Restore | None,
     ) -> asyncio.Task[Any] | None:
-        """Count, learn the rates, save and free the slot; the task storing its state, if any."""
+        """Count, learn the rates, save the slot if it is to be saved now, and free it; the task
+        storing its state, if any."""
         upstream = self.upstreams[slot.server]
         timings = relay.timings
         self.metrics.requests.labels(upstream.url, how, "ok" if relay.complete else "incomplete").inc()
         self._learn(upstream.url, timings, restore)
+        prompt = len(tokens or ())
         if "cache_n" in timings:
             self.metrics.prompt_tokens.labels(upstream.url, "reused").inc(int(timings["cache_n"]))
             self.metrics.prompt_tokens.labels(upstream.url, "computed").inc(int(timings.get("prompt_n", 0)))
@@ -399,27 +446,84 @@ class Proxy:
         if relay.lost:
             await self._lost(slot, ConnectionError("the connection broke during a response"))
             return None
-        snapshot = None
+        if not relay.complete:  # cut short, the slot holds what nobody asked for: not stored
+            slot.forget()
+            await self.slots.release(slot)
+            return None
+        slot.tokens = tuple(tokens or ())  # what it holds begins so; the answer's tokens are not known here
+        grown = prompt + int(timings.get("predicted_n", 0)) - slot.stored
+        reason = (
+            "waited"
+            if flight is not None and flight.waiting
+            else "new"
+            if slot.stored < self.store.min_tokens
+            else "recurrent"  # extended only at exactly its length: every answer's end is kept (as SessionPool)
+            if not self.store.can_cut
+            else "grown"
+            if grown >= self.save_every
+            else None
+        )
+        task = None
         try:
-            if relay.complete:  # cut short, the slot holds what nobody asked for: not stored
-                snapshot = await self.store.snapshot(upstream, slot.id, prompt)
+            if reason is None:
+                slot.unsaved = prompt
+            else:
+                task = await self._save_slot(slot, prompt, reason)
         except UpstreamDown as exc:
             await self._lost(slot, exc)
             return None
-        except Exception as exc:  # a save that failed: the slot serves again, its state is not stored
+        await self.slots.release(slot)
+        if slot.unsaved is not None:
+            self._save_when_idle(slot)
+        return task
+
+    async def _save_slot(self, slot: Slot, prompt: int, reason: str) -> asyncio.Task[Any] | None:
+        """Have llama-server save `slot` (held by the caller; `prompt`: the last request's prompt
+        length) and store the state in a background task, returned (None: the save failed, and what
+        the slot holds is not known). Raises `UpstreamDown`."""
+        upstream = self.upstreams[slot.server]
+        try:
+            snapshot = await self.store.snapshot(upstream, slot.id, prompt)
+        except UpstreamDown:
+            raise
+        except Exception as exc:  # the slot serves again, its state is not stored
             log.warning("sippcache proxy: saving slot %d of %s failed: %s", slot.id, upstream.url, exc)
-        if snapshot is None:
-            slot.tokens, slot.origin = (), None  # what it holds is not known
-            await self.slots.release(slot)
+            slot.forget()
             return None
+        self.metrics.slot_saves.labels(upstream.url, reason).inc()
         supersedes, slot.tokens = slot.origin, snapshot.tokens
         if len(snapshot.tokens) >= self.store.min_tokens:
             slot.origin = Origin(snapshot.tokens, snapshot.prompt)
-        await self.slots.release(slot)
+        slot.unsaved, slot.stored = None, len(snapshot.tokens)  # queued for the store counts as stored
         task = asyncio.create_task(self._keep(upstream.url, snapshot, supersedes, slot.scope))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
         return task
+
+    def _save_when_idle(self, slot: Slot) -> None:
+        """Save `slot` after `save_idle` seconds, unless a request used it meanwhile."""
+        used = slot.used
+
+        async def later() -> None:
+            await asyncio.sleep(self.save_idle)
+            if slot.used == used:
+                await self._save_idle_slot(slot, "idle")
+
+        task = asyncio.create_task(later())
+        self._idle_saves.add(task)
+        task.add_done_callback(self._idle_saves.discard)
+
+    async def _save_idle_slot(self, slot: Slot, reason: str = "shutdown") -> None:
+        """Save an idle slot left unsaved (busy, or saved meanwhile: nothing to do)."""
+        if slot.unsaved is None or not await self.slots.take(slot):
+            return
+        try:
+            if slot.unsaved is not None:
+                await self._save_slot(slot, slot.unsaved, reason)
+        except UpstreamDown as exc:
+            await self._lost(slot, exc)
+            return
+        await self.slots.release(slot)
 
     async def _keep(self, url: str, snapshot: Snapshot, supersedes: Origin | None, scope: str) -> None:
         saved = await asyncio.to_thread(self.store.keep, snapshot, supersedes, scope)

@@ -36,7 +36,7 @@ from .. import frame, registry
 from ..modelfile import ModelFacts, read_model_facts
 from ..protocol import CacheBackend
 from ..rates import DEFAULT_MODE, MODES, RestoreRates
-from .app import Proxy
+from .app import SAVE_EVERY, SAVE_IDLE, Proxy
 from .metrics import ProxyMetrics
 from .slots import SlotTable
 from .store import SlotStore
@@ -93,6 +93,22 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "stored state instead of computing it again (default 60; 0: never wait)",
     )
     parser.add_argument("--min-tokens", type=int, default=16, help="slot states shorter than this are not stored")
+    parser.add_argument(
+        "--save-every",
+        type=int,
+        default=SAVE_EVERY,
+        metavar="TOKENS",
+        help="a conversation's state left in its slot is saved once it holds this many tokens beyond what the "
+        f"store holds: what a crash can lose (default {SAVE_EVERY}); it is saved anyway when the slot changes "
+        "hands, sits idle, or the proxy stops",
+    )
+    parser.add_argument(
+        "--save-idle",
+        type=float,
+        default=SAVE_IDLE,
+        metavar="SECONDS",
+        help=f"an unsaved slot is saved after this long unused (default {SAVE_IDLE:g}; 0: as soon as it is free)",
+    )
     parser.add_argument(
         "--restore",
         choices=MODES,
@@ -279,6 +295,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         _fail("--parallel must be at least 1")
     if not args.flight_wait >= 0:
         _fail("--flight-wait must be 0 or more seconds")
+    if args.save_every < 1:
+        _fail("--save-every must be at least 1 token")
+    if not args.save_idle >= 0:
+        _fail("--save-idle must be 0 or more seconds")
     managed: _Managed | None = None
     staging = _staging_dir() if args.llama_server else os.path.abspath(args.slot_dir)
     try:
@@ -344,6 +364,8 @@ async def _serve(
             args.scope,
             args.flight_wait,
             RestoreRates(args.restore),
+            save_every=args.save_every,
+            save_idle=args.save_idle,
         )
         config = uvicorn.Config(proxy, host=args.host, port=args.port, log_level="warning", lifespan="on")
         server = uvicorn.Server(config)

@@ -55,6 +55,14 @@ class ProxyMetrics:
             "sippcache_proxy_restore_seconds", "Store read + slot restore.", ["upstream"], registry=registry
         )
         self.saves = Counter("sippcache_proxy_saves", "Slot states stored.", ["upstream"], registry=registry)
+        self.slot_saves = Counter(
+            "sippcache_proxy_slot_saves",
+            "Slot saves asked of llama-server, by why: new (the store held nothing of the prompt), waited (other "
+            "requests waited for it), recurrent (a recurrent or hybrid model: every answer), grown (--save-every "
+            "tokens beyond the store), leave (the slot changed hands), idle (--save-idle seconds unused), shutdown.",
+            ["upstream", "reason"],
+            registry=registry,
+        )
         self.save_seconds = Histogram(
             "sippcache_proxy_save_seconds", "Slot save + store write.", ["upstream"], registry=registry
         )

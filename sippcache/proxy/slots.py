@@ -68,8 +68,17 @@ class Slot:
     tokens: tuple[int, ...] = ()
     scope: str = ""  # the tenant whose state it holds: another tenant's request never reuses it
     origin: Origin | None = None  # the stored entry its state grew from, if any
+    #: While llama-server's state in the slot is not stored (a live conversation's later turns): the
+    #: prompt length of the request that left it. Saved when the slot changes hands, sits idle, has
+    #: grown past a bound, or the proxy stops.
+    unsaved: int | None = None
+    stored: int = 0  # how many of the tokens the slot holds the store holds too (or has queued)
     busy: bool = False
     used: int = 0  # a tick of the table's clock: the least recently used slot goes first
+
+    def forget(self) -> None:
+        """Believe the slot holds nothing (its server restarted, or what it holds is not known)."""
+        self.tokens, self.origin, self.unsaved, self.stored = (), None, None, 0
 
 
 class SlotTable:
@@ -95,9 +104,11 @@ class SlotTable:
         if not idle:
             return None
         load = {server: self.busy(server) for server in {s.server for s in idle}}
+        # Most held first; then the least loaded server; then an empty slot, a stored one (nothing to
+        # save before it changes hands), the least recently used.
         return max(
             ((s, self._held(s, tokens, scope)) for s in idle),
-            key=lambda pair: (pair[1], -load[pair[0].server], not pair[0].tokens, -pair[0].used),
+            key=lambda p: (p[1], -load[p[0].server], not p[0].tokens, p[0].unsaved is None, -p[0].used),
         )
 
     def held(self, tokens: Sequence[int], scope: str) -> int:
@@ -129,6 +140,15 @@ class SlotTable:
             slot.used = next(self._clock)
             return slot, held
 
+    async def take(self, slot: Slot) -> bool:
+        """Mark `slot` busy if it is idle and its server up (a save of the proxy's own); False if not.
+        Not a use: it keeps its place in the least-recently-used order."""
+        async with self._freed:
+            if slot.busy or slot.server in self.down:
+                return False
+            slot.busy = True
+            return True
+
     async def release(self, slot: Slot) -> None:
         """Give the slot back (what it holds is set by the caller) and wake a waiting request."""
         async with self._freed:
@@ -142,7 +162,7 @@ class SlotTable:
             (self.down.add if down else self.down.discard)(server)
             for slot in self.slots:
                 if slot.server == server:
-                    slot.tokens, slot.origin = (), None
+                    slot.forget()
             self._freed.notify_all()
 
     async def forget_idle(self, server: int) -> None:
@@ -151,7 +171,7 @@ class SlotTable:
         async with self._freed:
             for slot in self.slots:
                 if slot.server == server and not slot.busy:
-                    slot.tokens, slot.origin = (), None
+                    slot.forget()
 
     @property
     def waiting(self) -> int:
