@@ -41,7 +41,8 @@ to measure again (a page cache that warmed up, a server that was fixed).
 
 The mode: ``auto`` (the rule), ``always`` (restore whatever the rates say,
 the behaviour before the rule), ``never`` (never restore; states are still
-stored, for the places where restores win).
+stored, for the places where restores win). Where the caller gives none,
+``SIPPCACHE_RESTORE`` names it (default ``auto``).
 
 Nothing here blocks or does I/O; one instance belongs to one event loop or
 thread (it takes no locks).
@@ -50,6 +51,7 @@ thread (it takes no locks).
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Final, Literal
@@ -61,6 +63,7 @@ __all__ = [
     "INEFFECTIVE",
     "INEFFECTIVE_SHARE",
     "MODES",
+    "MODE_ENVIRONMENT_VARIABLE",
     "NEVER",
     "PROBE",
     "SLOWER",
@@ -69,12 +72,15 @@ __all__ = [
     "Measured",
     "Mode",
     "RestoreRates",
+    "mode_from_environment",
 ]
 
 Mode = Literal["auto", "always", "never"]
 #: The modes, for a command line's choices.
 MODES: Final[tuple[Mode, ...]] = ("auto", "always", "never")
 DEFAULT_MODE: Final[Mode] = "auto"
+#: Environment variable naming the mode where none is given (a proxy's --restore, CacheOptions.restore).
+MODE_ENVIRONMENT_VARIABLE = "SIPPCACHE_RESTORE"
 
 #: Prefill samples of fewer tokens are dropped: HTTP, template and sampling costs dominate them.
 MIN_PREFILL_TOKENS = 64
@@ -176,6 +182,16 @@ class _Place:
     sizes: _Samples = field(default_factory=_Samples)  # by tokens: tokens, bytes
     declined: int = 0  # declined restores in a row
     wasted: int = 0  # wasted restores in a row
+
+
+def mode_from_environment() -> Mode:
+    """The mode `SIPPCACHE_RESTORE` names, else `DEFAULT_MODE`; ValueError naming the variable for
+    another value."""
+    value = os.environ.get(MODE_ENVIRONMENT_VARIABLE, "") or DEFAULT_MODE
+    for mode in MODES:
+        if value == mode:
+            return mode
+    raise ValueError(f"{MODE_ENVIRONMENT_VARIABLE}={value!r}: the restore mode must be one of {', '.join(MODES)}")
 
 
 class RestoreRates:

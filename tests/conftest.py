@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,12 @@ import pytest
 # tests/plugins holds third-party distributions; their own tests run through test_plugins.py
 # after the distributions are installed.
 collect_ignore = ["plugins"]
+
+# Whether a restore beats computing is measured (sippcache.rates), and on the tiny test model a
+# short gain is cheaper to compute than to load: a test of what a restore gives would depend on
+# the machine's speed. So every cache and proxy here restores what gains tokens, unless a test
+# names its mode; the "auto" rule has tests of its own (test_proxy_rates.py, test_llama_rates.py).
+os.environ["SIPPCACHE_RESTORE"] = "always"
 
 
 @pytest.fixture(scope="session")

@@ -31,8 +31,8 @@ def test_defaults() -> None:
         2048,
         4,
     )
-    assert options.secret is None
-    assert FIELDS == ("scope", "min_tokens", "checkpoint_interval", "max_pending_writes", "secret")
+    assert options.secret is None and options.restore is None  # None: $SIPPCACHE_RESTORE, else "auto"
+    assert FIELDS == ("scope", "min_tokens", "checkpoint_interval", "max_pending_writes", "secret", "restore")
     assert set(CacheSettings.__annotations__) == set(FIELDS), "the keyword form lists exactly the fields"
 
 

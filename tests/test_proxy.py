@@ -57,14 +57,9 @@ def procs(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 
 
 def managed(model: Path, cache: str, *extra: str, parallel: int = 1) -> list[str]:
-    """A managed proxy's arguments. These tests check what a restore gives, so every stored state that
-    gains tokens is restored (``--restore always``, unless `extra` says otherwise): whether a restore
-    pays is measured, and on the tiny model a short gain is cheaper to compute (tests/test_proxy_rates.py
-    tests that choice)."""
+    """A managed proxy's arguments (restoring always: tests/conftest.py sets SIPPCACHE_RESTORE)."""
     from tests.proxy_tools import llama_server_binary
 
-    if "--restore" not in extra:
-        extra = ("--restore", "always", *extra)
     return [
         "--llama-server",
         str(llama_server_binary()),
@@ -498,7 +493,7 @@ def test_conversations_beyond_the_slots_are_saved_when_their_slot_changes_hands(
 ) -> None:
     """Two conversations take turns in one slot: each is saved when the other takes the slot, and its
     next turn restores what it left (answers as llama-server alone gives them). The few tokens a
-    restore gains here cost the tiny model less to compute: `managed` restores them all the same."""
+    restore gains here cost the tiny model less to compute: the tests restore them all the same."""
     proxy = procs(managed(model, f"lmdb://{tmp_path}/store"))
     reference = procs(model, "-c", "4096", "-np", "1", llama=True)
     a1 = conversation("which ship passed first?", "alice")

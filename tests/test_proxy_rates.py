@@ -348,12 +348,20 @@ def test_a_restore_preset_faster_than_prefill_is_done(restarted: Any, tmp_path: 
 # -- the command line ----------------------------------------------------------------------------------
 
 
-def test_the_restore_option() -> None:
+def test_the_restore_option(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--restore, else $SIPPCACHE_RESTORE (resolved at start), else auto; a bad value is one line."""
     parser = build_parser()
-    assert parser.parse_args(["--upstream", HERE]).restore == "auto"
+    assert parser.parse_args(["--upstream", HERE]).restore is None
     assert parser.parse_args(["--restore", "never"]).restore == "never"
     with pytest.raises(SystemExit):
         parser.parse_args(["--restore", "sometimes"])
+    from sippcache.proxy.cli import main
+
+    monkeypatch.setenv("SIPPCACHE_RESTORE", "sometimes")
+    with pytest.raises(SystemExit) as stopped:
+        main(["--upstream", HERE, "--slot-dir", "/nonexistent"])
+    assert stopped.value.code == 2
+    assert "SIPPCACHE_RESTORE='sometimes'" in capsys.readouterr().err
 
 
 def test_restore_never_on_the_command_line(tiny_model: Path, tmp_path: Path) -> None:

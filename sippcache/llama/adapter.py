@@ -142,6 +142,9 @@ class PrefixCache:
         self.cache, self.namespace, self.scope = self._states.cache, self._states.namespace, options.scope
         self.min_tokens, self.checkpoint_interval = options.min_tokens, options.checkpoint_interval
         self.secret, self.memory_kind = self._states.secret, self._states.kind
+        #: The measured prefill and restore rates that decide whether a stored state is restored
+        #: (`CacheOptions.restore`; `sippcache.rates`), this cache's one place being "".
+        self.rates = self._states.rates
         self.n_swa = self.memory_kind.n_swa
         self.on_prefill = on_prefill
         #: Whole-prompt entries keep their logits, and exact repeats sample from them.

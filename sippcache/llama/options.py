@@ -1,7 +1,7 @@
 """`CacheOptions`: how a llama.cpp layer object uses its store, as one checked value.
 
 `PrefixCache`, `LlamaCache`, `SessionPool` and `SequenceCache` (and through it
-`BatchEngine` and ``sippcache serve``) all take the same five settings. They
+`BatchEngine` and ``sippcache serve``) all take the same six settings. They
 are one frozen value, checked once, when it is made, before anything is
 opened::
 
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from ..frame import Secret
+from ..rates import MODES, Mode
 
 __all__ = [
     "DEFAULT_CHECKPOINT_INTERVAL",
@@ -52,7 +53,12 @@ class CacheOptions:
       before a prefill blocks;
     - with a `secret` (None: `SIPPCACHE_SECRET`, read when the cache is made)
       every entry carries a MAC and entries without a valid one are misses.
-      It is left out of `repr`.
+      It is left out of `repr`;
+    - `restore`: ``"auto"`` restores a stored state only where loading it is
+      expected to beat computing its tokens, from the rates this cache measures
+      (`sippcache.rates`: on a CPU restoring always wins; on a fast GPU it may
+      not); ``"always"``; ``"never"`` (states are still stored); None:
+      ``SIPPCACHE_RESTORE``, read when the cache is made, else ``"auto"``.
 
     Bad values raise TypeError (wrong type) or ValueError (out of range),
     naming the option.
@@ -63,6 +69,7 @@ class CacheOptions:
     checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL
     max_pending_writes: int = 4
     secret: Secret | None = field(default=None, repr=False)
+    restore: Mode | None = None
 
     def __post_init__(self) -> None:
         scope: Any = self.scope
@@ -83,6 +90,8 @@ class CacheOptions:
         secret: Any = self.secret
         if secret is not None and (not isinstance(secret, (str, bytes)) or not secret):
             raise TypeError(f"secret must be a non-empty str or bytes, not {_describe(secret)}")
+        if self.restore is not None and self.restore not in MODES:
+            raise ValueError(f"restore must be one of {', '.join(MODES)}, got {self.restore!r}")
 
     def replace(self, **changes: Any) -> CacheOptions:
         """A copy with `changes` (checked as a new value is)."""
@@ -113,6 +122,7 @@ class CacheSettings(TypedDict, total=False):
     checkpoint_interval: int
     max_pending_writes: int
     secret: Secret | None
+    restore: Mode | None
 
 
 #: The field names, in order.

@@ -38,6 +38,7 @@ from .. import tokens as _tokens
 from ..errors import CorruptEntry, UnsupportedEntry
 from ..frame import secret_from_environment
 from ..protocol import CacheBackend, Match, Peek
+from ..rates import RestoreRates, mode_from_environment
 from ..registry import open as open_cache
 from . import layout, states
 from .fingerprint import Fingerprint
@@ -89,9 +90,20 @@ class PrefixStats:
     refused_cut: int = 0  # usable only cut back where this model's memory cannot cut exactly: kept
     backend_errors: int = 0  # lookups and deletes that failed (the request went on uncached)
     write_failures: int = 0  # background stores that failed
+    #: Stored states that would have given more tokens but were not restored, the sum of the
+    #: skipped_* reasons below (`CacheOptions.restore`, `sippcache.rates`).
+    restores_skipped: int = 0
+    skipped_slower_than_prefill: int = 0  # expected to load slower than computing its tokens ("auto")
+    skipped_never: int = 0  # restore="never"
 
     def as_dict(self) -> dict[str, int | float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def skip(self, reason: str) -> None:
+        """Count a restore not done, for `reason` (a declining `sippcache.rates.Decision`'s)."""
+        self.restores_skipped += 1
+        name = f"skipped_{reason}"
+        setattr(self, name, getattr(self, name) + 1)
 
     def refuse(self, reason: str) -> None:
         """Count an entry not used, for `reason` (one of `states.REFUSAL_REASONS`)."""
@@ -264,6 +276,10 @@ class SequenceCache:
         #: The secret in use (bytes), from `options` or `SIPPCACHE_SECRET`.
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self.stats = PrefixStats()
+        #: Whether a restore beats computing, from what this cache measured: llama.cpp's own
+        #: prefill timings and the restores done (`CacheOptions.restore`).
+        self.rates = RestoreRates(options.restore or mode_from_environment())
+        self._perf_seen: tuple[int, int, float] | None = None  # (context, n_p_eval, t_p_eval_ms) last read
         self._writer = BackgroundWriter(self._write_entry, max_pending=options.max_pending_writes)
         self._queued: dict[int, list[int]] = {}  # keys of snapshots not yet written, by snapshot id
         self._queued_lock = threading.Lock()
@@ -317,18 +333,22 @@ class SequenceCache:
         extends it, and a stored entry only if its key is a prefix of the prompt.
         """
         self.stats.lookups += 1
+        self._learn_prefill(ctx)
         if self._queued_common(ids) > common_length(live, ids):
             self.flush()  # a snapshot still queued (a session just parked, a repeat) holds more than the context
         n, target = len(ids), ids[:-1]
         prefix: Peek | None = None
+        worth = True  # a shorter entry is not worth restoring where the whole prompt's is not
         if with_logits:
             whole = self.peek(ids, partial=False)
             if whole is not None and whole.length == n:
-                whole_prompt = self._fetch_and_restore(ctx, seq, ids, partial=False, with_logits=True)
-                if whole_prompt is not None:
-                    self.stats.logits_hits += 1
-                    return Reuse(n, n, whole_prompt.logits)
-                live = ()  # a failed restore leaves the sequence empty
+                worth = self._worth(n, max(1, n - common_length(live, ids)))
+                if worth:
+                    whole_prompt = self._fetch_and_restore(ctx, seq, ids, partial=False, with_logits=True)
+                    if whole_prompt is not None:
+                        self.stats.logits_hits += 1
+                        return Reuse(n, n, whole_prompt.logits)
+                    live = ()  # a failed restore leaves the sequence empty
             elif whole is not None:
                 prefix = whole  # shorter than the prompt: the longest prefix of target too
         shared: Peek | None = None
@@ -348,7 +368,7 @@ class SequenceCache:
             common = common_length(live, target)
             if common >= length and self._truncate_live(ctx, seq, live, common):
                 break  # the sequence already holds at least as much
-            if length >= self.min_tokens:
+            if worth and length >= self.min_tokens and self._worth(length, length - common):
                 restored = self._fetch_and_restore(ctx, seq, target, partial=partial)
                 if restored is not None:
                     self.stats.partial_hits += partial and restored.length < len(target)
@@ -361,6 +381,24 @@ class SequenceCache:
             return Reuse(common, branch=branch)
         self.clear(ctx, seq)
         return Reuse(0, branch=branch)
+
+    def _worth(self, tokens: int, gain: int) -> bool:
+        """Whether to restore a state of `tokens` tokens that saves computing `gain` of them
+        (`CacheOptions.restore`: by the measured rates in "auto"); a restore not done is counted."""
+        decision = self.rates.decide("", tokens=gain, nbytes=self.rates.size_of("", tokens))
+        if not decision:
+            self.stats.skip(decision.reason)
+            log.debug("sippcache: not restoring %d tokens (%d to compute otherwise): %s", tokens, gain, decision.reason)
+        return bool(decision)
+
+    def _learn_prefill(self, ctx: Any) -> None:
+        """Teach the rates the prompt tokens llama.cpp computed in `ctx` since the last look, and
+        how long they took (its own counters, `llama_perf_context`)."""
+        perf = llama_cpp.llama_perf_context(ctx)
+        seen, now = self._perf_seen, (id(ctx), int(perf.n_p_eval), float(perf.t_p_eval_ms))
+        self._perf_seen = now
+        if seen is not None and seen[0] == now[0] and now[1] > seen[1] and now[2] > seen[2]:
+            self.rates.record_prefill("", now[1] - seen[1], (now[2] - seen[2]) / 1000)
 
     def _truncate_live(self, ctx: Any, seq: int, live: TokenIds, length: int) -> bool:
         """Cut the live sequence to `length` tokens if llama.cpp can do so exactly."""
@@ -446,10 +484,12 @@ class SequenceCache:
                 self.drop(key)
             self.clear(ctx, seq)
             return None
+        seconds = time.perf_counter() - started
         self.stats.hits += 1
         self.stats.tokens_reused += length
         self.stats.bytes_read += len(match.blob)
-        self.stats.restore_seconds += time.perf_counter() - started
+        self.stats.restore_seconds += seconds
+        self.rates.record_restore("", nbytes=len(match.blob), seconds=seconds, tokens=len(key))
         return Restored(length, logits)
 
     def _refuse(self, key_length: int, reason: str) -> None:
@@ -512,6 +552,7 @@ class SequenceCache:
         if state is None:
             log.warning("sippcache: llama.cpp could not copy the sequence state; not caching it")
             return 0
+        self.rates.record_size("", len(key), len(state))
         snapshot = states.Snapshot(key, state, logits, time.time_ns(), pinned)
         with self._queued_lock:
             self._queued[id(snapshot)] = key

@@ -35,7 +35,7 @@ import xxhash
 from .. import frame, registry
 from ..modelfile import ModelFacts, read_model_facts
 from ..protocol import CacheBackend
-from ..rates import DEFAULT_MODE, MODES, RestoreRates
+from ..rates import MODES, RestoreRates, mode_from_environment
 from .app import SAVE_EVERY, SAVE_IDLE, Proxy
 from .metrics import ProxyMetrics
 from .slots import SlotTable
@@ -112,10 +112,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--restore",
         choices=MODES,
-        default=DEFAULT_MODE,
         help="when to restore a stored state: auto (default) when loading it is expected to be faster than "
         "llama-server computing its tokens, from the rates measured on each upstream; always; never "
-        "(states are still stored)",
+        "(states are still stored); default: $SIPPCACHE_RESTORE, else auto",
     )
     parser.add_argument("server_args", nargs="*", metavar="-- ARGS", help="more llama-server arguments (managed)")
     return parser
@@ -299,6 +298,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         _fail("--save-every must be at least 1 token")
     if not args.save_idle >= 0:
         _fail("--save-idle must be 0 or more seconds")
+    try:
+        args.restore = args.restore or mode_from_environment()
+    except ValueError as exc:
+        _fail(str(exc))
     managed: _Managed | None = None
     staging = _staging_dir() if args.llama_server else os.path.abspath(args.slot_dir)
     try:
