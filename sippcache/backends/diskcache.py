@@ -30,7 +30,7 @@ from urllib.parse import quote
 import diskcache  # type: ignore[import-untyped]  # diskcache ships no type information
 
 from ..catalog import UNSET
-from ..engine import KVBackend, KVTxn, directory_path, prepare_directory
+from ..engine import KVBackend, KVTxn, directory_path, owned_bytes, prepare_directory
 from ..engine.directory import check_store_files, missing_store
 from ..errors import CacheFull, CorruptStore, NoStore, ReadOnlyStore, SippcacheError, StoreError
 from ..mirror import Limit
@@ -155,7 +155,7 @@ class _DiskCacheTxn:
             return None
 
     def put(self, key: bytes, value: Blob) -> None:
-        self._cache.set(key, value if type(value) is bytes else bytes(value), retry=True)
+        self._cache.set(key, owned_bytes(value), retry=True)
 
     def delete(self, key: bytes) -> None:
         self._cache.delete(key, retry=True)

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import ClassVar
 
 from ..catalog import UNSET
-from ..engine import KVBackend, KVTxn
+from ..engine import KVBackend, KVTxn, owned_bytes
 from ..eviction import DEFAULT_POLICY, EvictionPolicy
 from ..mirror import Limit
 from ..options import Size
@@ -33,9 +33,7 @@ class _DictTxn:
     def put(self, key: bytes, value: Blob) -> None:
         assert self._undo is not None, "write in a read transaction"
         self._undo.append((key, self._data.get(key)))
-        # Keep an immutable bytes object as it is (no copy); copy anything mutable.
-        owner = value.obj if isinstance(value, memoryview) else value
-        self._data[key] = owner if type(owner) is bytes and len(owner) == len(value) else bytes(value)
+        self._data[key] = owned_bytes(value)
 
     def delete(self, key: bytes) -> None:
         assert self._undo is not None, "write in a read transaction"

@@ -21,7 +21,7 @@ from .directory import directory_path, prepare_directory
 from .forking import fork_safe_lock, hold_across_forks
 from .layout import LOG_KEEP, entry_id
 from .snapshots import SnapshotMatch
-from .storage import KVTxn
+from .storage import KVTxn, owned_bytes
 
 __all__ = [
     "LOG_KEEP",
@@ -32,5 +32,6 @@ __all__ = [
     "entry_id",
     "fork_safe_lock",
     "hold_across_forks",
+    "owned_bytes",
     "prepare_directory",
 ]

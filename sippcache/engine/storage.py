@@ -8,6 +8,15 @@ from typing import Protocol
 from ..protocol import Blob
 
 
+def owned_bytes(value: Blob) -> bytes:
+    """`value` as an immutable bytes object for a store to keep: the caller's own bytes object when
+    `value` is (a whole view of) one, with no copy (a state can be gigabytes); else a copy."""
+    owner = value.obj if isinstance(value, memoryview) else value
+    if type(owner) is bytes and len(owner) == memoryview(value).nbytes:
+        return owner
+    return bytes(value)
+
+
 class KVTxn(Protocol):
     """A transaction on the backing byte map; reads see one consistent state."""
 

@@ -664,12 +664,15 @@ class RedisBackend(BaseBackend):
                 pipe.execute()
             self.round_trips += 1
 
-    def _fetch(self, eid: bytes, ref: BlobRef) -> bytes | None:
-        """The blob, or None if a chunk is missing, the wrong length, or the checksum fails (torn)."""
+    def _fetch(self, eid: bytes, ref: BlobRef) -> bytes | bytearray | None:
+        """The blob, or None if a chunk is missing, the wrong length, or the checksum fails (torn).
+        The chunks are copied into one buffer as each window of them arrives: a state is held once
+        (the chunks of one window beside it), not once in its chunks and again joined."""
         keys = self._chunk_keys(eid, ref)
         sizes = ref.sizes()
         per_trip = max(1, WINDOW_BYTES // ref.chunk_size)
-        parts: list[bytes] = []
+        blob: bytes | bytearray | None = None
+        offset = 0
         for first in range(0, len(keys), per_trip):
             with self._server() as client:
                 pipe = client.pipeline(transaction=False)
@@ -682,8 +685,15 @@ class RedisBackend(BaseBackend):
                     raise _Unavailable(f"{type(part).__name__}: {part}")  # moved, loading...: not torn
                 if not isinstance(part, bytes) or len(part) != sizes[i]:
                     return None
-                parts.append(part)
-        blob = parts[0] if len(parts) == 1 else b"".join(parts)
+                if len(keys) == 1:
+                    blob = part  # one chunk: the reply itself
+                else:
+                    if blob is None:
+                        blob = bytearray(ref.length)
+                    blob[offset : offset + len(part)] = part
+                    offset += len(part)
+            del got
+        assert blob is not None  # a ref has at least one chunk
         return blob if xxhash.xxh3_64_intdigest(blob) == ref.checksum else None
 
     # -- BaseBackend hooks -----------------------------------------------------------------
