@@ -16,7 +16,8 @@ Workloads (greedy, short answers):
    hearth gives the one it starts, the proxy with no llama-server flags (it sets its own);
 2. shared prefix: 8 new conversations over one system prompt of about 1,500 tokens: prompt
    tokens computed in all, and the share of the system prompt reused (``timings.cache_n``);
-3. concurrency: 8 clients x 3 turns at once: aggregate generated tokens/s, TTFT p50/p95;
+3. concurrency: 8 clients x 3 turns at once: aggregate generated tokens/s, TTFT p50/p95, the
+   proxy's slot saves and stored bytes per answer (a save per answer before 2026-11-27);
 4. replicas: two proxies on one store, each with its own llama-server: a conversation's next
    turn on the other one, against the same turn cold;
 5. miss overhead: cold requests through the proxy against straight to llama-server (medians);
@@ -370,16 +371,38 @@ def _clients(target: Target, system: str, clients: int, turns: int) -> tuple[flo
     return tokens[0] / (time.perf_counter() - started), ttfts
 
 
+def _saves(target: Target) -> str:
+    """The proxy's slot saves and stored bytes per answer (its /metrics), once its writes settled."""
+    import urllib.request
+
+    from tests.servers import parse_metrics
+
+    def total(name: str, label: str = "") -> float:
+        with urllib.request.urlopen(target.url + "/metrics", timeout=60) as response:
+            series = parse_metrics(response.read().decode())
+        return sum(v for k, v in series.items() if k.partition("{")[0] == name and label in k)
+
+    stored, last = total("sippcache_proxy_stored_bytes_total"), -1.0
+    while stored != last:  # the store writes of the last answers: done once the count stops moving
+        time.sleep(1.0)
+        stored, last = total("sippcache_proxy_stored_bytes_total"), stored
+    answers = total("sippcache_proxy_requests_total", 'outcome="ok"')
+    saves = total("sippcache_proxy_slot_saves_total")
+    return f"  saves {saves:.0f} for {answers:.0f} answers, {stored / max(answers, 1) / 1e6:.2f} MB stored per answer"
+
+
 def concurrency(t: dict[str, Target], system: str, report: Report, clients: int = 8, turns: int = 3) -> None:
     print(f"\n[3] concurrency: {clients} clients x {turns} turns at once")
     results = {}
     for key in "bc":
         rate, ttfts = _clients(t[key].start(), system, clients, turns)
+        saved = _saves(t[key]) if key == "c" else ""
         t[key].stop()
         p95 = statistics.quantiles(ttfts, n=20)[18]
         results[key] = (rate, p95)
         print(
             f"  ({key}) {t[key].name:16} {rate:6.1f} tok/s  TTFT p50 {statistics.median(ttfts):.2f} s  p95 {p95:.2f} s"
+            f"{saved}"
         )
     (b_rate, b_p95), (c_rate, c_p95) = results["b"], results["c"]
     report.goal("aggregate >= 2x (b)", c_rate >= 2 * b_rate, f"{c_rate / b_rate:.2f}x")
