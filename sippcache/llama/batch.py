@@ -128,7 +128,8 @@ class _Slot:
     session: Hashable | None = None
     used: int = 0  # a clock, for least-recently-used choices
     saved: int = 0  # the longest prefix of `tokens` the cache held when its job was admitted, or stored since
-    #: A prompt end not stored yet (`store_finished` off): its tokens and logits, stored when the slot is parked.
+    #: A prompt end not stored yet (`_store_now`): its tokens and logits, stored when the slot is parked or
+    #: stored (`store_unsaved`), or a later prompt leaves it.
     unsaved: tuple[list[int], np.ndarray] | None = None
 
 
@@ -160,10 +161,18 @@ class BatchEngine:
     ``n_seq_max = slots`` and one unified KV buffer, so a slot's states are those
     of a single-sequence context and move between slots, `PrefixCache` users and
     other processes. `cache` is where states are found and left. `chunk` bounds
-    the prompt tokens of a step (a multiple of 32, at most `n_batch`). With
-    `store_finished`, a finished job's sequence is stored at once (the server: a
-    conversation's next turn, in this process or another, finds it); otherwise
-    only when its slot is parked (`SessionPool`).
+    the prompt tokens of a step (a multiple of 32, at most `n_batch`).
+
+    A prompt's end is stored at once only where `_store_now` says so (a prompt the
+    store held nothing of, a recurrent or hybrid model, `checkpoint_interval` tokens
+    beyond the store); otherwise what a slot holds beyond the store waits there and
+    is stored when the slot is parked (for room, `park`, `park_all`, or handed to
+    another conversation), when a later prompt leaves it, or by `store_unsaved` (the
+    server's scheduler, once idle). `SessionPool` and the server both run so.
+    `store_finished` stores every prompt end and every finished job's sequence at
+    once instead: nothing in sippcache sets it any more (the server did, and wrote a
+    conversation's whole state again every turn); it stays for a caller whose other
+    processes must find each answer the moment it is given, at a write per request.
     """
 
     def __init__(
@@ -225,6 +234,7 @@ class BatchEngine:
             admitted_cold=0,
             parked=0,
             parked_for_room=0,
+            stored_idle=0,
             borrowed_tokens=0,
             decode_calls=0,
             tokens_generated=0,
@@ -345,7 +355,9 @@ class BatchEngine:
     def _choose_slot(self, job: Job) -> _Slot | None:
         """The slot `job` runs in (None: wait): its session's; else an empty one; else the
         idle one whose sequence the prompt loses least of, least recently used among
-        equals, parked (its KV kept for the newcomer)."""
+        equals, parked (its KV kept for the newcomer) unless it is a session-less slot
+        whose conversation the prompt goes on with (`_keeps`: the server's next turn,
+        which stores nothing)."""
         if job.session is not None:
             own = next((s for s in self._slots if s.session == job.session), None)
             if own is not None:
@@ -358,8 +370,18 @@ class BatchEngine:
         if empty is not None:
             return empty
         slot = min(idle, key=lambda s: (len(s.tokens) - common_length(s.tokens, job.prompt), s.used))
-        self._park(slot, keep=True)
+        if slot.session is not None or not self._keeps(slot, job.prompt):
+            self._park(slot, keep=True)
         return slot
+
+    def _keeps(self, slot: _Slot, prompt: list[int]) -> bool:
+        """Whether `prompt` keeps what matters of `slot`'s sequence: all of it, or the prompt
+        end its last job left (unsaved, or stored: `saved`), the conversation going on. What
+        it may drop then is the tail of an answer its next turn holds in other tokens; an
+        unsaved prompt end it keeps stays unsaved (`_admit`)."""
+        common = common_length(slot.tokens, prompt)
+        end = len(slot.unsaved[0]) if slot.unsaved is not None else slot.saved
+        return common >= len(slot.tokens) or (end >= self.cache.min_tokens and common >= end)
 
     def _admit(self, job: Job, slot: _Slot, report: StepReport) -> None:
         own = job.session is not None and slot.session == job.session
@@ -504,15 +526,16 @@ class BatchEngine:
 
     def _store_now(self, slot: _Slot, end: int) -> bool:
         """Whether a prompt's end is stored as soon as it is evaluated. With
-        `store_finished` (the server: other processes and requests may want it now) and
-        on a model whose states cannot be cut back (recurrent, hybrid), always. Else
-        (`SessionPool`) when nothing stored held a prefix of it at admission (a new
-        conversation or system prompt) or it is `checkpoint_interval` tokens beyond that
-        (what a crash could cost, as a long prefill's checkpoints bound it); otherwise
-        its tokens and logits wait in the slot and are stored when the slot is parked
-        (for room, `park`, `park_all`), a later turn of a conversation kept live
-        superseding them: a 12 MB state written per turn for the few tokens it adds was
-        most of what the cache cost a pool (benchmarks/pool.py)."""
+        `store_finished` and on a model whose states cannot be cut back (recurrent,
+        hybrid), always. Else (`SessionPool`, the server) when nothing stored held a
+        prefix of it at admission (a new conversation or system prompt: other processes
+        want it now) or it is `checkpoint_interval` tokens beyond that (what a crash
+        could cost, as a long prefill's checkpoints bound it); otherwise its tokens and
+        logits wait in the slot and are stored when the slot is parked (for room, `park`,
+        `park_all`, a hand-over), a later prompt leaves them or `store_unsaved` runs, a
+        later turn of a conversation kept live superseding them: a 12 MB state written
+        per turn for the few tokens it adds was most of what the cache cost a pool
+        (benchmarks/pool.py), and on a GPU a 1 GB state costs more than the answer."""
         if self.store_finished or self.cache.kind.exact_length_only or slot.saved < self.cache.min_tokens:
             return True
         return end - slot.saved >= self.cache.options.checkpoint_interval
@@ -585,6 +608,7 @@ class BatchEngine:
         self._release(job)
         if self.store_finished and len(slot.tokens) >= self.cache.min_tokens:
             self.cache.snapshot(self._ctx, slot.seq, list(slot.tokens))
+            slot.saved = len(slot.tokens)
         self._done(job, report)
 
     def _finish(self, job: Job, reason: str, report: StepReport) -> None:
@@ -649,26 +673,57 @@ class BatchEngine:
         return slot is not None
 
     def park_all(self) -> None:
-        """Snapshot every idle slot's sequence into the cache (unless stored already) and
-        free the slots: what a process leaves for the next one."""
+        """Snapshot every idle slot's sequence into the cache (unless stored already), then
+        its unsaved prompt end with its logits, and free the slots: what a process leaves
+        for the next one."""
         for slot in self._slots:
             if slot.job is None and (slot.tokens or slot.session is not None):
                 self._park(slot)
 
+    @property
+    def unstored(self) -> int:
+        """Idle slots holding what the store does not: an unsaved prompt end, or tokens
+        beyond what the store held of their sequence (`store_unsaved` stores them)."""
+        return sum(1 for slot in self._slots if slot.job is None and self._holds_unstored(slot))
+
+    def _holds_unstored(self, slot: _Slot) -> bool:
+        return slot.unsaved is not None or len(slot.tokens) > max(slot.saved, self.cache.min_tokens - 1)
+
+    def store_unsaved(self) -> int:
+        """Store what each idle slot holds beyond the store, as parking does (its sequence
+        unless stored already, then its unsaved prompt end with its logits), leaving the
+        slot its conversation and KV, cut back to that prompt end if there was one (what
+        followed it is in the store now). Returns the slots stored. The server's scheduler
+        calls it once idle: what other processes, and the next process after a crash,
+        find of conversations that kept their slots."""
+        stored = 0
+        for slot in self._slots:
+            if slot.job is None and self._holds_unstored(slot):
+                self._store_slot(slot)
+                stored += 1
+        self.counters["stored_idle"] += stored
+        return stored
+
     def _park(self, slot: _Slot, *, keep: bool = False) -> None:
-        """Snapshot the slot's sequence into the cache (unless stored already), then its
-        unsaved prompt end, and free the slot (with `keep`, its KV, cut back to that
-        prompt end if there was one, stays for the next job to reuse)."""
-        at_prompt_end = slot.unsaved is not None and slot.unsaved[0] == slot.tokens  # stored below, with logits
-        if len(slot.tokens) >= self.cache.min_tokens and not at_prompt_end:
-            self.cache.snapshot(self._ctx, slot.seq, list(slot.tokens))
-        if slot.unsaved is not None:
-            self._save_prompt_end(slot)
+        """Store the slot (`_store_slot`) and free it (with `keep`, its KV, cut back to its
+        unsaved prompt end if there was one, stays for the next job to reuse)."""
+        self._store_slot(slot)
         self.counters["parked"] += 1
         if keep:
             slot.session = None
         else:
             self._forget(slot)
+
+    def _store_slot(self, slot: _Slot) -> None:
+        """Snapshot the slot's sequence into the cache (unless stored already), then its
+        unsaved prompt end with its logits (`_save_prompt_end`: the sequence cut back to
+        it where that is exact); the store then holds all the slot holds."""
+        at_prompt_end = slot.unsaved is not None and slot.unsaved[0] == slot.tokens  # stored below, with logits
+        if len(slot.tokens) >= self.cache.min_tokens and not at_prompt_end:
+            self.cache.snapshot(self._ctx, slot.seq, list(slot.tokens))
+        if slot.unsaved is not None:
+            self._save_prompt_end(slot)
+        slot.saved = len(slot.tokens)
 
     def _forget(self, slot: _Slot) -> None:
         states.clear(states.memory(self._ctx), slot.seq)

@@ -8,6 +8,15 @@ there is work, and sleeps when there is none. Tokens go back to each request
 through the job's callbacks (see `sippcache.server.batched`). What cannot run
 batched runs on the shared model behind `Scheduler.serialized`'s lock.
 
+States are stored by `SessionPool`'s rule (`BatchEngine._store_now`), not after
+every request: a prompt's end at once when the store held nothing of it (a new
+conversation or system prompt), on a recurrent or hybrid model, or
+`checkpoint_interval` tokens beyond the store; otherwise what a slot holds waits
+there and is stored when the slot goes to another conversation, when the
+scheduler has had no job for `save_idle` seconds (`BatchEngine.store_unsaved`,
+on the scheduler thread), and when the scheduler closes (`close`: every slot
+parked). A conversation that keeps its slot writes nothing per turn.
+
 A step that fails in an unexpected way ends every job in the engine with that
 error and starts over with empty slots: requests fail, the server keeps
 serving.
@@ -16,6 +25,7 @@ serving.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -29,6 +39,7 @@ from ..llama.seqcache import SequenceCache
 from .batched import BatchedLlama
 from .door import RequestContext
 from .model import ServedLlama
+from .settings import DEFAULT_SAVE_IDLE
 
 log = logging.getLogger("sippcache")
 
@@ -65,7 +76,9 @@ class Scheduler:
     store `sequences` uses. `on_step(report)` is called after every step and
     `on_done(job, request)` when a job leaves (metrics). With `interrupting`
     (the server's ``interrupt_requests``), each job waiting for a slot picks the
-    oldest running request to be ended (`interrupted`)."""
+    oldest running request to be ended (`interrupted`). Once it has had no job for
+    `save_idle` seconds, it stores what its slots hold beyond the store (see the
+    module docstring)."""
 
     def __init__(
         self,
@@ -78,8 +91,12 @@ class Scheduler:
         on_step: Callable[[StepReport], None] | None = None,
         on_done: Callable[[Job, RequestContext | None], None] | None = None,
         interrupting: bool = False,
+        save_idle: float = DEFAULT_SAVE_IDLE,
     ) -> None:
+        if isinstance(save_idle, bool) or not isinstance(save_idle, (int, float)) or not 0 <= save_idle < math.inf:
+            raise ValueError(f"save_idle must be a number of seconds >= 0, got {save_idle!r}")
         self.model, self.sequences = model, sequences
+        self.save_idle = float(save_idle)
         self.engine = BatchEngine(
             model,
             sequences,
@@ -87,7 +104,6 @@ class Scheduler:
             n_ctx=slots * model.n_ctx(),
             n_batch=model.n_batch,
             chunk=chunk,
-            store_finished=True,
         )
         self.stats = SchedulerStats(slots)
         self.on_step, self.on_done = on_step, on_done
@@ -159,7 +175,8 @@ class Scheduler:
         return result
 
     def close(self) -> None:
-        """Let the running jobs finish, park every idle slot in the store, free the context."""
+        """Let the running jobs finish, park every slot in the store (its sequence, and its
+        unsaved prompt end with its logits), free the context."""
         with self._wake:
             self._closing = True
             self._wake.notify()
@@ -172,19 +189,43 @@ class Scheduler:
     # -- the scheduler thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        worked = time.monotonic()  # when the engine last had a job
         while True:
             with self._wake:
+                idle = False
                 while not (self._incoming or self.engine.busy or self._closing):
-                    self._wake.wait()
+                    if not self.engine.unstored:
+                        self._wake.wait()
+                        continue
+                    left = worked + self.save_idle - time.monotonic()
+                    if left <= 0:
+                        idle = True
+                        break
+                    self._wake.wait(left)
                 if self._closing and not (self._incoming or self.engine.busy):
                     return
                 incoming, self._incoming = self._incoming, []
+            if idle:
+                self._store_idle()
+                worked = time.monotonic()  # a store that failed is tried again after another idle time, not at once
+                continue
             try:
                 self._step(incoming)
             except Exception as exc:  # the engine's state cannot be trusted: every job fails, the server goes on
                 log.exception("sippcache: a batched step failed; ending its requests")
                 self.engine.abort(exc)
                 self._observe(StepReport())
+            worked = time.monotonic()
+
+    def _store_idle(self) -> None:
+        """Store what the slots hold beyond the store (`BatchEngine.store_unsaved`): the
+        engine has had no job for `save_idle` seconds."""
+        try:
+            stored = self.engine.store_unsaved()
+        except Exception:  # the slots keep what they hold; the next idle time tries again
+            log.exception("sippcache: storing the idle slots failed")
+            return
+        log.debug("sippcache: stored %d idle slot(s) after %g s without a job", stored, self.save_idle)
 
     def _step(self, incoming: list[tuple[Job, RequestContext | None]]) -> None:
         for job, request in incoming:

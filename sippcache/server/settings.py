@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ __all__ = [
     "DEFAULT_MAX_QUEUE",
     "DEFAULT_PARALLEL",
     "DEFAULT_PREFILL_CHUNK",
+    "DEFAULT_SAVE_IDLE",
     "STATE_SETTINGS",
     "UPSTREAM_CACHE_SETTINGS",
     "ModelOptions",
@@ -47,6 +49,9 @@ DEFAULT_PARALLEL = 4
 DEFAULT_MAX_QUEUE = 64
 #: Prompt tokens a step of the batched path evaluates, at most (see docs/serve.md, "Tuning").
 DEFAULT_PREFILL_CHUNK = DEFAULT_CHUNK
+#: Seconds without a job after which a ``--parallel`` model stores what its slots hold beyond the
+#: store (see docs/serve.md, "When a state is stored"), as the proxy's ``--save-idle``.
+DEFAULT_SAVE_IDLE = 30.0
 #: `--cache` / `cache_url` values that keep upstream's boolean meaning.
 TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
 FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no", "none"})
@@ -78,13 +83,15 @@ class ModelOptions:
     """A model's settings that are sippcache's, not upstream's: its store (`cache_url`:
     None for the server's ``--cache``), how many requests it runs at once
     (`parallel`; 1 is upstream's one request at a time, on upstream's code path),
-    how many more may wait (`max_queue`), and the prompt tokens a step evaluates
-    (`prefill_chunk`)."""
+    how many more may wait (`max_queue`), the prompt tokens a step evaluates
+    (`prefill_chunk`), and the seconds without a job after which its slots are
+    stored (`save_idle`)."""
 
     cache_url: str | None = None
     parallel: int = DEFAULT_PARALLEL
     max_queue: int = DEFAULT_MAX_QUEUE
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    save_idle: float = DEFAULT_SAVE_IDLE
 
     def __post_init__(self) -> None:
         for name, lowest in (("parallel", 1), ("max_queue", 0), ("prefill_chunk", 32)):
@@ -93,10 +100,13 @@ class ModelOptions:
                 raise ServeError(f"{name} must be an integer >= {lowest}, not {value!r}")
         if self.prefill_chunk % 32:
             raise ServeError(f"prefill_chunk must be a multiple of 32, not {self.prefill_chunk}")
+        idle = self.save_idle
+        if isinstance(idle, bool) or not isinstance(idle, (int, float)) or not 0 <= idle < math.inf:
+            raise ServeError(f"save_idle must be a number of seconds >= 0, not {idle!r}")
 
 
 #: ModelOptions fields a config file's model may set (taken out before upstream validates it).
-OPTION_KEYS = (CACHE_URL_KEY, "parallel", "max_queue", "prefill_chunk")
+OPTION_KEYS = (CACHE_URL_KEY, "parallel", "max_queue", "prefill_chunk", "save_idle")
 
 
 @dataclass(frozen=True)
@@ -153,6 +163,15 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         f"others' decoding back by one chunk at most (a multiple of 32; default {DEFAULT_PREFILL_CHUNK}; "
         "'prefill_chunk' per model in --config_file).",
     )
+    parser.add_argument(
+        "--save_idle",
+        type=float,
+        metavar="S",
+        help=f"With --parallel > 1: once a model has had no request for S seconds, what its slots hold beyond "
+        f"the store (a conversation's last turns) is stored; a conversation keeping its slot is otherwise stored "
+        f"when the slot goes to another one and on shutdown (default {DEFAULT_SAVE_IDLE:g}; 0: as soon as no "
+        "request runs; 'save_idle' per model in --config_file).",
+    )
     return parser
 
 
@@ -161,7 +180,7 @@ def load_settings(args: argparse.Namespace) -> Settings:
 
     As upstream: ``$CONFIG_FILE`` wins over ``--config_file``; with a config file,
     the other command-line settings are not used, except ours (``--cache``,
-    ``--parallel``, ``--max_queue``, ``--prefill_chunk``), which are the defaults
+    ``--parallel``, ``--max_queue``, ``--prefill_chunk``, ``--save_idle``), which are the defaults
     of the models that do not set their own. Our keys are taken out of the models
     before upstream's models (which forbid unknown keys) validate them. Unlike
     upstream, ``interrupt_requests`` is off unless set: on, a request waiting for
@@ -169,7 +188,7 @@ def load_settings(args: argparse.Namespace) -> Settings:
     """
     defaults: dict[str, Any] = {
         name: getattr(args, name)
-        for name in ("parallel", "max_queue", "prefill_chunk")
+        for name in ("parallel", "max_queue", "prefill_chunk", "save_idle")
         if getattr(args, name, None) is not None
     }
     config_file = os.environ.get("CONFIG_FILE", args.config_file)

@@ -213,6 +213,7 @@ class CachePool:
                 sequences,
                 slots=entry.options.parallel,
                 chunk=entry.options.prefill_chunk,
+                save_idle=entry.options.save_idle,
                 name=alias,
                 on_step=lambda report: self.metrics.observe_step(alias, report),
                 on_done=lambda job, request: self._finished(alias, job, request),

@@ -671,7 +671,8 @@ class RedisBackend(BaseBackend):
         keys = self._chunk_keys(eid, ref)
         sizes = ref.sizes()
         per_trip = max(1, WINDOW_BYTES // ref.chunk_size)
-        blob: bytes | bytearray | None = None
+        single: bytes | None = None  # one chunk: the reply itself
+        joined = bytearray(ref.length) if len(keys) > 1 else None
         offset = 0
         for first in range(0, len(keys), per_trip):
             with self._server() as client:
@@ -685,14 +686,13 @@ class RedisBackend(BaseBackend):
                     raise _Unavailable(f"{type(part).__name__}: {part}")  # moved, loading...: not torn
                 if not isinstance(part, bytes) or len(part) != sizes[i]:
                     return None
-                if len(keys) == 1:
-                    blob = part  # one chunk: the reply itself
+                if joined is None:
+                    single = part
                 else:
-                    if blob is None:
-                        blob = bytearray(ref.length)
-                    blob[offset : offset + len(part)] = part
+                    joined[offset : offset + len(part)] = part
                     offset += len(part)
             del got
+        blob = joined if joined is not None else single
         assert blob is not None  # a ref has at least one chunk
         return blob if xxhash.xxh3_64_intdigest(blob) == ref.checksum else None
 
