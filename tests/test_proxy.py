@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import sippcache
+from sippcache import chunks, frame
 from sippcache.testing.bounded import join_all
 from tests.proxy_tools import LlamaServer, ProxyServer, metric, settle
 
@@ -141,6 +142,11 @@ def conversation(question: str, name: str = "A") -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{name}: {question}"}]
 
 
+def state_entries(store: sippcache.CacheBackend) -> list[sippcache.EntryInfo]:
+    """The stored states a lookup starts from (tails and whole entries), their chunks aside."""
+    return [e for e in store.entries() if not chunks.is_chunk_namespace(e.namespace)]
+
+
 # -- a hit is the cold answer ----------------------------------------------------------------------
 
 
@@ -209,7 +215,7 @@ def test_one_conversation_keeps_one_entry_not_one_a_turn(procs: Any, model: Path
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
         settle(proxy)
     with sippcache.open(cache) as store:
-        assert len(store) == 1
+        assert len(state_entries(store)) == 1  # and the chunks of its state (shared by every turn)
 
 
 def test_two_proxies_on_one_store_share_a_conversation(procs: Any, model: Path, tmp_path: Path) -> None:
@@ -573,7 +579,7 @@ def test_every_memory_kind_extends_a_stored_state_after_a_restart(procs: Any, tm
     assert int(headers["x-sippcache-prompt-reused"]) == again["timings"]["cache_n"] >= len(prompt), again["timings"]
     proxy.stop()  # the follow-up's state, left in its slot, is saved on the way out
     with sippcache.open(cache) as store:  # a state that cannot be cut is kept beside the one extending it
-        assert len(store) == (2 if kind in ("recurrent", "hybrid") else 1)
+        assert len(state_entries(store)) == (2 if kind in ("recurrent", "hybrid") else 1)
         assert max(len(e.key) for e in store.entries()) > stored
 
 
@@ -611,3 +617,79 @@ def test_a_request_for_several_choices_gets_them_all(procs: Any, model: Path, tm
     assert status == 200, data
     assert [c["message"]["content"] for c in data["choices"]] == [cold, cold]
     assert chat(proxy.url, messages)[0] == cold  # and the next request is served as before
+
+
+# -- chunked states ----------------------------------------------------------------------------------------
+
+
+def kinds(cache: str) -> list[str]:
+    """The frame kinds of the stored states (tails and whole entries)."""
+    with sippcache.open(cache) as store:
+        out = []
+        for info in state_entries(store):
+            with store.lookup(info.key, namespace=info.namespace, touch=False) as match:  # type: ignore[union-attr]
+                out.append(frame.decode(match.blob).kind)
+        return out
+
+
+def test_a_restart_follow_up_restores_a_state_assembled_from_chunks(procs: Any, model: Path, tmp_path: Path) -> None:
+    """The store holds a tail and chunks only, so the follow-up's state is joined from them; llama-server
+    reuses all of it, and answers as it does cold."""
+    cache = f"lmdb://{tmp_path}/store"
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    first = conversation("which ship passed first?")
+    proxy = procs(managed(model, cache, "--chunk-tokens", "128"))
+    _, _, timings = chat(proxy.url, first)
+    settle(proxy)
+    proxy.stop()
+    assert kinds(cache) == ["llama-server.seq.tail"]
+    with sippcache.open(cache) as store:
+        (tail,) = state_entries(store)
+        assert len(store) - 1 == (len(tail.key) - 1) // 128  # its chunks, keyed by the prefixes they end
+    proxy = procs(managed(model, cache, "--chunk-tokens", "128"))
+    follow = [*first, {"role": "assistant", "content": "the Eider"}, {"role": "user", "content": "and her flag?"}]
+    answer, reused, again = chat(proxy.url, follow)
+    assert answer == chat(reference.url, follow, cache_prompt=False)[0]
+    assert reused == again["cache_n"] >= prompt_length(timings) - 2, again  # the first prompt, restored
+    assert metric(proxy, "sippcache_proxy_restores_total", outcome="ok") == 1
+
+
+def test_conversations_over_a_system_prompt_share_its_chunks(procs: Any, model: Path, tmp_path: Path) -> None:
+    """A second conversation restores a run of the first one's chunks (the system prompt), answers as
+    llama-server does cold, and its save writes only what follows them."""
+    cache = f"lmdb://{tmp_path}/store"
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    proxy = procs(managed(model, cache, "--save-idle", "0", "--chunk-tokens", "128"))  # every answer saved at once
+    chat(proxy.url, conversation("which ship passed first?", "alice"))
+    settle(proxy)
+    first = metric(proxy, "sippcache_proxy_stored_bytes_total")
+    bob = conversation("what was the weather?", "bob")
+    answer, reused, timings = chat(proxy.url, bob)
+    settle(proxy)
+    assert answer == chat(reference.url, bob, cache_prompt=False)[0]
+    assert reused == timings["cache_n"] >= len(SYSTEM) - 20, timings
+    second = metric(proxy, "sippcache_proxy_stored_bytes_total") - first
+    assert 0 < second < first / 2, (first, second)  # whole states: about as much as the first
+    with sippcache.open(cache) as store:
+        assert len(state_entries(store)) == 2
+
+
+def test_entries_stored_whole_restore_under_chunking(procs: Any, model: Path, tmp_path: Path) -> None:
+    """Entries of a proxy before chunks (here --chunk-tokens 0: whole states, as it stored them)
+    restore in a proxy that stores chunks; the conversation's next save replaces the whole entry with
+    a tail and chunks."""
+    cache = f"lmdb://{tmp_path}/store"
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    first = conversation("which ship passed first?")
+    proxy = procs(managed(model, cache, "--chunk-tokens", "0"))
+    _, _, timings = chat(proxy.url, first)
+    settle(proxy)
+    proxy.stop()
+    assert kinds(cache) == ["llama-server.seq"]
+    proxy = procs(managed(model, cache, "--chunk-tokens", "128"))
+    follow = [*first, {"role": "assistant", "content": "the Eider"}, {"role": "user", "content": "and her flag?"}]
+    answer, reused, again = chat(proxy.url, follow)
+    assert answer == chat(reference.url, follow, cache_prompt=False)[0]
+    assert reused == again["cache_n"] >= prompt_length(timings) - 2, again
+    proxy.stop()  # the follow-up's state, saved on the way out, takes the whole entry's place
+    assert kinds(cache) == ["llama-server.seq.tail"]

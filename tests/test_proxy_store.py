@@ -1,20 +1,26 @@
 """`SlotStore.keep` on a real RAM store: which entry a slot's new state replaces. A conversation keeps
 one entry; a new conversation that parts from an entry within its prompt (over a shared system
-prompt) never deletes it."""
+prompt) never deletes it. With real llama.cpp states: stored as chunks and a tail (a later save
+writes only its new chunks, conversations share a system prompt's), staged back as the very slot
+file llama-server wrote; what stateformat cannot cut, and entries stored whole, as before."""
 
 from __future__ import annotations
 
 import os
 import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import sippcache
+from sippcache import chunks
+from sippcache import stateformat as sf
 from sippcache.proxy import slotfile
 from sippcache.proxy.slots import Origin
-from sippcache.proxy.store import SUPERSEDE_SLACK, SlotStore, Snapshot
+from sippcache.proxy.store import SUPERSEDE_SLACK, Saved, SlotStore, Snapshot
 
 SYSTEM = tuple(range(1000, 1400))  # a 400-token system prompt
 
@@ -112,3 +118,146 @@ def test_restores_rewrite_one_staging_file_per_slot_in_place(store: SlotStore) -
     assert slotfile.parse(Path(target).read_bytes()) == slotfile.SlotFile(4, (*SYSTEM, 2), memoryview(short_state))
     store.close()
     assert not Path(target).exists()
+
+
+# -- chunked states (sippcache.chunks), on real llama.cpp states --------------------------------------------
+
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    import llama_cpp
+
+    from tests.tinymodel import write_tiny_model
+
+    path = write_tiny_model(tmp_path_factory.mktemp("proxy-store-model") / "tiny.gguf")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_batch=512, verbose=False)
+    yield llm
+    llm.close()
+
+
+def real_state(llm: Any, tokens: tuple[int, ...]) -> bytes:
+    """llama.cpp's state bytes of `tokens` as a slot file holds them (no 8-byte header; version 3:
+    llama-cpp-python's llama.cpp), evaluated in batches ending at multiples of CHUNK."""
+    import ctypes
+
+    import llama_cpp
+
+    llm.reset()
+    begin = 0
+    for end in [*range(CHUNK, len(tokens), CHUNK), len(tokens)]:
+        llm.eval(list(tokens[begin:end]))
+        begin = end
+    size = llama_cpp.llama_state_seq_get_size(llm.ctx, 0)
+    buffer = (ctypes.c_uint8 * size)()
+    written = llama_cpp.llama_state_seq_get_data(llm.ctx, buffer, size, 0)
+    return bytes(buffer)[8:written]
+
+
+@pytest.fixture
+def chunked(tmp_path: Path) -> SlotStore:
+    return SlotStore(
+        sippcache.open("ram://"), fingerprint="f", facts={}, kind="full", staging=str(tmp_path), chunk_tokens=CHUNK
+    )
+
+
+def keep_real(store: SlotStore, llm: Any, tokens: tuple[int, ...], prompt: int, supersedes: Origin | None) -> Saved:
+    path = Path(store.staging) / f"real-{len(tokens)}-{tokens[-1]}.slot"
+    path.write_bytes(b"".join(slotfile.build(3, tokens, real_state(llm, tokens))))
+    saved = store.keep(Snapshot(str(path), tokens, prompt, time.perf_counter()), supersedes, "")
+    assert saved is not None and not path.exists()
+    return saved
+
+
+def state_keys(store: SlotStore) -> list[tuple[int, ...]]:
+    """The keys of the tails and whole entries (the chunks aside)."""
+    return sorted(tuple(e.key) for e in store.cache.entries() if not chunks.is_chunk_namespace(e.namespace))
+
+
+def chunk_keys(store: SlotStore) -> list[int]:
+    return sorted(len(e.key) for e in store.cache.entries() if chunks.is_chunk_namespace(e.namespace))
+
+
+def tiny_tokens(n: int, seed: int) -> tuple[int, ...]:
+    import random
+
+    rng = random.Random(seed)
+    return tuple(rng.randrange(3, 259) for _ in range(n))
+
+
+def test_a_chunked_state_is_staged_as_the_slot_file_llama_server_wrote(chunked: SlotStore, tiny_llm: Any) -> None:
+    tokens = (1, *tiny_tokens(499, 0))
+    state = real_state(tiny_llm, tokens)
+    saved = keep_real(chunked, tiny_llm, tokens, len(tokens), None)
+    assert saved.state_bytes == len(state) + 8 and saved.nbytes < saved.state_bytes * 1.1
+    assert state_keys(chunked) == [tokens] and chunk_keys(chunked) == list(range(CHUNK, 500, CHUNK))
+    target = chunked.restore_file("http://127.0.0.1:1", 0)
+    staged = chunked._stage((*tokens, 5), chunked.namespace(""), target)
+    assert staged is not None and staged[0] == Origin(tokens, len(tokens)) and staged[2] == tokens
+    assert Path(target).read_bytes() == b"".join(slotfile.build(3, tokens, state))
+    # A new conversation parting at 300 tokens: the chunks that cover them, cut by llama-server.
+    staged = chunked._stage((*tokens[:300], 1, 2), chunked.namespace(""), target)
+    assert staged is not None and staged[0].tokens == tokens and staged[2] == tokens[:320]
+    assert slotfile.parse(Path(target).read_bytes()) == slotfile.SlotFile(
+        3, tokens[:320], memoryview(sf.prefix(state, 320))
+    )
+    peek = chunked.best((*tokens[:300], 1, 2), "")
+    assert peek is not None and (peek.length, peek.key_length) == (300, 320)  # what a restore would load
+    chunked.close()
+
+
+def test_conversations_over_one_system_prompt_write_it_once(chunked: SlotStore, tiny_llm: Any) -> None:
+    system = (1, *tiny_tokens(599, 1))
+    saved = [keep_real(chunked, tiny_llm, (*system, *tiny_tokens(100, 10 + i)), 620, None) for i in range(4)]
+    per_token = saved[0].state_bytes // 700
+    assert all(s.nbytes < (700 - 576) * per_token * 1.1 for s in saved[1:])  # only what follows 9 shared chunks
+    assert len(state_keys(chunked)) == 4 and len(chunk_keys(chunked)) == 9 + 4 * 1
+
+
+def test_the_next_turn_replaces_the_tail_and_keeps_the_shared_chunks(chunked: SlotStore, tiny_llm: Any) -> None:
+    turn1 = (1, *tiny_tokens(459, 2))  # chunks to 448
+    first = keep_real(chunked, tiny_llm, turn1, 440, None)
+    assert first.nbytes > first.state_bytes
+    turn2 = (*turn1[:445], *tiny_tokens(150, 3))  # its answer's end written back otherwise, a new question
+    keep_real(chunked, tiny_llm, turn2, 560, Origin(turn1, 440))
+    assert state_keys(chunked) == [turn2]  # one entry for the conversation
+    assert chunk_keys(chunked) == list(range(CHUNK, len(turn2), CHUNK))
+    # A new conversation that parts within the first one's prompt keeps it.
+    other = (*turn2[:300], *tiny_tokens(100, 4))
+    keep_real(chunked, tiny_llm, other, 390, Origin(turn2, 560))
+    assert state_keys(chunked) == sorted([turn2, other])
+
+
+def test_states_stateformat_cannot_cut_are_stored_whole_and_counted(chunked: SlotStore) -> None:
+    keep(chunked, (*SYSTEM, 1, 2, 3), 400, None)  # b"state" * 10: no llama.cpp state
+    assert chunked.stored_whole == 1 and chunk_keys(chunked) == []
+    with chunked.cache.lookup((*SYSTEM, 1, 2, 3), namespace=chunked.namespace("")) as match:  # type: ignore[union-attr]
+        from sippcache import frame
+
+        entry = frame.decode(match.blob)
+        assert (entry.kind, entry.roles) == ("llama-server.seq", ("state",))
+        del entry
+    recurrent = SlotStore(
+        sippcache.open("ram://"), fingerprint="f", facts={}, kind="recurrent", staging=chunked.staging
+    )
+    assert recurrent.chunk_tokens == 0  # recurrent and hybrid memory: whole states, not counted
+    keep(recurrent, (*SYSTEM, 1), 400, None)
+    assert recurrent.stored_whole == 0
+
+
+def test_whole_entries_of_earlier_proxies_restore_and_are_replaced(chunked: SlotStore, tiny_llm: Any) -> None:
+    """An entry stored whole (by a proxy before chunks, or --chunk-tokens 0) restores as it did; the
+    conversation's next save replaces it with a tail and chunks."""
+    whole = SlotStore(chunked.cache, fingerprint="f", facts={}, kind="full", staging=chunked.staging, chunk_tokens=0)
+    turn1 = (1, *tiny_tokens(299, 5))
+    keep_real(whole, tiny_llm, turn1, 290, None)
+    assert chunk_keys(chunked) == [] and whole.stored_whole == 0
+    target = chunked.restore_file("http://127.0.0.1:1", 0)
+    staged = chunked._stage((*turn1, 7), chunked.namespace(""), target)
+    assert staged is not None and staged[2] == turn1
+    assert Path(target).read_bytes() == b"".join(slotfile.build(3, turn1, real_state(tiny_llm, turn1)))
+    turn2 = (*turn1, *tiny_tokens(100, 6))
+    keep_real(chunked, tiny_llm, turn2, 390, Origin(turn1, 290))
+    assert state_keys(chunked) == [turn2] and len(chunk_keys(chunked)) == 6
+    chunked.close()

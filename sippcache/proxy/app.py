@@ -359,11 +359,11 @@ class Proxy:
             return None
         if restored is None:
             return None
-        slot.tokens, slot.origin, slot.stored = restored.origin.tokens, restored.origin, len(restored.origin.tokens)
+        slot.tokens, slot.origin, slot.stored = restored.tokens, restored.origin, len(restored.tokens)
         self.metrics.restores.labels(url, "ok").inc()
         self.metrics.restore_seconds.labels(url).observe(restored.seconds)
-        origin = restored.origin.tokens
-        promised = reusable(len(origin), common_prefix(origin, tokens), len(tokens), self.store.can_cut)
+        loaded = restored.tokens  # the entry's tokens, or the prefix its chunks gave
+        promised = reusable(len(loaded), common_prefix(loaded, tokens), len(tokens), self.store.can_cut)
         return _Restore(restored, promised)
 
     def _learn(self, url: str, timings: dict[str, Any], restore: _Restore | None) -> None:
@@ -398,7 +398,7 @@ class Proxy:
                 )
                 self._warned.add(url)
         self.rates.record_restore(
-            url, nbytes=restored.nbytes, seconds=restored.seconds, tokens=len(restored.origin.tokens), useful=useful
+            url, nbytes=restored.nbytes, seconds=restored.seconds, tokens=len(restored.tokens), useful=useful
         )
 
     async def _finish(
@@ -528,7 +528,7 @@ class Proxy:
     async def _keep(self, url: str, snapshot: Snapshot, supersedes: Origin | None, scope: str) -> None:
         saved = await asyncio.to_thread(self.store.keep, snapshot, supersedes, scope)
         if saved is not None:
-            self.rates.record_size(url, len(saved.tokens), saved.nbytes)
+            self.rates.record_size(url, len(saved.tokens), saved.state_bytes or saved.nbytes)
             self.metrics.saves.labels(url).inc()
             self.metrics.save_seconds.labels(url).observe(saved.seconds)
             self.metrics.bytes_stored.labels(url).inc(saved.nbytes)

@@ -31,8 +31,9 @@ from typing import NoReturn
 
 import httpx
 import xxhash
+from prometheus_client import Gauge
 
-from .. import frame, registry
+from .. import chunks, frame, registry
 from ..modelfile import ModelFacts, read_model_facts
 from ..protocol import CacheBackend
 from ..rates import MODES, RestoreRates, mode_from_environment
@@ -108,6 +109,15 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=SAVE_IDLE,
         metavar="SECONDS",
         help=f"an unsaved slot is saved after this long unused (default {SAVE_IDLE:g}; 0: as soon as it is free)",
+    )
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="store states as chunks of N tokens that every state sharing them shares, and a tail: a conversation's "
+        f"later save writes only its new chunks (e.g. {chunks.DEFAULT_CHUNK_TOKENS}; default 0: every state whole, "
+        "the faster restore of a long state); recurrent and hybrid models' states are stored whole",
     )
     parser.add_argument(
         "--restore",
@@ -298,6 +308,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         _fail("--save-every must be at least 1 token")
     if not args.save_idle >= 0:
         _fail("--save-idle must be 0 or more seconds")
+    if args.chunk_tokens < 0:
+        _fail("--chunk-tokens must be 0 (whole states) or more")
     try:
         args.restore = args.restore or mode_from_environment()
     except ValueError as exc:
@@ -355,9 +367,15 @@ async def _serve(
             staging=staging,
             min_tokens=args.min_tokens,
             secret=frame.secret_from_environment(),
+            chunk_tokens=args.chunk_tokens,
         )
         metrics = ProxyMetrics()
         metrics.store_errors.set_function(lambda: store.errors)
+        Gauge(
+            "sippcache_proxy_states_stored_whole",
+            "Slot states stored as one whole entry although chunking is on: states stateformat could not cut.",
+            registry=metrics.registry,
+        ).set_function(lambda: store.stored_whole)
         proxy = Proxy(
             upstreams,
             SlotTable([i.slots for i in infos], args.max_queue, store.can_cut),
@@ -374,7 +392,9 @@ async def _serve(
         server = uvicorn.Server(config)
         print(
             f"sippcache proxy: http://{args.host}:{args.port} -> {', '.join(urls)} "
-            f"({sum(i.slots for i in infos)} slots, {store.kind} memory, cache {getattr(cache, 'url', '')})",
+            f"({sum(i.slots for i in infos)} slots, {store.kind} memory, "
+            f"{f'chunks of {store.chunk_tokens} tokens' if store.chunk_tokens else 'whole states'}, "
+            f"cache {getattr(cache, 'url', '')})",
             file=sys.stderr,
             flush=True,
         )

@@ -28,6 +28,15 @@ Which state is worth loading is the proxy's choice:
 - ``recurrent`` (and hybrid) models: a state can only be extended at exactly its
   length, so only the longest stored *prefix* of the prompt, and every entry is
   kept.
+
+States are stored as chunks of `chunk_tokens` tokens and a tail (`sippcache.chunks`):
+a conversation's later save writes only the chunks the store lacks and its tail,
+and conversations over one system prompt share its chunks. A restore reads the
+tail with the longest common prefix and the chunks it needs, and writes the
+joined state into the staging file. What stateformat cannot cut, and every state
+of a model whose memory is not chunked (`CHUNKED_KINDS`), is stored as one whole
+entry, as before; such entries, and those of proxies before chunks, restore as
+they always did.
 """
 
 from __future__ import annotations
@@ -43,8 +52,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .. import frame
-from ..errors import CorruptEntry, SippcacheError, UnsupportedEntry
+from .. import chunks
+from ..errors import SippcacheError
 from ..modelfile import MemoryKind
 from ..protocol import Blob, CacheBackend, Peek
 from . import slotfile
@@ -61,16 +70,29 @@ log = logging.getLogger("sippcache.proxy")
 #: word tokenized otherwise).
 SUPERSEDE_SLACK = 32
 #: What a proxy entry's payload is: one llama.cpp sequence state (`llama_state_seq_get_data`'s form).
+#: Its chunks and tails are of kinds ``llama-server.seq.chunk`` and ``llama-server.seq.tail``.
 KIND = "llama-server.seq"
+#: The memory kinds whose states are stored as chunks (`sippcache.chunks`). A sliding-window
+#: model's (iSWA, run with --swa-full) are too: its full-attention layers are chunked and its
+#: window goes whole into each tail (docs/proxy.md, "Chunked states", has the measurement).
+#: Recurrent and hybrid memory cannot be cut: stored whole.
+CHUNKED_KINDS: tuple[MemoryKind, ...] = ("full", "swa")
 
 
 @dataclass(frozen=True)
 class Restored:
-    """A state llama-server loaded into a slot: the entry, its size and how long it took."""
+    """A state llama-server loaded into a slot: the entry, its size and how long it took; `held`,
+    the tokens it holds when they are a prefix of the entry's (a run of its chunks)."""
 
     origin: Origin
     nbytes: int
     seconds: float
+    held: tuple[int, ...] | None = None
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The tokens the slot holds now."""
+        return self.origin.tokens if self.held is None else self.held
 
 
 @dataclass(frozen=True)
@@ -86,11 +108,13 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class Saved:
-    """A slot state written to the store."""
+    """A slot state written to the store: `nbytes` written (the new chunks and the tail, or the
+    whole entry), `state_bytes` the state's own size."""
 
     tokens: tuple[int, ...]
     nbytes: int
     seconds: float
+    state_bytes: int = 0
 
 
 class SlotStore:
@@ -99,7 +123,8 @@ class SlotStore:
     `staging` must be the directory llama-server was started with as
     ``--slot-save-path``. Store calls run in worker threads: a large state never
     holds up the event loop. A store that fails is a miss, never an error for
-    the client (`errors` counts them).
+    the client (`errors` counts them). `chunk_tokens`: the tokens of a chunk
+    (0: whole states), for the memory kinds in `CHUNKED_KINDS`.
     """
 
     def __init__(
@@ -112,6 +137,7 @@ class SlotStore:
         staging: str,
         min_tokens: int = 16,
         secret: bytes | None = None,
+        chunk_tokens: int = 0,
     ) -> None:
         self.cache = cache
         self.fingerprint = fingerprint
@@ -120,9 +146,32 @@ class SlotStore:
         self.staging = staging
         self.min_tokens = min_tokens
         self.secret = secret
+        self.states = chunks.ChunkedStates(
+            cache,
+            fingerprint=fingerprint,
+            kind=KIND,
+            chunk_tokens=chunk_tokens if kind in CHUNKED_KINDS else 0,
+            secret=secret,
+            versions={"llama_server": facts.get("build_info", "")},
+        )
         self._restore_files: set[str] = set()
-        self.errors = 0
+        self._errors = 0
         self.refused = 0  # entries llama-server would not load (kept: another configuration may)
+
+    @property
+    def errors(self) -> int:
+        """Store operations answered as misses, damaged entries dropped included."""
+        return self._errors + self.states.damaged
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The tokens of a chunk; 0 when states are stored whole."""
+        return self.states.chunk_tokens
+
+    @property
+    def stored_whole(self) -> int:
+        """States stored whole although chunking is on: what stateformat could not cut."""
+        return self.states.stored_whole
 
     def namespace(self, scope: str) -> str:
         """Where one scope's entries live: the fingerprint keeps models and configurations apart,
@@ -137,12 +186,21 @@ class SlotStore:
         return self.kind != "recurrent"
 
     def best(self, tokens: Sequence[int], scope: str) -> Peek | None:
-        """The best stored state for `tokens` (not fetched); a store that fails is a miss."""
+        """The best stored state for `tokens` (not fetched); a store that fails is a miss. Its
+        `key_length` is how many tokens a restore would load: with chunks, where the match ends
+        before the entry's tail, only the chunks that cover it (an estimate: an entry stored whole
+        is loaded whole)."""
         try:
-            return self.cache.peek(tokens, namespace=self.namespace(scope), partial=self.can_cut)
+            peek = self.cache.peek(tokens, namespace=self.namespace(scope), partial=self.can_cut)
         except SippcacheError as exc:
             self._failed("peek", exc)
             return None
+        size = self.chunk_tokens
+        if peek is None or not size or self.kind != "full":  # a window in the tail: all of it is loaded
+            return peek
+        if peek.length > (peek.key_length - 1) // size * size:
+            return peek
+        return Peek(peek.length, -(-peek.length // size) * size)
 
     def best_length(self, tokens: Sequence[int], scope: str) -> int:
         """How many of `tokens` the best stored state would give llama-server to reuse."""
@@ -159,14 +217,14 @@ class SlotStore:
         staged = await asyncio.to_thread(self._stage, tokens, self.namespace(scope), path)
         if staged is None:
             return None
-        origin, nbytes = staged
+        origin, nbytes, held = staged
         try:
             await upstream.slot_action(slot, "restore", os.path.basename(path))
         except UpstreamRefused as exc:
             self.refused += 1
             log.warning("%s refused a stored state of %d tokens (kept): %s", upstream.url, len(origin.tokens), exc)
             raise
-        return Restored(origin, nbytes, time.perf_counter() - started)
+        return Restored(origin, nbytes, time.perf_counter() - started, held)
 
     def restore_file(self, url: str, slot: int) -> str:
         """The staging file restores into `slot` of the llama-server at `url` go through: one per
@@ -182,37 +240,33 @@ class SlotStore:
             _remove(path)
         self._restore_files.clear()
 
-    def _stage(self, tokens: Sequence[int], namespace: str, path: str) -> tuple[Origin, int] | None:
-        """Write the best entry for `tokens` as a slot file at `path`: (the entry, bytes), or None."""
+    def _stage(self, tokens: Sequence[int], namespace: str, path: str) -> tuple[Origin, int, tuple[int, ...]] | None:
+        """Write the best stored state for `tokens` as a slot file at `path`: (the entry it comes
+        from, the state's bytes, the tokens it holds: the entry's, or a prefix of them), or None."""
         try:
-            match = self.cache.lookup(tokens, namespace=namespace, partial=self.can_cut)
+            assembled = self.states.restore(tokens, namespace=namespace, partial=self.can_cut)
         except SippcacheError as exc:
             self._failed("lookup", exc)
             return None
-        if match is None:
+        if assembled is None:
             return None
-        with match:
+        with assembled:
             try:
-                entry = frame.decode(match.blob, secret=self.secret)
-                if (entry.kind, entry.fingerprint, entry.tokens) != (KIND, self.fingerprint, match.key):
-                    raise CorruptEntry("its header does not match its key and model")
-                version = int(entry.meta.get("slot_version", 0))
-                prompt = int(entry.meta.get("prompt", 0))
-                state = slotfile.state_of(entry.sections[0])
-            except UnsupportedEntry as exc:  # a newer sippcache's: kept for it
+                version = int(assembled.entry.meta.get("slot_version", 0))
+                prompt = int(assembled.entry.meta.get("prompt", 0))
+                state = slotfile.state_of(assembled.state)
+            except (TypeError, ValueError) as exc:  # damaged (SlotFileError is a ValueError): dropped
                 self._failed("decode", exc)
+                self._drop(assembled.key, namespace)
                 return None
-            except (CorruptEntry, slotfile.SlotFileError) as exc:  # damaged: dropped, as every reader does
-                self._failed("decode", exc)
-                self._drop(match.key, namespace)
-                return None
+            held = assembled.tokens
             try:
-                _rewrite(path, slotfile.build(version, match.key, state))
+                _rewrite(path, slotfile.build(version, held, state))
             except OSError as exc:
                 self._failed("staging write", exc)
                 _remove(path)
                 return None
-            return Origin(match.key, prompt), len(state)
+            return Origin(assembled.key, prompt), len(state), held
 
     # -- save --------------------------------------------------------------------
 
@@ -231,41 +285,39 @@ class SlotStore:
         return Snapshot(path, tokens, min(prompt, len(tokens)), started)
 
     def keep(self, snapshot: Snapshot, supersedes: Origin | None, scope: str) -> Saved | None:
-        """Store a snapshot unless it is too short (blocking: run it in a worker thread); drop
-        `supersedes`, the entry the slot's state grew from, when the new one keeps all of its prompt
-        and all of it but the end of its answer (`SUPERSEDE_SLACK`), and states can be cut. The
-        staging file is removed in every case."""
+        """Store a snapshot unless it is too short (blocking: run it in a worker thread): as chunks
+        and a tail, or whole. `supersedes`, the entry the slot's state grew from, is dropped when the
+        new state keeps all of its prompt and all of it but the end of its answer (`SUPERSEDE_SLACK`),
+        and states can be cut: its tail (or whole entry) goes, and its chunks past what the two
+        share; shared chunks stay. The staging file is removed in every case."""
         try:
             if len(snapshot.tokens) < self.min_tokens:
                 return None
-            tokens, blob = self._frame(snapshot)
-            self.cache.store(tokens, blob, namespace=self.namespace(scope))
-            if supersedes and self.can_cut and self._keeps(tokens, supersedes):
-                self.cache.delete(supersedes.tokens, namespace=self.namespace(scope))
+            stored = self._store(snapshot, supersedes, scope)
         except (OSError, ValueError, slotfile.SlotFileError, SippcacheError) as exc:
             self._failed("save", exc)
             return None
         finally:
             _remove(snapshot.path)
-        return Saved(tokens, len(blob), time.perf_counter() - snapshot.started)
+        return Saved(stored.tokens, stored.nbytes, time.perf_counter() - snapshot.started, stored.state_bytes)
 
-    def _frame(self, snapshot: Snapshot) -> tuple[tuple[int, ...], bytes]:
-        """A saved slot file as an entry: its tokens and the framed bytes, the state copied once."""
+    def _store(self, snapshot: Snapshot, supersedes: Origin | None, scope: str) -> chunks.Stored:
+        """A saved slot file into the store. The file is mapped, not read: a whole entry copies the
+        state once (into its frame); chunks copy it once (stateformat.split) and the new ones once more."""
         with open(snapshot.path, "rb") as f:  # mapped copy-on-write: writing the header spoils no file
             mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         view = memoryview(mapped)
         parsed = slotfile.parse(view)
-        blob = frame.encode(
+        replaces = supersedes.tokens if supersedes and self.can_cut and self._keeps(parsed.tokens, supersedes) else None
+        return self.states.store(  # the views into `mapped` go with the call's frames: it is unmapped then
             parsed.tokens,
-            [slotfile.seq_state_in_place(view, parsed)],
-            fingerprint=self.fingerprint,
-            kind=KIND,
-            versions={"llama_server": self.facts.get("build_info", "")},
+            slotfile.seq_state_in_place(view, parsed),
+            namespace=self.namespace(scope),
+            header=True,
+            version=parsed.version,
             meta={"slot_version": parsed.version, "memory": self.kind, "prompt": snapshot.prompt},
-            roles=["state"],
-            secret=self.secret,
+            replaces=replaces,
         )
-        return parsed.tokens, blob  # the views into `mapped` go with this frame: it is unmapped then
 
     @staticmethod
     def _keeps(tokens: tuple[int, ...], old: Origin) -> bool:
@@ -281,7 +333,7 @@ class SlotStore:
             self._failed("delete of a damaged entry", exc)
 
     def _failed(self, what: str, exc: Exception) -> None:
-        self.errors += 1
+        self._errors += 1
         log.warning("sippcache proxy: %s failed (a miss): %s", what, exc)
 
 

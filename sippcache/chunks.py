@@ -1,0 +1,510 @@
+"""Sequence states kept as shared chunks of tokens: a store that grows with the tokens, not the turns.
+
+A llama.cpp sequence state holds every token from position 0, so storing each
+turn of a chat whole writes its earlier turns again, and every conversation over
+one system prompt keeps its own copy of it. `ChunkedStates` stores a state of N
+tokens as (docs/format.md, "Chunked states"):
+
+- chunk entries of C tokens (`chunk_tokens`), each keyed by the exact token
+  prefix that ends it (``tokens[:k*C]``, for every k*C < N) and holding those
+  cells' rows of every layer (`sippcache.stateformat.split`'s chunk bytes), with
+  stateformat's small ``meta`` in the frame's meta, so any run of chunks is
+  self-sufficient. Their bytes depend only on the tokens up to their end, so
+  every state sharing that prefix shares them: they are written once;
+- a tail entry keyed by all N tokens: the cells past the last boundary, the
+  caches stateformat does not chunk (an iSWA model's sliding-window cache), and
+  the caller's own sections (logits, ...) and meta fields.
+
+Chunks live in a namespace of their own next to the caller's
+(`chunk_namespace`: the namespace, C and a digest of the layout their bytes
+have), so a tail never shares a key with a chunk, and states of another layout
+or chunk size never mix. Storing writes only the chunks the store lacks (a
+`peek` of each chunk key, nothing read) and the tail. A restore finds the tail
+(or whole entry) with the longest match, reads the chunks it needs in order,
+and joins them into one buffer: the bytes llama.cpp itself would give for that
+prefix. A chunk missing mid-chain (evicted, deleted by another process) gives
+the shorter run before it: a shorter hit, never a wrong one.
+
+Chunks are shared by tokens, and llama.cpp computes the same tokens' K/V to the
+same bits only in the same batches (on a CPU, with quantized weights, a prompt
+batch and one-token decoding differ in their last bits). Where a state's tokens
+were computed again rather than restored, the chunk the store already holds
+came from the other computation, and the joined state is bit-identical to
+neither: the model then answers as after any other batch split, and may part
+at a near-tie (docs/proxy.md, "Chunked states", measures it).
+
+What stateformat cannot cut (recurrent memory, an unknown format version,
+several streams, ...) is stored whole, exactly as a caller stores a state
+without this module (one entry of `kind`, the state as its first section), and
+counted (`ChunkedStates.stored_whole`). Entries of that form restore as they
+always did. Every entry is a normal frame (`sippcache.frame`) with the caller's
+fingerprint and secret, so checksums and MACs apply per chunk. Over the plain
+`CacheBackend` protocol: every backend works unchanged.
+
+No `llama_cpp` import: the proxy (slot files) and the llama-cpp-python layer
+(`llama_state_seq_get_data`'s form) both use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from . import frame
+from . import stateformat as sf
+from . import tokens as _tokens
+from .errors import CorruptEntry, UnsupportedEntry
+from .protocol import Blob, CacheBackend, Match
+from .tokens import Tokens
+
+__all__ = [
+    "DEFAULT_CHUNK_TOKENS",
+    "Assembled",
+    "ChunkedStates",
+    "Stored",
+    "chunk_namespace",
+    "is_chunk_namespace",
+    "layout_of",
+]
+
+log = logging.getLogger("sippcache.chunks")
+
+#: The recommended chunk size (`--chunk-tokens 128`); the proxy stores whole states unless told
+#: to (a restore joined from 256 chunks of a 32K-token state took 180 ms from LMDB against 46 ms
+#: whole: docs/proxy.md). Smaller chunks share more (a conversation's own boundary chunk repeats
+#: up to C - 1 tokens of the shared prefix, and each save writes its last partial chunk again in
+#: its tail, C / 2 tokens on average); larger ones mean fewer entries, lookups and key tokens
+#: (every entry's frame and index hold its whole key: 8 bytes a key token). Measured with
+#: benchmarks/store_growth.py (docs/proxy.md, "Chunked states").
+DEFAULT_CHUNK_TOKENS = 128
+#: What joins a caller's namespace and a chunk namespace's own part (a character no HTTP header
+#: value, and so no scope the proxy reads from one, can hold).
+NAMESPACE_MARK = "\u2022chunks/"
+#: Suffixes of the frame kinds of chunk and tail entries (after the caller's whole-state kind).
+CHUNK_SUFFIX, TAIL_SUFFIX = ".chunk", ".tail"
+
+
+def chunk_namespace(namespace: str, chunk_tokens: int, layout: str) -> str:
+    """Where the chunks of states stored in `namespace` with `chunk_tokens` a chunk and layout
+    `layout` (`layout_of`) live."""
+    return f"{namespace}{NAMESPACE_MARK}{chunk_tokens}/{layout}"
+
+
+def is_chunk_namespace(namespace: str) -> bool:
+    """Whether `namespace` holds chunk entries (not states a lookup can use alone)."""
+    return NAMESPACE_MARK in namespace
+
+
+def layout_of(state: sf.SeqState) -> str:
+    """A digest of what a chunk's bytes depend on besides its tokens: the format version, cell
+    extensions, the caches, and the chunked cache's V layout, rotation and per-layer K/V types
+    and sizes. Not the sequence id, the stream it sits in or the 8-byte header: chunks are the
+    same bytes whichever sequence held them."""
+    words = [state.version, int(state.cell_ext), len(state.caches)]
+    found = state.caches[0].active() if state.caches else None
+    if found is not None:
+        stream = found[1]
+        words += [int(stream.v_trans), *(stream.rotation or (-1, -1))]
+        for layer in stream.layers:
+            words += [layer.k_type, layer.k_row, layer.v_type, layer.v_size, layer.v_dims]
+    return xxhash.xxh3_64_hexdigest(struct.pack(f"<{len(words)}q", *words))
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What one `ChunkedStates.store` wrote."""
+
+    tokens: tuple[int, ...] = field(repr=False)
+    #: Stored as chunks and a tail (False: one whole entry).
+    chunked: bool
+    #: Framed bytes written: the new chunks and the tail, or the whole entry.
+    nbytes: int
+    #: Entries written (the store may refuse one: no room).
+    entries: int
+    #: Bytes of the state itself.
+    state_bytes: int
+    #: Chunk entries written, and those the store already held (not written again).
+    chunks_new: int = 0
+    chunks_kept: int = 0
+    #: Why it was stored whole: chunking off, or what stateformat could not cut.
+    why_whole: str = ""
+
+
+class Assembled:
+    """A state put together for a query by `ChunkedStates.restore`. The match of its tail (or whole
+    entry) is held until `release` (a `with` block): a whole entry's state, and the caller's
+    sections, are views of it."""
+
+    def __init__(
+        self,
+        entry: frame.Frame,
+        key: tuple[int, ...],
+        length: int,
+        n_tokens: int,
+        state: Blob,
+        chunks: int,
+        matches: list[Match],
+    ) -> None:
+        #: The tail's (or whole entry's) frame: its meta, and the caller's sections.
+        self.entry = entry
+        #: The tokens of that entry: the stored state this one is (a prefix of).
+        self.key = key
+        #: How many of the query's tokens the entry matches.
+        self.length = length
+        #: The state's bytes, in the form they were stored in (with `llama_state_seq_get_data`'s
+        #: 8-byte header if they had it): the state of `tokens`.
+        self.state = state
+        #: Chunk entries read (0: a whole entry, or a state within its tail).
+        self.chunks = chunks
+        self._n_tokens = n_tokens
+        self._matches = matches
+
+    @property
+    def whole(self) -> bool:
+        """A whole entry (not chunked, or stored before chunks)."""
+        return not self.entry.kind.endswith(TAIL_SUFFIX)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The tokens the state holds: the entry's, or (a chunk run short of its tail) a prefix of them."""
+        return self.key[: self._n_tokens]
+
+    @property
+    def nbytes(self) -> int:
+        return memoryview(self.state).nbytes
+
+    def extra(self, role: str) -> memoryview | None:
+        """The caller's section named `role` (stored with `ChunkedStates.store(sections=, roles=)`)."""
+        return self.entry.section(role)
+
+    def release(self) -> None:
+        """Release the matches (idempotent); `state` and the frame's sections are not to be used after."""
+        matches, self._matches = self._matches, []
+        for match in matches:
+            match.release()
+
+    def __enter__(self) -> Assembled:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"Assembled(<{self._n_tokens} of {len(self.key)} tokens>, {self.nbytes} bytes, chunks={self.chunks})"
+
+
+class ChunkedStates:
+    """Sequence states of one model in a `CacheBackend`, stored as chunks and tails (module docstring).
+
+    `fingerprint`, `versions` and `secret` go into every frame as the caller gives them; `kind`
+    is the caller's kind of a whole state (its chunks are ``kind + ".chunk"``, its tails
+    ``kind + ".tail"``). `chunk_tokens` 0 stores every state whole. Backend errors
+    (`SippcacheError`) pass through; damaged entries are deleted and counted (`damaged`).
+    Not thread-safe beyond what the backend is: one instance per thread, or a lock around it.
+    """
+
+    def __init__(
+        self,
+        cache: CacheBackend,
+        *,
+        fingerprint: str,
+        kind: str,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        secret: frame.Secret | None = None,
+        versions: Mapping[str, str] | None = None,
+    ) -> None:
+        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be an int >= 0 (0: whole states), got {chunk_tokens!r}")
+        self.cache = cache
+        self.fingerprint = fingerprint
+        self.kind = kind
+        self.chunk_kind, self.tail_kind = kind + CHUNK_SUFFIX, kind + TAIL_SUFFIX
+        self.chunk_tokens = chunk_tokens
+        self.secret = secret
+        self.versions = dict(versions or {})
+        #: States stored whole although chunking is on: stateformat could not cut them.
+        self.stored_whole = 0
+        #: Damaged entries found (and deleted) by restores.
+        self.damaged = 0
+
+    # -- storing -------------------------------------------------------------------------
+
+    def store(
+        self,
+        tokens: Tokens,
+        state: Blob,
+        *,
+        namespace: str = "",
+        header: bool | None = None,
+        version: int | None = None,
+        meta: Mapping[str, Any] | None = None,
+        sections: Sequence[Blob] = (),
+        roles: Sequence[str] = (),
+        replaces: Sequence[int] | None = None,
+    ) -> Stored:
+        """Store `state`, the state of `tokens`: `llama_state_seq_get_data`'s form, or a slot
+        file's state bytes (`header`, `version`: as `stateformat.parse` takes them). `meta`,
+        `sections` and `roles` are the caller's (whole-entry data: they go with the tail, or
+        with the whole entry after the state). `replaces`: the key of an entry this state takes
+        the place of (the previous turn of its conversation): that entry is deleted, and so are
+        its chunks past the tokens the two share; shared chunks stay."""
+        key = tuple(tokens)
+        view = memoryview(state).cast("B")
+        if len(sections) != len(roles):
+            raise ValueError("sections and roles must be as many")
+        why = "chunking is off"
+        if self.chunk_tokens:
+            try:
+                parsed = sf.parse(view, header=header, version=version)
+                if parsed.n_positions != len(key):
+                    raise sf.UnsupportedState(f"the state holds {parsed.n_positions} positions, its key {len(key)}")
+                pieces = sf.split(parsed, range(self.chunk_tokens, len(key), self.chunk_tokens))
+                layout = layout_of(parsed)
+            except sf.UnsupportedState as exc:
+                self.stored_whole += 1
+                why = str(exc)
+                log.info("sippcache: a state of %d tokens stored whole: %s", len(key), why)
+            else:
+                return self._store_chunked(key, view, pieces, layout, namespace, meta, sections, roles, replaces)
+        blob = frame.encode(
+            key,
+            [view, *sections],
+            fingerprint=self.fingerprint,
+            kind=self.kind,
+            versions=self.versions,
+            meta=meta,
+            roles=["state", *roles],
+            secret=self.secret,
+        )
+        written = self.cache.store(key, blob, namespace=namespace)
+        if replaces is not None and tuple(replaces) != key:
+            self.cache.delete(replaces, namespace=namespace)
+        return Stored(key, False, len(blob) if written else 0, int(written), view.nbytes, why_whole=why)
+
+    def _store_chunked(
+        self,
+        key: tuple[int, ...],
+        view: memoryview,
+        pieces: sf.Split,
+        layout: str,
+        namespace: str,
+        meta: Mapping[str, Any] | None,
+        sections: Sequence[Blob],
+        roles: Sequence[str],
+        replaces: Sequence[int] | None,
+    ) -> Stored:
+        size = self.chunk_tokens
+        ids = _ids(key)
+        chunks_at = chunk_namespace(namespace, size, layout)
+        ours = {"chunk_meta": pieces.meta, "chunk_tokens": size, "chunk_layout": layout}
+        bounds = [k * size for k in range(1, len(pieces.chunks))]  # the chunk entries' key lengths
+        new: list[int] = []
+        kept: list[int] = []
+        for end in bounds:
+            peek = self.cache.peek(ids[:end], namespace=chunks_at)
+            (kept if peek is not None and peek.key_length == peek.length == end else new).append(end)
+        # Recency: a state just saved uses its chunks. Kept chunks are touched first (the new ones'
+        # room is not made out of them); new ones are stored deepest first, since a key that extends
+        # another's whole key marks it superseded (evicted first: sippcache.eviction) and a shorter
+        # one never does; the one kept chunk the deepest new one may have marked is touched again.
+        for end in kept:
+            self.cache.touch(ids[:end], namespace=chunks_at)
+        nbytes = written = 0
+        for i, end in enumerate(reversed(new)):
+            blob = frame.encode(
+                ids[:end],
+                [pieces.chunks[end // size - 1]],
+                fingerprint=self.fingerprint,
+                kind=self.chunk_kind,
+                versions=self.versions,
+                meta=ours,
+                roles=["cells"],
+                secret=self.secret,
+            )
+            # A chunk's priority: its tokens and one chunk more, so that per token (what eviction
+            # weighs) the first chunks, which every longer state needs, outlast the last ones.
+            if self.cache.store(ids[:end], blob, namespace=chunks_at, priority=end + size):
+                written, nbytes = written + 1, nbytes + len(blob)
+            below = [k for k in kept if k < end]
+            if i == 0 and below:
+                self.cache.touch(ids[: below[-1]], namespace=chunks_at)
+        blob = frame.encode(
+            key,
+            [pieces.chunks[-1], pieces.tail, *sections],
+            fingerprint=self.fingerprint,
+            kind=self.tail_kind,
+            versions=self.versions,
+            meta={**(meta or {}), **ours},
+            roles=["cells", "caches", *roles],
+            secret=self.secret,
+        )
+        if self.cache.store(key, blob, namespace=namespace, priority=len(key) + size):
+            written, nbytes = written + 1, nbytes + len(blob)
+        if replaces is not None and tuple(replaces) != key:
+            self._replace(tuple(replaces), key, namespace, chunks_at)
+        return Stored(key, True, nbytes, written, view.nbytes, len(new), len(kept))
+
+    def _replace(self, old: tuple[int, ...], key: tuple[int, ...], namespace: str, chunks_at: str) -> None:
+        """Delete the entry under `old`, and its chunks (in this layout) that `key` does not share."""
+        self.cache.delete(old, namespace=namespace)
+        size = self.chunk_tokens
+        shared = _common(old, key)
+        ids = _ids(old)
+        for end in range((shared // size + 1) * size, len(old), size):
+            self.cache.delete(ids[:end], namespace=chunks_at)
+
+    # -- restoring -------------------------------------------------------------------------
+
+    def restore(self, tokens: Tokens, *, namespace: str = "", partial: bool = False) -> Assembled | None:
+        """The best stored state for `tokens`: the one of the entry with the longest stored
+        prefix (with `partial`, the longest common prefix) that the store can still assemble;
+        None if there is none. Where a state can be cut (chunks alone make one), only the chunks
+        covering the match are read: the result may then hold a prefix of the entry's tokens
+        (`Assembled.tokens`), never tokens the store did not hold. Release it when done."""
+        match = self.cache.lookup(tokens, namespace=namespace, partial=partial)
+        if match is None:
+            return None
+        held = [match]
+        try:
+            assembled = self._assemble(match, namespace, partial, held)
+        except BaseException:
+            for m in held:
+                m.release()
+            raise
+        if assembled is None:
+            for m in held:
+                m.release()
+        return assembled
+
+    def _assemble(self, match: Match, namespace: str, partial: bool, held: list[Match]) -> Assembled | None:
+        key = match.key
+        try:
+            entry = frame.decode(match.blob, secret=self.secret)
+        except UnsupportedEntry as exc:  # a newer sippcache's: kept for it
+            log.warning("sippcache: an entry of %d tokens is of a newer format (kept): %s", len(key), exc)
+            return None
+        except CorruptEntry as exc:
+            self._drop(key, namespace, str(exc))
+            return None
+        if entry.fingerprint != self.fingerprint or entry.tokens != key:
+            self._drop(key, namespace, "its header does not match its key and model")
+            return None
+        if entry.kind == self.kind and entry.sections:
+            return Assembled(entry, key, match.length, len(key), entry.sections[0], 0, held)
+        if entry.kind != self.tail_kind:
+            self._drop(key, namespace, f"an entry of kind {entry.kind!r} among states of {self.kind!r}")
+            return None
+        size, layout, meta = (entry.meta.get(name) for name in ("chunk_tokens", "chunk_layout", "chunk_meta"))
+        cells, caches = entry.section("cells"), entry.section("caches")
+        if (
+            not isinstance(size, int)
+            or isinstance(size, bool)
+            or size <= 0
+            or not isinstance(layout, str)
+            or not isinstance(meta, bytes)
+            or cells is None
+            or caches is None
+        ):
+            self._drop(key, namespace, "a tail without its chunk fields")
+            return None
+        first = (len(key) - 1) // size * size  # where the tail's own cells begin
+        if len(cells) % (len(key) - first):
+            self._drop(key, namespace, "a tail whose cells are not a whole number")
+            return None
+        per_cell = len(cells) // (len(key) - first)
+        alone = not len(caches)  # nothing but chunked caches: a run of chunks is a state by itself
+        want = match.length if partial else len(key)
+        full = want > first or not alone
+        need = first // size if full else -(-want // size)
+        chunks = self._chunks(key, need, size, per_cell, layout, chunk_namespace(namespace, size, layout))
+        try:
+            if full and len(chunks) == need:
+                state = sf.join(meta, [*chunks, cells], caches)
+                return Assembled(entry, key, match.length, len(key), state, need, held)
+            if chunks and alone:  # a run short of the tail: the state of its tokens
+                run = len(chunks) * size
+                return Assembled(entry, key, min(match.length, run), run, sf.join(meta, chunks), len(chunks), held)
+        except sf.UnsupportedState as exc:  # checksums passed, yet the parts do not fit: not used
+            self.damaged += 1
+            log.warning("sippcache: the chunks of an entry of %d tokens do not join (not used): %s", len(key), exc)
+        return None
+
+    def _chunks(
+        self, key: tuple[int, ...], need: int, size: int, per_cell: int, layout: str, namespace: str
+    ) -> list[memoryview]:
+        """The first `need` chunks of `key`'s chain, in order, up to the first one missing or unusable.
+
+        Every match is released as soon as its chunk is checked: a match may pin a read transaction
+        (LMDB has about 126 reader slots, shared by every process), and a long state has hundreds
+        of chunks. A chunk whose blob is a view of the store's memory is copied out first (into one
+        buffer for them all); one in a `bytes` blob the match owned is used as it is (immutable,
+        and kept alive by the view)."""
+        ids = _ids(key)
+        width = size * per_cell
+        area: memoryview | None = None
+        out: list[memoryview] = []
+        for k in range(1, need + 1):
+            end = k * size
+            match = self.cache.lookup(ids[:end], namespace=namespace)
+            if match is None:
+                break
+            with match:
+                if match.length != end:  # a shorter chunk: this one is missing
+                    break
+                try:
+                    chunk = frame.decode(match.blob, secret=self.secret)
+                except UnsupportedEntry:
+                    break
+                except CorruptEntry as exc:
+                    self._drop(ids[:end], namespace, str(exc))
+                    break
+                cells = chunk.section("cells")
+                if (
+                    chunk.kind != self.chunk_kind
+                    or chunk.fingerprint != self.fingerprint
+                    or chunk.meta.get("chunk_layout") != layout
+                    or chunk.meta.get("chunk_tokens") != size
+                    or cells is None
+                    or len(cells) != width
+                    or chunk.tokens != key[:end]
+                ):
+                    del cells, chunk
+                    self._drop(ids[:end], namespace, "a chunk that does not match its key, model or layout")
+                    break
+                if isinstance(match.blob, bytes):
+                    out.append(cells)
+                else:
+                    if area is None:
+                        area = memoryview(bytearray(need * width))
+                    at = len(out) * width
+                    area[at : at + width] = cells
+                    out.append(area[at : at + width])
+                del cells, chunk  # views of a blob the store may reuse once the match is released
+        return out
+
+    def _drop(self, key: Tokens, namespace: str, why: str) -> None:
+        """A damaged entry: deleted, as every reader does (a miss)."""
+        self.damaged += 1
+        log.warning("sippcache: a damaged entry was deleted: %s", why)
+        self.cache.delete(key, namespace=namespace)
+
+
+def _ids(key: Sequence[int]) -> array[int]:
+    """The tokens as a uint32 array: its slices are the chunk keys, made without Python ints."""
+    ids = array("I")
+    ids.frombytes(_tokens.encode(key))
+    return ids
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

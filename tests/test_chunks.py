@@ -1,0 +1,376 @@
+"""sippcache.chunks on real llama.cpp states (llama-cpp-python, the tiny generated models).
+
+A state stored as chunks and a tail comes back byte for byte; a second state sharing a prefix
+writes only its new chunks and its tail; four conversations over one system prompt store it once;
+a chunk gone under a reader gives the shorter run, never other bytes; whole entries (the proxy's
+before chunks, and what stateformat cannot cut) restore as they did. Every state is computed in
+batches that end at multiples of the chunk size, so two states sharing a prefix have the same K/V
+bytes for it (llama.cpp's values depend on the batch split: test_stateformat.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import pytest
+
+import sippcache
+from sippcache import chunks, frame
+from sippcache import stateformat as sf
+from sippcache.errors import CorruptEntry
+from tests import tinymodel
+
+C = 64  # tokens a chunk: small, so that a few hundred tokens make a chain
+FP, KIND, NS = "tiny-model", "test.seq", "scope-a"
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [tinymodel.BOS_ID] + [rng.randrange(3, tinymodel.N_VOCAB) for _ in range(n - 1)]
+
+
+def state_of(llm: Any, tokens: list[int]) -> bytes:
+    """llama.cpp's state of `tokens` (`llama_state_seq_get_data`: with its 8-byte header),
+    evaluated in batches ending at every multiple of C."""
+    llm.reset()
+    begin = 0
+    for end in [*range(C, len(tokens), C), len(tokens)]:
+        llm.eval(tokens[begin:end])
+        begin = end
+    size = llama_cpp.llama_state_seq_get_size(llm.ctx, 0)
+    buffer = (ctypes.c_uint8 * size)()
+    written = llama_cpp.llama_state_seq_get_data(llm.ctx, buffer, size, 0)
+    return bytes(buffer)[:written]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("chunks-models")
+    return {
+        kind: tinymodel.write_tiny_model(folder / f"{kind}.gguf", kind=kind)
+        for kind in ("attention", "swa", "recurrent")
+    }
+
+
+@pytest.fixture(scope="module")
+def llms(models: dict[str, Path]) -> Iterator[dict[tuple[str, bool], Any]]:
+    """`llms[kind, flash]`: a loaded model and context (flash attention on, or off: transposed V)."""
+    loaded: dict[tuple[str, bool], Any] = {}
+    for kind, flash in (("attention", True), ("attention", False), ("swa", True), ("recurrent", True)):
+        loaded[kind, flash] = llama_cpp.Llama(
+            model_path=str(models[kind]), n_ctx=2048, n_batch=512, flash_attn=flash, verbose=False
+        )
+    yield loaded
+    for llm in loaded.values():
+        llm.close()
+
+
+@pytest.fixture
+def llm(llms: dict[tuple[str, bool], Any]) -> Any:
+    return llms["attention", True]
+
+
+@pytest.fixture
+def cache() -> Iterator[sippcache.CacheBackend]:
+    with sippcache.open("ram://") as opened:
+        yield opened
+
+
+def states(cache: sippcache.CacheBackend, **options: Any) -> chunks.ChunkedStates:
+    return chunks.ChunkedStates(cache, fingerprint=FP, kind=KIND, chunk_tokens=C, **options)
+
+
+def entries(cache: sippcache.CacheBackend) -> tuple[list[sippcache.EntryInfo], list[sippcache.EntryInfo]]:
+    """(chunk entries, tail and whole entries)."""
+    listed = list(cache.entries())
+    return [e for e in listed if chunks.is_chunk_namespace(e.namespace)], [
+        e for e in listed if not chunks.is_chunk_namespace(e.namespace)
+    ]
+
+
+def restored(store: chunks.ChunkedStates, tokens: list[int], partial: bool = False) -> tuple[tuple[int, ...], bytes]:
+    """(the tokens of the state a restore assembles, its bytes)."""
+    assembled = store.restore(tokens, namespace=NS, partial=partial)
+    assert assembled is not None
+    with assembled:
+        return assembled.tokens, bytes(assembled.state)
+
+
+# -- round trips --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flash", [True, False], ids=["v-rows", "v-transposed"])
+@pytest.mark.parametrize("form", ["seq", "slot-file"])
+def test_a_state_stored_as_chunks_is_assembled_byte_for_byte(
+    llms: dict[tuple[str, bool], Any], cache: sippcache.CacheBackend, flash: bool, form: str
+) -> None:
+    tokens = prompt(700)
+    data = state_of(llms["attention", flash], tokens)
+    if form == "slot-file":  # a slot file's state bytes: no 8-byte header, the version given
+        data = data[8:]
+    store = states(cache)
+    stored = store.store(tokens, data, namespace=NS, header=form == "seq", version=3)
+    assert stored.chunked and (stored.chunks_new, stored.chunks_kept, stored.entries) == (10, 0, 11)
+    chunk_entries, tails = entries(cache)
+    assert sorted(len(e.key) for e in chunk_entries) == list(range(C, 700, C))  # keyed by the prefix each ends
+    assert [len(e.key) for e in tails] == [700]
+    assert restored(store, tokens) == (tuple(tokens), data)
+    assert restored(store, [*tokens, 5, 6]) == (tuple(tokens), data)  # a longer query: the stored prefix
+    # A query that parts from it: only the chunks covering the common prefix are read.
+    assembled = store.restore([*tokens[:300], 9, 9], namespace=NS, partial=True)
+    assert assembled is not None
+    with assembled:
+        assert (assembled.length, assembled.chunks, assembled.tokens) == (300, 5, tuple(tokens[:320]))
+        assert bytes(assembled.state) == sf.prefix(data, 320)
+    # Every chunk is a normal frame of its own kind, with what a run of them needs to be joined.
+    chunk = cache.lookup(tokens[:C], namespace=chunk_entries[0].namespace)
+    assert chunk is not None
+    with chunk:
+        entry = frame.decode(chunk.blob)
+        assert (entry.kind, entry.fingerprint, entry.tokens) == (KIND + ".chunk", FP, tuple(tokens[:C]))
+        assert bytes(entry.sections[0]) == sf.split(data, [C]).chunks[0]
+        assert entry.meta["chunk_meta"] == sf.split(data, [C]).meta
+        del entry
+
+
+def test_the_assembled_state_loads_into_llama_cpp(llm: Any, cache: sippcache.CacheBackend) -> None:
+    tokens = prompt(400)
+    data = state_of(llm, tokens)
+    store = states(cache)
+    store.store(tokens, data, namespace=NS)
+    _, state = restored(store, [*tokens[:200], 7], partial=True)  # a run of 4 chunks: 256 tokens
+    llm.reset()
+    buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+    assert llama_cpp.llama_state_seq_set_data(llm.ctx, buffer, len(state), 0) == len(state)
+    memory = llama_cpp.llama_get_memory(llm.ctx)
+    assert llama_cpp.llama_memory_seq_pos_max(memory, 0) == 255
+
+
+# -- what a store writes -------------------------------------------------------------------------------
+
+
+def test_a_second_state_sharing_a_prefix_writes_only_its_new_chunks_and_tail(
+    llm: Any, cache: sippcache.CacheBackend
+) -> None:
+    first, second = prompt(700), [*prompt(700)[:500], *prompt(300, seed=1)]
+    store = states(cache)
+    one = store.store(first, state_of(llm, first), namespace=NS)
+    before = cache.stats().bytes
+    data = state_of(llm, second)
+    two = store.store(second, data, namespace=NS)
+    # 7 chunks (448 tokens) are the first state's; chunks 8..12 (up to 768) and the tail are new.
+    assert (two.chunks_kept, two.chunks_new, two.entries) == (7, 5, 6)
+    assert two.nbytes == cache.stats().bytes - before - 4 * sum(range(8 * C, 13 * C, C)) - 4 * 800  # + key tokens
+    per_token = len(sf.split(data, [C]).chunks[0]) // C
+    assert two.nbytes < (800 - 448) * per_token * 1.1  # the new tokens' bytes, not the state's
+    assert one.nbytes > 700 * per_token
+    assert restored(store, second) == (tuple(second), data)
+    assert restored(store, first)[1] == state_of(llm, first)
+
+
+def test_a_system_prompt_shared_by_four_conversations_is_stored_once(llm: Any, cache: sippcache.CacheBackend) -> None:
+    system = prompt(600)
+    chats = [[*system, *prompt(150, seed=10 + i)[1:]] for i in range(4)]
+    store = states(cache)
+    data = [state_of(llm, chat) for chat in chats]
+    written = [store.store(chat, d, namespace=NS) for chat, d in zip(chats, data, strict=True)]
+    assert [w.chunks_kept for w in written] == [0, 9, 9, 9]  # the system prompt's 9 whole chunks: once
+    chunk_entries, tails = entries(cache)
+    assert len(tails) == 4 and len(chunk_entries) == 9 + 4 * 2  # each then has 2 chunks of its own (to 704)
+    per_token = len(sf.split(data[0], [C]).chunks[0]) // C
+    distinct = 600 + 4 * 149
+    # Each conversation's last partial chunk and its frames' key tokens (4 bytes a token, against 512 of
+    # K/V on this model) on top: whole states would have written 2.5 x the distinct tokens.
+    assert sum(w.nbytes for w in written) < 1.2 * distinct * per_token
+    for chat, d in zip(chats, data, strict=True):
+        assert restored(store, chat) == (tuple(chat), d)
+    # A fifth conversation restores the shared chunks: the system prompt and the rest of its last chunk.
+    tokens, state = restored(store, [*system, 1, 2, 3], partial=True)
+    (origin,) = [i for i, chat in enumerate(chats) if tuple(chat[:640]) == tokens]
+    assert tokens[:600] == tuple(system) and state == sf.prefix(data[origin], 640)
+
+
+def test_a_conversation_that_replaces_its_previous_turn(llm: Any, cache: sippcache.CacheBackend) -> None:
+    """The new tail takes the old one's place; the old one's chunks past what they share go; shared ones stay."""
+    turn1 = prompt(460)  # chunks to 448
+    turn2 = [*turn1[:440], *prompt(200, seed=3)[1:]]  # parts 20 tokens before the first turn's end
+    store = states(cache)
+    store.store(turn1, state_of(llm, turn1), namespace=NS)
+    data = state_of(llm, turn2)
+    stored = store.store(turn2, data, namespace=NS, replaces=turn1)
+    assert (stored.chunks_kept, stored.chunks_new) == (6, 3)  # shared up to 384; its own 448, 512, 576
+    chunk_entries, tails = entries(cache)
+    assert [len(e.key) for e in tails] == [len(turn2)]
+    assert sorted(len(e.key) for e in chunk_entries) == list(range(C, len(turn2), C))  # turn1's 448 is gone
+    assert all(tuple(e.key) == tuple(turn2[: len(e.key)]) for e in chunk_entries)
+    assert restored(store, turn2) == (tuple(turn2), data)
+
+
+def test_chunks_are_kept_fresh_and_not_marked_superseded(llm: Any, tmp_path: Path) -> None:
+    """A new chunk that extends a stored one's whole key would mark it superseded (evicted first,
+    sippcache.eviction): stored deepest first and touched, a chain keeps every link."""
+    with sippcache.open(f"lmdb://{tmp_path}/store") as cache:
+        store = states(cache)
+        first = prompt(300)
+        store.store(first, state_of(llm, first), namespace=NS)
+        second = [*first, *prompt(300, seed=2)[1:]]
+        store.store(second, state_of(llm, second), namespace=NS)
+        chunk_entries, _ = entries(cache)
+        assert len(chunk_entries) == (len(second) - 1) // C
+        assert not [e for e in chunk_entries if e.superseded]
+        by_depth = {len(e.key): e for e in chunk_entries}
+        assert by_depth[C].priority / C > by_depth[5 * C].priority / (5 * C)  # the first outlast the last
+
+
+def test_a_long_chain_restores_from_lmdb_without_a_reader_per_chunk(llm: Any, tmp_path: Path) -> None:
+    """An LMDB match pins a read transaction, and an environment has a fixed number of reader slots
+    (shared by every process): a restore releases each chunk's match as soon as it has copied it."""
+    tokens = prompt(1300)  # 20 chunks
+    data = state_of(llm, tokens)
+    with sippcache.open(f"lmdb://{tmp_path}/store?max_readers=8") as cache:
+        store = states(cache)
+        assert store.store(tokens, data, namespace=NS).chunks_new == 20
+        assert restored(store, tokens) == (tuple(tokens), data)
+        assert restored(store, [*tokens[:1000], 1], partial=True) == (tuple(tokens[:1024]), sf.prefix(data, 1024))
+
+
+# -- faults -------------------------------------------------------------------------------------------------
+
+
+class _DeletingOnLookup:
+    """A store that deletes one chunk as soon as a reader has looked the tail up (another process
+    evicting it under the reader)."""
+
+    def __init__(self, cache: sippcache.CacheBackend, victim: list[int], namespace: str) -> None:
+        self.cache, self.victim, self.victim_namespace, self.done = cache, victim, namespace, False
+
+    def lookup(self, tokens: Any, **kwargs: Any) -> Any:
+        match = self.cache.lookup(tokens, **kwargs)
+        if not self.done:
+            self.done = True
+            assert self.cache.delete(self.victim, namespace=self.victim_namespace)
+        return match
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cache, name)
+
+
+def test_a_chunk_deleted_under_a_reader_gives_the_shorter_run(llm: Any, cache: sippcache.CacheBackend) -> None:
+    tokens = prompt(700)
+    data = state_of(llm, tokens)
+    states(cache).store(tokens, data, namespace=NS)
+    chunk_namespace = entries(cache)[0][0].namespace
+    reader = states(_DeletingOnLookup(cache, tokens[: 4 * C], chunk_namespace))  # type: ignore[arg-type]
+    held, state = restored(reader, tokens)
+    assert held == tuple(tokens[: 3 * C]) and state == sf.prefix(data, 3 * C)  # the run before the gap
+    # And with the first chunk gone there is nothing to restore: a miss, not a wrong state.
+    assert cache.delete(tokens[:C], namespace=chunk_namespace)
+    assert states(cache).restore(tokens, namespace=NS) is None
+
+
+def test_a_window_in_the_tail_needs_every_chunk(
+    llms: dict[tuple[str, bool], Any], cache: sippcache.CacheBackend
+) -> None:
+    """iSWA: the sliding-window cache goes whole into the tail, so a run of chunks is no state by
+    itself: a missing chunk is a miss."""
+    tokens = prompt(400)
+    data = state_of(llms["swa", True], tokens)
+    store = states(cache)
+    stored = store.store(tokens, data, namespace=NS)
+    assert stored.chunked and stored.chunks_new == 6
+    assert restored(store, tokens) == (tuple(tokens), data)
+    assert restored(store, [*tokens[:100], 1], partial=True) == (tuple(tokens), data)  # all of it, to be cut
+    chunk_namespace = entries(cache)[0][0].namespace
+    assert cache.delete(tokens[: 3 * C], namespace=chunk_namespace)
+    assert store.restore(tokens, namespace=NS) is None
+
+
+def test_damaged_chunks_are_deleted_and_give_the_shorter_run(llm: Any, cache: sippcache.CacheBackend) -> None:
+    tokens = prompt(500)
+    data = state_of(llm, tokens)
+    store = states(cache)
+    store.store(tokens, data, namespace=NS)
+    chunk_namespace = entries(cache)[0][0].namespace
+    with cache.lookup(tokens[: 3 * C], namespace=chunk_namespace) as match:  # type: ignore[union-attr]
+        damaged = bytearray(match.blob)
+    damaged[-5] ^= 0xFF  # a flipped K/V byte: the frame's checksum fails
+    cache.store(tokens[: 3 * C], damaged, namespace=chunk_namespace)
+    assert restored(store, tokens) == (tuple(tokens[: 2 * C]), sf.prefix(data, 2 * C))
+    assert store.damaged == 1
+    assert cache.peek(tokens[: 3 * C], namespace=chunk_namespace).key_length == 2 * C  # type: ignore[union-attr]
+    # An intact chunk of another model under the same key (a store shared by mistake) is not used either.
+    cells = sf.split(data, [C, 2 * C]).chunks[1]
+    other = frame.encode(tokens[: 2 * C], [cells], fingerprint="other", kind=KIND + ".chunk", roles=["cells"])
+    cache.store(tokens[: 2 * C], other, namespace=chunk_namespace)
+    assert restored(store, tokens) == (tuple(tokens[:C]), sf.prefix(data, C))
+    assert store.damaged == 2
+
+
+def test_with_a_secret_every_chunk_carries_a_mac(llm: Any, cache: sippcache.CacheBackend) -> None:
+    tokens = prompt(300)
+    data = state_of(llm, tokens)
+    states(cache, secret=b"s3cret").store(tokens, data, namespace=NS)
+    for info in cache.entries():
+        with cache.lookup(info.key, namespace=info.namespace) as match:  # type: ignore[union-attr]
+            assert frame.decode(match.blob, secret=b"s3cret").authenticated
+            with pytest.raises(CorruptEntry, match="MAC"):
+                frame.decode(match.blob, secret=b"another")
+    assert restored(states(cache, secret=b"s3cret"), tokens) == (tuple(tokens), data)
+    assert states(cache, secret=b"another").restore(tokens, namespace=NS) is None  # refused, and deleted
+
+
+# -- whole entries ------------------------------------------------------------------------------------------
+
+
+def test_entries_of_the_whole_form_still_restore(llm: Any, cache: sippcache.CacheBackend) -> None:
+    """What the proxy stored before chunks: the state as the first section of one entry of its kind."""
+    tokens = prompt(300)
+    data = state_of(llm, tokens)
+    meta = {"slot_version": 4, "prompt": 290}
+    cache.store(
+        tokens, frame.encode(tokens, [data], fingerprint=FP, kind=KIND, meta=meta, roles=["state"]), namespace=NS
+    )
+    assembled = states(cache).restore([*tokens, 1], namespace=NS, partial=True)
+    assert assembled is not None
+    with assembled:
+        assert assembled.whole and assembled.chunks == 0 and assembled.entry.meta == meta
+        assert assembled.tokens == tuple(tokens) and bytes(assembled.state) == data
+
+
+def test_an_unsplittable_state_is_stored_whole_and_counted(
+    llms: dict[tuple[str, bool], Any], cache: sippcache.CacheBackend
+) -> None:
+    tokens = prompt(200)
+    data = state_of(llms["recurrent", True], tokens)  # Mamba: one cell holds the whole sequence
+    store = states(cache)
+    stored = store.store(tokens, data, namespace=NS, meta={"prompt": 200}, sections=[b"logits"], roles=["logits"])
+    assert not stored.chunked and "recurrent" in stored.why_whole and store.stored_whole == 1
+    assert entries(cache)[0] == []
+    with cache.lookup(tokens, namespace=NS) as match:  # type: ignore[union-attr]
+        entry = frame.decode(match.blob)
+        assert (entry.kind, entry.roles, entry.meta) == (KIND, ("state", "logits"), {"prompt": 200})
+        del entry
+    assembled = store.restore(tokens, namespace=NS)
+    assert assembled is not None
+    with assembled:
+        assert assembled.whole and bytes(assembled.state) == data and assembled.extra("logits") == b"logits"
+    # Chunking off: whole too, and not counted as a state that could not be cut.
+    off = chunks.ChunkedStates(cache, fingerprint=FP, kind=KIND, chunk_tokens=0)
+    assert not off.store(prompt(300), state_of(llms["attention", True], prompt(300)), namespace=NS).chunked
+    assert off.stored_whole == 0
+
+
+def test_a_tail_keeps_the_callers_sections_and_meta(llm: Any, cache: sippcache.CacheBackend) -> None:
+    tokens = prompt(300)
+    store = states(cache, versions={"llama.cpp": "test"})
+    store.store(tokens, state_of(llm, tokens), namespace=NS, meta={"prompt": 7}, sections=[b"L" * 40], roles=["logits"])
+    assembled = store.restore(tokens, namespace=NS)
+    assert assembled is not None
+    with assembled:
+        assert not assembled.whole and assembled.entry.meta["prompt"] == 7
+        assert assembled.extra("logits") == b"L" * 40 and assembled.entry.versions == {"llama.cpp": "test"}
