@@ -354,7 +354,7 @@ class ChunkedStates:
         """Delete the entry under `old`, and its chunks (in this layout) that `key` does not share."""
         self.cache.delete(old, namespace=namespace)
         size = self.chunk_tokens
-        shared = _common(old, key)
+        shared = _tokens.common_prefix(old, key)
         ids = _ids(old)
         for end in range((shared // size + 1) * size, len(old), size):
             self.cache.delete(ids[:end], namespace=chunks_at)
@@ -500,11 +500,3 @@ def _ids(key: Sequence[int]) -> array[int]:
     ids = array("I")
     ids.frombytes(_tokens.encode(key))
     return ids
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

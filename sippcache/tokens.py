@@ -109,3 +109,12 @@ def decode(data: Blob) -> tuple[int, ...]:
     if sys.byteorder != "little":  # pragma: no cover
         ids.byteswap()
     return tuple(ids)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

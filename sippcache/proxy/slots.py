@@ -21,6 +21,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..tokens import common_prefix
+
 __all__ = ["NoServer", "Origin", "QueueFull", "Slot", "SlotTable", "common_prefix", "reusable"]
 
 
@@ -39,15 +41,6 @@ def reusable(stored: int, common: int, prompt: int, can_cut: bool) -> int:
     if can_cut:
         return common
     return stored if common == stored < prompt else 0
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 @dataclass(frozen=True)
