@@ -27,9 +27,9 @@ requests wait for it (a prefix in flight), when the store held nothing of its
 prompt (a new conversation or system prompt: other processes want it), or when
 the slot has grown `save_every` tokens beyond what the store holds (what a
 crash can lose), and always on a recurrent or hybrid model (a state extended
-only at exactly its length: every answer's end is kept). Otherwise it stays in the slot, unsaved, and is saved before
-the slot serves another conversation, after `save_idle` seconds idle, and when
-the proxy stops (SIGTERM or SIGINT).
+only at exactly its length: every answer's end is kept). Otherwise it stays in
+the slot, unsaved, and is saved before the slot serves another conversation,
+after `save_idle` seconds idle, and when the proxy stops (SIGTERM or SIGINT).
 
 Whether a restore pays is measured per upstream (`RestoreRates`): each answer's
 ``timings`` give the server's prefill rate, each restore its rate in bytes a
@@ -451,18 +451,7 @@ class Proxy:
             await self.slots.release(slot)
             return None
         slot.tokens = tuple(tokens or ())  # what it holds begins so; the answer's tokens are not known here
-        grown = prompt + int(timings.get("predicted_n", 0)) - slot.stored
-        reason = (
-            "waited"
-            if flight is not None and flight.waiting
-            else "new"
-            if slot.stored < self.store.min_tokens
-            else "recurrent"  # extended only at exactly its length: every answer's end is kept (as SessionPool)
-            if not self.store.can_cut
-            else "grown"
-            if grown >= self.save_every
-            else None
-        )
+        reason = self._save_now(slot, flight, held=prompt + int(timings.get("predicted_n", 0)))
         task = None
         try:
             if reason is None:
@@ -476,6 +465,19 @@ class Proxy:
         if slot.unsaved is not None:
             self._save_when_idle(slot)
         return task
+
+    def _save_now(self, slot: Slot, flight: _Flight | None, held: int) -> str | None:
+        """Why a slot that holds `held` tokens after an answer is saved at once, or None: it waits in
+        the slot (module docstring)."""
+        if flight is not None and flight.waiting:
+            return "waited"
+        if slot.stored < self.store.min_tokens:
+            return "new"
+        if not self.store.can_cut:  # extended only at exactly its length: every answer's end is kept
+            return "recurrent"
+        if held - slot.stored >= self.save_every:
+            return "grown"
+        return None
 
     async def _save_slot(self, slot: Slot, prompt: int, reason: str) -> asyncio.Task[Any] | None:
         """Have llama-server save `slot` (held by the caller; `prompt`: the last request's prompt

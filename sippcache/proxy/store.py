@@ -29,7 +29,8 @@ Which state is worth loading is the proxy's choice:
   length, so only the longest stored *prefix* of the prompt, and every entry is
   kept.
 
-States are stored as chunks of `chunk_tokens` tokens and a tail (`sippcache.chunks`):
+With `chunk_tokens` (0, off, by default: a restore joined from chunks is slower)
+states are stored as chunks of that many tokens and a tail (`sippcache.chunks`):
 a conversation's later save writes only the chunks the store lacks and its tail,
 and conversations over one system prompt share its chunks. A restore reads the
 tail with the longest common prefix and the chunks it needs, and writes the
