@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, ClassVar, cast
@@ -122,6 +122,21 @@ class BaseBackend(ABC):
             return None
         with self._library_errors_translated():
             return self._lookup(key, namespace, bool(partial), bool(touch))
+
+    def lookup_prefixes(
+        self, tokens: Tokens, lengths: Sequence[int], *, namespace: str = "", touch: bool = True
+    ) -> list[Match]:
+        """See `CacheBackend.lookup_prefixes`; checks that `lengths` ascend within the query."""
+        key = self._query_key(tokens, namespace)
+        wanted = list(lengths)
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in wanted):
+            raise TypeError("lengths must be ints")
+        if any(a >= b for a, b in zip([0, *wanted], wanted, strict=False)) or (wanted and wanted[-1] > len(key) // 4):
+            raise ValueError(f"lengths must ascend from 1 to at most the {len(key) // 4} query tokens")
+        if not wanted:
+            return []
+        with self._library_errors_translated():
+            return self._lookup_prefixes(key, wanted, namespace, bool(touch))
 
     def peek(self, tokens: Tokens, *, namespace: str = "", partial: bool = False) -> Peek | None:
         """See `CacheBackend.peek`; an empty query finds nothing."""
@@ -248,6 +263,25 @@ class BaseBackend(ABC):
         return key
 
     # -- storage hooks -------------------------------------------------------
+
+    def _lookup_prefixes(self, key: bytes, lengths: list[int], namespace: str, touch: bool) -> list[Match]:
+        """`lookup_prefixes`: by default one lookup per length; override where one read can
+        serve the chain (every built-in backend, and Redis in one round trip)."""
+        matches: list[Match] = []
+        try:
+            for n in lengths:
+                match = self._lookup(key[: 4 * n], namespace, False, touch)
+                if match is not None and match.length != n:
+                    match.release()
+                    match = None
+                if match is None:
+                    break
+                matches.append(match)
+        except BaseException:
+            for match in matches:
+                match.release()
+            raise
+        return matches
 
     def _peek(self, key: bytes, namespace: str, partial: bool) -> Peek | None:
         """`peek`: by default a lookup that does not count as a use, its blob unread;

@@ -251,8 +251,8 @@ class Catalog:
             case Mark():
                 self._mark(change.eid, value=change.value, pinned=change.pinned, superseded=change.superseded)
             case Uses():
-                for use in change.items:
-                    self._use(*use)
+                touched = [(use[0], used) for use in change.items if (used := self._use(*use)) is not None]
+                self.index.touch_many(touched)
             case Clear():
                 policy, budget = self.policy, self.budget
                 self.__init__(policy)  # type: ignore[misc]
@@ -283,16 +283,17 @@ class Catalog:
         if evicted and not entry.superseded:
             self.clock = max(self.clock, entry.value)
 
-    def _use(self, eid: bytes, used: int, value: float | None) -> None:
-        """A use at `used` (ns): a new retention value, and no longer superseded."""
+    def _use(self, eid: bytes, used: int, value: float | None) -> int | None:
+        """A use at `used` (ns): a new retention value, and no longer superseded. Returns the
+        entry's recency for the index (`PrefixIndex.touch_many`), None for an unknown entry."""
         entry = self._entries.get(eid)
         if entry is None:
-            return
+            return None
         entry.used = max(entry.used, used)
         entry.value = self.value(entry.priority, entry.tokens) if value is None else value
         entry.superseded = False
-        self.index.touch(eid, entry.used)
         self._push(eid, entry)
+        return entry.used
 
     def _mark(self, eid: bytes, *, value: float, pinned: bool, superseded: bool) -> None:
         entry = self._entries.get(eid)
@@ -412,7 +413,10 @@ class Catalog:
     def peek(self, namespace: str, key: bytes, partial: bool) -> Peek | None:
         """The index's answer to a lookup of `key` (token bytes), as `Peek`."""
         hit = self.index.longest_common(namespace, key) if partial else self.index.longest_prefix(namespace, key)
-        return None if hit is None else Peek(hit.length, self._entries[hit.entry_id].tokens)
+        if hit is None:
+            return None
+        entry = self._entries[hit.entry_id]
+        return Peek(hit.length, entry.tokens, entry.pinned)
 
     def plan_store(
         self, eid: bytes, key: bytes, namespace: str, size: int, options: StoreOptions, now: int, budget: Budget

@@ -12,6 +12,7 @@ partial match go to that entry without visiting the subtree.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import compress
 from operator import attrgetter
@@ -135,6 +136,20 @@ class PrefixIndex:
         node.rank = rank
         self._raise_best(node, entry_id, rank)
 
+    def touch_many(self, uses: list[tuple[bytes, int]]) -> None:
+        """`touch` for several entries at once: the ranks first, then each node's best raised
+        from the highest rank down, so that a walk stops where a higher one passed already (a
+        chain of N chunks read by one restore costs O(N) steps, not N walks to the root)."""
+        raised: list[tuple[int, bytes, _Node]] = []
+        for entry_id, rank in uses:
+            node = self._nodes.get(entry_id)
+            if node is not None and rank > node.rank:
+                node.rank = rank
+                raised.append((rank, entry_id, node))
+        raised.sort(key=lambda item: item[0], reverse=True)
+        for rank, entry_id, node in raised:
+            self._raise_best(node, entry_id, rank)
+
     def remove(self, entry_id: bytes) -> bool:
         """Drop `entry_id` from the index; False if it was not there."""
         node = self._nodes.pop(entry_id, None)
@@ -219,21 +234,44 @@ class PrefixIndex:
         if len(nodes_of) != listed:
             raise ValueError("an entry twice in an index dump")
 
-    def longest_prefix(self, namespace: str, query: bytes) -> IndexHit | None:
-        """The entry whose key is the longest prefix of `query`, if any."""
+    def _path(self, namespace: str, query: bytes) -> Iterator[tuple[int, _Node]]:
+        """The nodes down the tree along `query`, with the bytes of it each one is at (the root
+        at 0), as far as `query` holds whole edges."""
         node = self._roots.get(namespace)
-        found: IndexHit | None = None
         pos = 0
         while node is not None:
-            if node.entry is not None:
-                found = IndexHit(node.entry, pos // _TOKEN)
+            yield pos, node
             if pos >= len(query):
-                break
+                return
             child = node.children.get(query[pos : pos + _TOKEN])
             if child is None or not query.startswith(child.edge, pos):
-                break
+                return
             pos += len(child.edge)
             node = child
+
+    def longest_prefix(self, namespace: str, query: bytes) -> IndexHit | None:
+        """The entry whose key is the longest prefix of `query`, if any."""
+        found: IndexHit | None = None
+        for pos, node in self._path(namespace, query):
+            if node.entry is not None:
+                found = IndexHit(node.entry, pos // _TOKEN)
+        return found
+
+    def entries_along(self, namespace: str, query: bytes, ends: Sequence[int]) -> list[bytes]:
+        """The ids of the entries stored under exactly ``query[:end]`` for each of `ends`
+        (lengths in bytes, ascending), up to the first that is not stored: one walk down the
+        tree for a whole chain of keys, each a prefix of the next."""
+        found: list[bytes] = []
+        wanted = iter(ends)
+        want = next(wanted, None)
+        for pos, node in self._path(namespace, query):
+            if want is None or want < pos:  # done, or the wanted key ends inside an edge: not stored
+                break
+            while want == pos:
+                if node.entry is None:
+                    return found
+                found.append(node.entry)
+                want = next(wanted, None)
         return found
 
     def longest_common(self, namespace: str, query: bytes) -> IndexHit | None:

@@ -70,16 +70,21 @@ class PendingUses:
         self._last_time = max(time.time_ns(), self._last_time + 1)
         return self._last_time
 
-    def record(self, catalog: Catalog, eid: bytes) -> None:
-        """Entry `eid` was used now: in `catalog` at once, in the store later."""
-        state = catalog.get(eid)
-        if state is None:
+    def record(self, catalog: Catalog, *eids: bytes) -> None:
+        """Entries `eids` were used now, in that order: in `catalog` at once (one change), in
+        the store later."""
+        uses = []
+        for eid in eids:
+            state = catalog.get(eid)
+            if state is not None:
+                uses.append(Use(eid, self.now(), catalog.value(state.priority, state.tokens)))
+        if not uses:
             return
-        use = Use(eid, self.now(), catalog.value(state.priority, state.tokens))
         if not self.items:
             self._since = time.monotonic()
-        self.items[eid] = use
-        catalog.apply(Uses((use,)))
+        for use in uses:
+            self.items[use.eid] = use
+        catalog.apply(Uses(tuple(uses)))
 
     def due(self) -> bool:
         """Whether the pending uses should be saved now."""

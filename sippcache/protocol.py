@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeAlias, runtime_checkable
 
@@ -71,10 +71,13 @@ class Match:
 @dataclass(frozen=True)
 class Peek:
     """What `lookup` would return, without the blob: how many query tokens the entry
-    covers, and how long its key is (longer than `length` for a partial match)."""
+    covers, how long its key is (longer than `length` for a partial match), and whether
+    it is pinned (None where a backend cannot tell without reading more: then a caller
+    that deletes entries it supersedes leaves it alone)."""
 
     length: int
     key_length: int
+    pinned: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,15 @@ class CacheBackend(Protocol):
         `partial`, the longest common prefix); ties go to the most recently used.
         A hit counts as a use for eviction unless `touch` is False (for tools
         that read entries without using them)."""
+
+    def lookup_prefixes(
+        self, tokens: Tokens, lengths: Sequence[int], *, namespace: str = "", touch: bool = True
+    ) -> list[Match]:
+        """The entries stored under exactly ``tokens[:n]`` for each `n` of `lengths` (ascending,
+        from 1 to ``len(tokens)``), in that order, up to the first one not stored: a chain of
+        chunks (`sippcache.chunks`) read in one call, not one lookup each (one read snapshot
+        locally, one round trip to a server). Each match is released on its own; each hit
+        counts as a use unless `touch` is False."""
 
     def peek(self, tokens: Tokens, *, namespace: str = "", partial: bool = False) -> Peek | None:
         """What `lookup` would find, without reading the blob or counting a use: to

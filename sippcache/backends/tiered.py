@@ -372,6 +372,25 @@ class TieredBackend(BaseBackend):
             self._forward_touch(first.key, namespace)
         return first
 
+    def _lookup_prefixes(self, key: bytes, lengths: list[int], namespace: str, touch: bool) -> list[Match]:
+        """L1's run of the chain, then L2's for the lengths past it (copied into L1)."""
+        tokens = _tokens(key)
+        found = self.l1.lookup_prefixes(tokens, lengths, namespace=namespace, touch=touch)
+        rest = lengths[len(found) :]
+        if rest:
+            self._drain()
+            more = self._l2(lambda: self.l2.lookup_prefixes(tokens, rest, namespace=namespace, touch=False), [])
+            for match in more:
+                self._copy_to_l1(match)
+            found += more
+        with self._lock:
+            self._counters["hits"] += len(found)
+            self._counters["misses"] += len(found) < len(lengths)
+        if touch:
+            for match in found:
+                self._forward_touch(match.key, namespace)
+        return found
+
     def _peek(self, key: bytes, namespace: str, partial: bool) -> Peek | None:
         tokens = _tokens(key)
         first = self.l1.peek(tokens, namespace=namespace, partial=partial)

@@ -20,12 +20,12 @@ from ..catalog import Budget, Change, Clear, Remove, StorePlan
 from ..errors import CacheFull, ReadOnlyStore
 from ..eviction import DEFAULT_POLICY, EvictionPolicy
 from ..mirror import Limit, check_limits
-from ..protocol import EntryInfo, Match, Peek, Stats, StoreOptions
+from ..protocol import Blob, EntryInfo, Match, Peek, Stats, StoreOptions
 from . import forking
 from .layout import KEY_CLOCK, KEY_NEWEST, KEY_TRIMMED, LOG_KEEP, PREFIX_BLOB, PREFIX_META, entry_id, log_key
 from .records import pack_f64, pack_record, pack_u64, read_u64
 from .replica import Replica
-from .snapshots import SnapshotMatch, release_unreferenced_blobs
+from .snapshots import SnapshotMatch, release_unreferenced_blobs, shared_end
 from .storage import KVTxn
 
 log = logging.getLogger("sippcache")
@@ -178,6 +178,43 @@ class KVBackend(BaseBackend):
             )
             self._flush_touches_if_due()
         return match
+
+    def _lookup_prefixes(self, key: bytes, lengths: list[int], namespace: str, touch: bool) -> list[Match]:
+        """One walk down the index and one read transaction for the whole chain: its matches
+        share the snapshot, which ends when the last of them is released."""
+        with self._lock:
+            if self._replica.seq < 0:
+                self._refresh()
+            txn, end = self._reader()
+            found: list[tuple[bytes, int, Blob]] = []
+            try:
+                self._replica.sync(txn)
+                eids = self._replica.catalog.index.entries_along(namespace, key, [4 * n for n in lengths])
+                for eid, n in zip(eids, lengths, strict=False):
+                    blob = txn.get(PREFIX_BLOB + eid) if self._replica.confirm(txn, eid) else None
+                    if blob is None:
+                        break
+                    found.append((eid, n, blob))
+            except BaseException:
+                end()
+                raise
+            views = sum(isinstance(blob, memoryview) for _, _, blob in found)
+            ends = iter(shared_end(end, views)) if views else None
+            if ends is None:
+                end()
+            counters = self._replica.counters
+            counters["hits"] += len(found)
+            counters["misses"] += len(found) < len(lengths)
+            if touch and not self.read_only:
+                self._replica.uses.record(self._replica.catalog, *(eid for eid, _, _ in found))
+            matches = [
+                SnapshotMatch(n, key[: 4 * n], blob, namespace, next(ends))
+                if isinstance(blob, memoryview) and ends is not None
+                else Match(n, key[: 4 * n], blob, namespace)
+                for _, n, blob in found
+            ]
+            self._flush_touches_if_due()
+        return matches
 
     def _peek(self, key: bytes, namespace: str, partial: bool) -> Peek | None:
         with self._lock:

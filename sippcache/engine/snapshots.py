@@ -16,6 +16,7 @@ its bytes and stays valid; a blob that outlived its match cannot be copied
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -98,6 +99,23 @@ def detach_snapshots(ends: Collection[End], *, outliving: bool = True) -> None:
             else:
                 keep.append((blob, end))
         _outliving_blobs[:] = keep
+
+
+def shared_end(end: End, count: int) -> list[End]:
+    """`count` functions ending one snapshot that `count` matches share (a chain read in one
+    transaction, `lookup_prefixes`): each match gets its own (the registry above keys matches
+    by theirs), and the snapshot ends when the last of them is called."""
+    left = [count]
+    guard = threading.Lock()
+
+    def one() -> None:
+        with guard:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            end()
+
+    return [functools.partial(one) for _ in range(count)]
 
 
 class SnapshotMatch(Match):

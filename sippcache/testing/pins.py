@@ -43,6 +43,18 @@ class PinTests(BackendFixtures):
         assert cache.lookup([1], touch=False) is None
         assert cache.stats().pinned == 0
 
+    def test_peek_tells_a_pinned_entry_or_says_it_cannot(self, cache: CacheBackend) -> None:
+        """A caller deleting the entries a longer state supersedes (`sippcache.chunks`) keeps
+        those a peek does not report as unpinned: a backend may answer None, never a wrong bool."""
+        cache.store([1, 2], b"pinned", pinned=True)
+        cache.store([1, 2, 3], b"not pinned")
+        pinned, loose = cache.peek([1, 2, 9]), cache.peek([1, 2, 3, 4])
+        assert pinned is not None and pinned.pinned in (True, None)
+        assert loose is not None and loose.pinned in (False, None)
+        assert cache.unpin([1, 2])
+        again = cache.peek([1, 2])
+        assert again is not None and again.pinned in (False, None)
+
     def test_a_store_keeps_a_pin(self, cache: CacheBackend) -> None:
         cache.store([1, 2], b"old", pinned=True)
         cache.store([1, 2], b"new")

@@ -1,10 +1,13 @@
 """Prefix matching: the longest stored prefix of a query, the longest common
-prefix with `partial=True`, and `peek`, which answers both without counting a use.
+prefix with `partial=True`, `peek`, which answers both without counting a use, and
+`lookup_prefixes`, a chain of keys each a prefix of the next, read in one call.
 """
 
 from __future__ import annotations
 
 import random
+
+import pytest
 
 import sippcache
 from sippcache import CacheBackend
@@ -66,18 +69,78 @@ class PrefixTests(BackendFixtures):
         cache.store([1, 2, 3], bytes(1000))
         cache.store([1, 2, 3, 4, 5, 6], bytes(1000))
         cache.store([9], bytes(1000))
-        assert cache.peek([1, 2, 3, 4, 7]) == sippcache.Peek(3, 3)
-        assert cache.peek([1, 2, 3, 4, 7], partial=True) == sippcache.Peek(4, 6)
-        assert cache.peek([1, 2, 3, 4, 5, 6, 7]) == sippcache.Peek(6, 6)
+        assert _shape(cache.peek([1, 2, 3, 4, 7])) == (3, 3)
+        assert _shape(cache.peek([1, 2, 3, 4, 7], partial=True)) == (4, 6)
+        assert _shape(cache.peek([1, 2, 3, 4, 5, 6, 7])) == (6, 6)
         assert cache.peek([2]) is None and cache.peek([]) is None and cache.peek([1, 2, 3], namespace="x") is None
         for query, partial in (([1, 2, 3, 4, 7], False), ([1, 2, 3, 4, 7], True), ([9, 9], False)):
             peeked, match = cache.peek(query, partial=partial), cache.lookup(query, partial=partial, touch=False)
-            assert match is not None and peeked == sippcache.Peek(match.length, len(match.key))
+            assert match is not None and _shape(peeked) == (match.length, len(match.key))
             match.release()
         for _ in range(5):
             cache.peek([1, 2, 3])  # not a use: [1, 2, 3] stays the least recently used
         cache.store([8], bytes(1000))
         assert cache.lookup([1, 2, 3], touch=False) is None
+
+    def test_lookup_prefixes_reads_a_chain_up_to_its_first_gap(self, cache: CacheBackend) -> None:
+        base = list(range(500, 540))
+        for n in (4, 8, 12, 20, 24):
+            cache.store(base[:n], f"chunk {n}".encode())
+        cache.store(base[:8], b"other namespace", namespace="x")
+        cache.store(base[:16] + [1], b"not on the query's path")
+        matches = cache.lookup_prefixes(base, [4, 8, 12, 16, 20, 24])
+        try:  # 16 is not stored: 20 and 24 are not reached, whatever is stored there
+            assert [(m.length, tuple(m.key), bytes(m.blob), m.namespace) for m in matches] == [
+                (n, tuple(base[:n]), f"chunk {n}".encode(), "") for n in (4, 8, 12)
+            ]
+        finally:
+            for match in matches:
+                match.release()
+        matches = cache.lookup_prefixes(base + [9], [8, 12], namespace="x")
+        assert [bytes(m.blob) for m in matches] == [b"other namespace"]
+        matches[0].release()
+        assert cache.lookup_prefixes(base, [2, 4]) == []  # the first length is not stored
+        assert cache.lookup_prefixes(base, []) == [] and cache.lookup_prefixes([], []) == []
+        assert blob_of(cache.lookup(base[:13])) == b"chunk 12"  # the chain's matches are each released
+
+    def test_lookup_prefixes_matches_each_stay_valid_until_released(self, cache: CacheBackend) -> None:
+        base = list(range(1, 33))
+        for n in range(8, 33, 8):
+            cache.store(base[:n], bytes([n]) * 5000)
+        matches = cache.lookup_prefixes(base, [8, 16, 24, 32])
+        assert len(matches) == 4
+        for n in (8, 16):  # released one by one, in any order; the others stay readable
+            matches[n // 8 - 1].release()
+        cache.store(base[:24], b"replaced")  # a held match keeps its bytes (the store's promise)
+        cache.delete(base[:32])
+        assert [bytes(m.blob) for m in matches[2:]] == [bytes([24]) * 5000, bytes([32]) * 5000]
+        for match in matches:
+            match.release()
+        assert blob_of(cache.lookup(base)) == b"replaced"
+
+    def test_lookup_prefixes_checks_its_lengths(self, cache: CacheBackend) -> None:
+        cache.store([1, 2, 3], b"abc")
+        for lengths in ([2, 2], [3, 1], [0, 1], [1, 4], [-1]):
+            with pytest.raises(ValueError):
+                cache.lookup_prefixes([1, 2, 3], lengths)
+        with pytest.raises(TypeError):
+            cache.lookup_prefixes([1, 2, 3], [1.5])  # type: ignore[list-item]
+
+    def test_lookup_prefixes_counts_uses_unless_told_not_to(self, open_cache: Opener) -> None:
+        cache = open_cache(max_bytes=3500)
+        cache.store([1, 2], bytes(1000))
+        cache.store([1, 2, 3, 4], bytes(1000))
+        cache.store([9], bytes(1000))
+        for match in cache.lookup_prefixes([1, 2, 3, 4], [2, 4], touch=False):
+            match.release()
+        for match in cache.lookup_prefixes([9], [1]):
+            match.release()
+        cache.store([8], bytes(1000))  # evicts the least recently used: the chain, untouched
+        assert cache.lookup([1, 2], touch=False) is None and blob_of(cache.lookup([9])) == bytes(1000)
+        for match in cache.lookup_prefixes([1, 2, 3, 4], [4]):
+            match.release()
+        cache.store([7], bytes(1000))  # now [9] and [8] are older than the chain's last entry
+        assert blob_of(cache.lookup([1, 2, 3, 4])) == bytes(1000)
 
     def test_one_token_keys(self, cache: CacheBackend) -> None:
         for t in range(0, 2000, 7):
@@ -135,6 +198,11 @@ class PrefixTests(BackendFixtures):
                 assert model[tuple(match.key)] == bytes(match.blob)
                 match.release()
         assert len(cache) == len(model)
+
+
+def _shape(peek: sippcache.Peek | None) -> tuple[int, int] | None:
+    """A peek's (length, key_length)."""
+    return None if peek is None else (peek.length, peek.key_length)
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:

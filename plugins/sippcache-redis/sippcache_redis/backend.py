@@ -666,35 +666,49 @@ class RedisBackend(BaseBackend):
 
     def _fetch(self, eid: bytes, ref: BlobRef) -> bytes | bytearray | None:
         """The blob, or None if a chunk is missing, the wrong length, or the checksum fails (torn).
-        The chunks are copied into one buffer as each window of them arrives: a state is held once
-        (the chunks of one window beside it), not once in its chunks and again joined."""
-        keys = self._chunk_keys(eid, ref)
-        sizes = ref.sizes()
-        per_trip = max(1, WINDOW_BYTES // ref.chunk_size)
-        single: bytes | None = None  # one chunk: the reply itself
-        joined = bytearray(ref.length) if len(keys) > 1 else None
-        offset = 0
-        for first in range(0, len(keys), per_trip):
+        Fetched a window of chunks a round trip, each copied into one buffer as its window arrives:
+        a state is held once (the chunks of one window beside it), not once in its chunks and
+        again joined."""
+        return self._fetch_many([(eid, ref)], WINDOW_BYTES)[0]
+
+    def _fetch_many(self, items: Sequence[tuple[bytes, BlobRef]], window: int | None) -> list[bytes | bytearray | None]:
+        """The blobs of several entries (as `_fetch`), their chunks requested `window` bytes a
+        round trip, or all in one (None: a chain of small entries, `lookup_prefixes`)."""
+        wanted = [
+            (n, i, key, size)
+            for n, (eid, ref) in enumerate(items)
+            for i, (key, size) in enumerate(zip(self._chunk_keys(eid, ref), ref.sizes(), strict=True))
+        ]
+        per_trip = len(wanted) if window is None else max(1, window // max(ref.chunk_size for _, ref in items))
+        blobs: list[bytes | bytearray | None] = [None] * len(items)
+        torn = [False] * len(items)
+        for first in range(0, len(wanted), per_trip):
+            batch = wanted[first : first + per_trip]
             with self._server() as client:
                 pipe = client.pipeline(transaction=False)
-                for key in keys[first : first + per_trip]:
+                for _, _, key, _ in batch:
                     pipe.execute_command("GET", key)
                 got = pipe.execute(raise_on_error=False)
             self.round_trips += 1
-            for i, part in enumerate(got, first):
+            for (n, i, _, size), part in zip(batch, got, strict=True):
                 if isinstance(part, Exception) and not str(part).startswith("WRONGTYPE"):
                     raise _Unavailable(f"{type(part).__name__}: {part}")  # moved, loading...: not torn
-                if not isinstance(part, bytes) or len(part) != sizes[i]:
-                    return None
-                if joined is None:
-                    single = part
-                else:
-                    joined[offset : offset + len(part)] = part
-                    offset += len(part)
+                if torn[n] or not isinstance(part, bytes) or len(part) != size:
+                    torn[n] = True
+                    continue
+                ref = items[n][1]
+                if ref.count == 1:
+                    blobs[n] = part
+                    continue
+                joined = blobs[n]
+                if not isinstance(joined, bytearray):
+                    joined = blobs[n] = bytearray(ref.length)
+                joined[i * ref.chunk_size : i * ref.chunk_size + size] = part
             del got
-        blob = joined if joined is not None else single
-        assert blob is not None  # a ref has at least one chunk
-        return blob if xxhash.xxh3_64_intdigest(blob) == ref.checksum else None
+        return [
+            None if torn[n] or blob is None or xxhash.xxh3_64_intdigest(blob) != ref.checksum else blob
+            for n, (blob, (_, ref)) in enumerate(zip(blobs, items, strict=True))
+        ]
 
     # -- BaseBackend hooks -----------------------------------------------------------------
 
@@ -850,6 +864,37 @@ class RedisBackend(BaseBackend):
                 mirror.uses.record(mirror.catalog, hit.entry_id)
             mirror.counters["hits"] += 1
         return Match(hit.length, stored_key, blob, namespace)
+
+    def _lookup_prefixes(self, key: bytes, lengths: list[int], namespace: str, touch: bool) -> list[Match]:
+        """Two round trips for the whole chain: the sync, and one pipeline of every GET."""
+        mirror = self._mirror
+        try:
+            with self._lock:
+                self._sync()
+                items: list[tuple[bytes, BlobRef]] = []
+                for eid in mirror.catalog.index.entries_along(namespace, key, [4 * n for n in lengths]):
+                    ref = self._refs.get(eid)
+                    if ref is None:  # cannot happen: the index and the blob table change together
+                        break
+                    items.append((eid, ref))
+            blobs = self._fetch_many(items, None) if items else []
+        except (_ServerError, _Rebuild):
+            with self._lock:
+                self._failed()
+                mirror.counters["misses"] += 1
+            return []
+        matches: list[Match] = []
+        for n, (eid, ref), blob in zip(lengths, items, blobs, strict=False):
+            if blob is None:  # torn: the chain ends here, and the entry is cleaned up
+                self._remove_torn(Chunks(eid, ref))
+                break
+            matches.append(Match(n, key[: 4 * n], blob, namespace))
+        with self._lock:
+            if touch:
+                mirror.uses.record(mirror.catalog, *(eid for eid, _ in items[: len(matches)]))
+            mirror.counters["hits"] += len(matches)
+            mirror.counters["misses"] += len(matches) < len(lengths)
+        return matches
 
     def _remove_torn(self, chunks: Chunks) -> None:
         with self._lock:

@@ -89,6 +89,29 @@ def test_peek_is_one_round_trip_and_moves_no_blob(valkey_server: ValkeyServer, p
                 servers, lambda peeked=peeked, partial=partial: peeked.append(cache.peek([1, 2, 3, 4], partial=partial))
             )
             # One round trip (the sync script; INFO also counts the commands it runs inside), no GET.
-            assert counts["evalsha"] == 1 and "get" not in counts and peeked == [sippcache.Peek(3, 3)]
+            assert counts["evalsha"] == 1 and "get" not in counts and peeked == [sippcache.Peek(3, 3, False)]
         fetched = commands_during(servers, lambda: cache.lookup([1, 2, 3, 4]).release())
         assert fetched["evalsha"] == 1 and fetched["get"] == 3
+
+
+def test_a_chain_of_chunks_is_read_in_two_round_trips(valkey_server: ValkeyServer, prefix: str) -> None:
+    """`lookup_prefixes` (a chunked state's restore, `sippcache.chunks`): the sync, then every
+    entry's GETs in one pipeline, however many entries; a gap ends the chain."""
+    url = f"{valkey_server.url}?prefix={prefix}&max_bytes=1GiB"
+    servers = [valkey_server.client()]
+    rng = random.Random(9)
+    key = [rng.randrange(1000) for _ in range(64 * 300)]
+    blobs = {n: rng.randbytes(20_000) for n in range(64, len(key) + 1, 64)}
+    with sippcache.open(url) as cache:
+        for n, blob in blobs.items():
+            cache.store(key[:n], blob)
+        cache.delete(key[: 64 * 250])
+        assert cache.lookup([1]) is None  # the scripts loaded
+        before = cache.round_trips
+        found: list[list[sippcache.Match]] = []
+        counts = commands_during(servers, lambda: found.append(cache.lookup_prefixes(key, list(blobs), touch=False)))
+        matches = found[0]
+        assert cache.round_trips - before == 2 and counts["evalsha"] == 1 and counts["get"] == 249
+        assert [(m.length, bytes(m.blob)) for m in matches] == [(n, blobs[n]) for n in range(64, 64 * 250, 64)]
+        for match in matches:
+            match.release()
