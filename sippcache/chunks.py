@@ -50,7 +50,7 @@ from __future__ import annotations
 import logging
 import struct
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +60,7 @@ from . import frame
 from . import stateformat as sf
 from . import tokens as _tokens
 from .errors import CorruptEntry, UnsupportedEntry
-from .protocol import Blob, CacheBackend, Match
+from .protocol import Blob, CacheBackend, EntryInfo, Match
 from .tokens import Tokens
 
 __all__ = [
@@ -68,26 +68,34 @@ __all__ = [
     "Assembled",
     "ChunkedStates",
     "Stored",
+    "Usage",
+    "chain_digests",
+    "chunk_matches_key",
     "chunk_namespace",
     "is_chunk_namespace",
     "layout_of",
+    "usage",
 ]
 
 log = logging.getLogger("sippcache.chunks")
 
-#: The recommended chunk size (`--chunk-tokens 128`); the proxy stores whole states unless told
-#: to (a restore joined from 256 chunks of a 32K-token state took 180 ms from LMDB against 46 ms
-#: whole: docs/proxy.md). Smaller chunks share more (a conversation's own boundary chunk repeats
-#: up to C - 1 tokens of the shared prefix, and each save writes its last partial chunk again in
-#: its tail, C / 2 tokens on average); larger ones mean fewer entries, lookups and key tokens
-#: (every entry's frame and index hold its whole key: 8 bytes a key token). Measured with
-#: benchmarks/store_growth.py (docs/proxy.md, "Chunked states").
-DEFAULT_CHUNK_TOKENS = 128
+#: The default chunk size, of the llama-cpp-python layer (`CacheOptions.chunk_tokens`) and the
+#: proxy (`--chunk-tokens`). Smaller chunks share more: a conversation's own boundary chunk
+#: repeats up to C - 1 tokens of the shared prefix, and each stored state writes its last partial
+#: chunk again in its tail (C / 2 tokens on average). Larger ones mean fewer entries, each with a
+#: frame, an index record and a key (4 bytes a token) and one more step of a restore.
+#: benchmarks/store_growth.py (4 conversations x 5 turns over one system prompt, SmolLM2) through
+#: the drop-in: 64 writes 1.73 U and keeps 1.10 U (128: 2.52 U and 1.34 U; whole states 28.4 U);
+#: benchmarks/state_path.py: a 256 MiB state restores from 64-token chunks about as fast as whole.
+DEFAULT_CHUNK_TOKENS = 64
 #: What joins a caller's namespace and a chunk namespace's own part (a character no HTTP header
 #: value, and so no scope the proxy reads from one, can hold).
 NAMESPACE_MARK = "\u2022chunks/"
 #: Suffixes of the frame kinds of chunk and tail entries (after the caller's whole-state kind).
 CHUNK_SUFFIX, TAIL_SUFFIX = ".chunk", ".tail"
+#: The form of chunk entries, part of `layout_of` (so of the namespace they live in): 2, a frame
+#: holding the chunk's own tokens and the chained digest of its whole key (`chain_digests`).
+CHUNK_FORMAT = 2
 
 
 def chunk_namespace(namespace: str, chunk_tokens: int, layout: str) -> str:
@@ -106,7 +114,7 @@ def layout_of(state: sf.SeqState) -> str:
     extensions, the caches, and the chunked cache's V layout, rotation and per-layer K/V types
     and sizes. Not the sequence id, the stream it sits in or the 8-byte header: chunks are the
     same bytes whichever sequence held them."""
-    words = [state.version, int(state.cell_ext), len(state.caches)]
+    words = [CHUNK_FORMAT, state.version, int(state.cell_ext), len(state.caches)]
     found = state.caches[0].active() if state.caches else None
     if found is not None:
         stream = found[1]
@@ -137,9 +145,9 @@ class Stored:
 
 
 class Assembled:
-    """A state put together for a query by `ChunkedStates.restore`. The match of its tail (or whole
-    entry) is held until `release` (a `with` block): a whole entry's state, and the caller's
-    sections, are views of it."""
+    """A state put together for a query by `ChunkedStates.restore`. The matches it was read from
+    (the tail's or whole entry's, and its chunks') are held until `release` (a `with` block):
+    `parts`, `state` and the caller's sections are views of them."""
 
     def __init__(
         self,
@@ -147,7 +155,7 @@ class Assembled:
         key: tuple[int, ...],
         length: int,
         n_tokens: int,
-        state: Blob,
+        parts: list[sf.Buffer],
         chunks: int,
         matches: list[Match],
     ) -> None:
@@ -157,13 +165,23 @@ class Assembled:
         self.key = key
         #: How many of the query's tokens the entry matches.
         self.length = length
-        #: The state's bytes, in the form they were stored in (with `llama_state_seq_get_data`'s
-        #: 8-byte header if they had it): the state of `tokens`.
-        self.state = state
+        #: The state's bytes in order, as the parts it is assembled from (one for a whole
+        #: entry): write them back to back, and each byte is copied once.
+        self.parts = parts
         #: Chunk entries read (0: a whole entry, or a state within its tail).
         self.chunks = chunks
         self._n_tokens = n_tokens
         self._matches = matches
+        self._state: sf.Buffer | None = parts[0] if len(parts) == 1 else None
+
+    @property
+    def state(self) -> sf.Buffer:
+        """The state's bytes in one buffer, in the form they were stored in (with
+        `llama_state_seq_get_data`'s 8-byte header if they had it): the state of `tokens`.
+        Joined (one copy) the first time it is asked for, unless a whole entry's."""
+        if self._state is None:
+            self._state = b"".join(self.parts)
+        return self._state
 
     @property
     def whole(self) -> bool:
@@ -177,15 +195,16 @@ class Assembled:
 
     @property
     def nbytes(self) -> int:
-        return memoryview(self.state).nbytes
+        return sum(memoryview(part).nbytes for part in self.parts)
 
     def extra(self, role: str) -> memoryview | None:
         """The caller's section named `role` (stored with `ChunkedStates.store(sections=, roles=)`)."""
         return self.entry.section(role)
 
     def release(self) -> None:
-        """Release the matches (idempotent); `state` and the frame's sections are not to be used after."""
+        """Release the matches (idempotent); `parts`, `state` and the frame's sections are not to be used after."""
         matches, self._matches = self._matches, []
+        self.parts, self._state = [], None
         for match in matches:
             match.release()
 
@@ -247,13 +266,20 @@ class ChunkedStates:
         sections: Sequence[Blob] = (),
         roles: Sequence[str] = (),
         replaces: Sequence[int] | None = None,
+        supersede: bool = False,
+        pinned: bool = False,
+        generation: int | None = None,
     ) -> Stored:
         """Store `state`, the state of `tokens`: `llama_state_seq_get_data`'s form, or a slot
         file's state bytes (`header`, `version`: as `stateformat.parse` takes them). `meta`,
         `sections` and `roles` are the caller's (whole-entry data: they go with the tail, or
         with the whole entry after the state). `replaces`: the key of an entry this state takes
         the place of (the previous turn of its conversation): that entry is deleted, and so are
-        its chunks past the tokens the two share; shared chunks stay."""
+        its chunks past the tokens the two share; shared chunks stay. `supersede` (for a model
+        whose restored states can be cut anywhere: full attention): once stored as chunks, the
+        entries under shorter prefixes of `tokens` go (a restore of this one, cut back, gives
+        theirs; their chunks are this one's), except pinned ones. `pinned` pins the entry and
+        its chunks; `generation` is the entry's (`CacheBackend.store`)."""
         key = tuple(tokens)
         view = memoryview(state).cast("B")
         if len(sections) != len(roles):
@@ -271,7 +297,12 @@ class ChunkedStates:
                 why = str(exc)
                 log.info("sippcache: a state of %d tokens stored whole: %s", len(key), why)
             else:
-                return self._store_chunked(key, view, pieces, layout, namespace, meta, sections, roles, replaces)
+                stored = self._store_chunked(
+                    key, view, pieces, layout, namespace, meta, sections, roles, replaces, pinned, generation
+                )
+                if supersede and stored.entries:
+                    self._supersede(key, namespace)
+                return stored
         blob = frame.encode(
             key,
             [view, *sections],
@@ -282,7 +313,7 @@ class ChunkedStates:
             roles=["state", *roles],
             secret=self.secret,
         )
-        written = self.cache.store(key, blob, namespace=namespace)
+        written = self.cache.store(key, blob, namespace=namespace, pinned=pinned, generation=generation)
         if replaces is not None and tuple(replaces) != key:
             self.cache.delete(replaces, namespace=namespace)
         return Stored(key, False, len(blob) if written else 0, int(written), view.nbytes, why_whole=why)
@@ -298,6 +329,8 @@ class ChunkedStates:
         sections: Sequence[Blob],
         roles: Sequence[str],
         replaces: Sequence[int] | None,
+        pinned: bool,
+        generation: int | None,
     ) -> Stored:
         size = self.chunk_tokens
         ids = _ids(key)
@@ -314,22 +347,23 @@ class ChunkedStates:
         # another's whole key marks it superseded (evicted first: sippcache.eviction) and a shorter
         # one never does; the one kept chunk the deepest new one may have marked is touched again.
         for end in kept:
-            self.cache.touch(ids[:end], namespace=chunks_at)
+            (self.cache.pin if pinned else self.cache.touch)(ids[:end], namespace=chunks_at)
         nbytes = written = 0
+        chain = chain_digests(ids, size, len(bounds))
         for i, end in enumerate(reversed(new)):
             blob = frame.encode(
-                ids[:end],
+                ids[end - size : end],
                 [pieces.chunks[end // size - 1]],
                 fingerprint=self.fingerprint,
                 kind=self.chunk_kind,
                 versions=self.versions,
-                meta=ours,
+                meta={**ours, "chain": chain[end // size - 1]},
                 roles=["cells"],
                 secret=self.secret,
             )
             # A chunk's priority: its tokens and one chunk more, so that per token (what eviction
             # weighs) the first chunks, which every longer state needs, outlast the last ones.
-            if self.cache.store(ids[:end], blob, namespace=chunks_at, priority=end + size):
+            if self.cache.store(ids[:end], blob, namespace=chunks_at, priority=end + size, pinned=pinned):
                 written, nbytes = written + 1, nbytes + len(blob)
             below = [k for k in kept if k < end]
             if i == 0 and below:
@@ -344,11 +378,50 @@ class ChunkedStates:
             roles=["cells", "caches", *roles],
             secret=self.secret,
         )
-        if self.cache.store(key, blob, namespace=namespace, priority=len(key) + size):
+        if self.cache.store(
+            key, blob, namespace=namespace, priority=len(key) + size, pinned=pinned, generation=generation
+        ):
             written, nbytes = written + 1, nbytes + len(blob)
         if replaces is not None and tuple(replaces) != key:
             self._replace(tuple(replaces), key, namespace, chunks_at)
         return Stored(key, True, nbytes, written, view.nbytes, len(new), len(kept))
+
+    def pin(self, tokens: Tokens, *, namespace: str = "", pinned: bool = True) -> bool:
+        """Pin (or unpin) the entry stored under exactly `tokens` and, for a tail, the chunks
+        it is restored with: a pinned state keeps its whole chain. True if there is one.
+        Unpinning unpins the chain, chunks another pinned state shares too (pin that one
+        again). Raises `CacheFull` as `CacheBackend.pin` does."""
+        key = tuple(tokens)
+        change = self.cache.pin if pinned else self.cache.unpin
+        if not change(key, namespace=namespace):
+            return False
+        match = self.cache.lookup(key, namespace=namespace, touch=False)
+        if match is None:
+            return True
+        with match:
+            try:
+                entry = frame.decode(match.blob, secret=self.secret)
+            except (CorruptEntry, UnsupportedEntry):
+                return True  # a restore finds it out
+            size, layout = entry.meta.get("chunk_tokens"), entry.meta.get("chunk_layout")
+            tail = entry.kind == self.tail_kind
+        if tail and isinstance(size, int) and not isinstance(size, bool) and size > 0 and isinstance(layout, str):
+            ids, at = _ids(key), chunk_namespace(namespace, size, layout)
+            for end in range(size, len(key), size):
+                change(ids[:end], namespace=at)
+        return True
+
+    def _supersede(self, key: tuple[int, ...], namespace: str) -> None:
+        """Delete the unpinned entries stored under shorter prefixes of `key` (found with `peek`,
+        longest first; one a backend cannot tell pinned or not is kept)."""
+        end = len(key) - 1
+        while end > 0:
+            peek = self.cache.peek(key[:end], namespace=namespace)
+            if peek is None:
+                return
+            if peek.pinned is False:
+                self.cache.delete(key[: peek.length], namespace=namespace)
+            end = peek.length - 1
 
     def _replace(self, old: tuple[int, ...], key: tuple[int, ...], namespace: str, chunks_at: str) -> None:
         """Delete the entry under `old`, and its chunks (in this layout) that `key` does not share."""
@@ -392,11 +465,11 @@ class ChunkedStates:
         except CorruptEntry as exc:
             self._drop(key, namespace, str(exc))
             return None
-        if entry.fingerprint != self.fingerprint or entry.tokens != key:
+        if entry.fingerprint != self.fingerprint or entry.token_bytes != _tokens.encode(key):
             self._drop(key, namespace, "its header does not match its key and model")
             return None
         if entry.kind == self.kind and entry.sections:
-            return Assembled(entry, key, match.length, len(key), entry.sections[0], 0, held)
+            return Assembled(entry, key, match.length, len(key), [entry.sections[0]], 0, held)
         if entry.kind != self.tail_kind:
             self._drop(key, namespace, f"an entry of kind {entry.kind!r} among states of {self.kind!r}")
             return None
@@ -422,77 +495,138 @@ class ChunkedStates:
         want = match.length if partial else len(key)
         full = want > first or not alone
         need = first // size if full else -(-want // size)
-        chunks = self._chunks(key, need, size, per_cell, layout, chunk_namespace(namespace, size, layout))
+        chunks = self._chunks(key, need, size, per_cell, layout, chunk_namespace(namespace, size, layout), held)
         try:
             if full and len(chunks) == need:
-                state = sf.join(meta, [*chunks, cells], caches)
-                return Assembled(entry, key, match.length, len(key), state, need, held)
+                parts = sf.join_parts(meta, [*chunks, cells], caches)
+                return Assembled(entry, key, match.length, len(key), parts, need, held)
             if chunks and alone:  # a run short of the tail: the state of its tokens
                 run = len(chunks) * size
-                return Assembled(entry, key, min(match.length, run), run, sf.join(meta, chunks), len(chunks), held)
+                parts = sf.join_parts(meta, chunks)
+                return Assembled(entry, key, min(match.length, run), run, parts, len(chunks), held)
         except sf.UnsupportedState as exc:  # checksums passed, yet the parts do not fit: not used
             self.damaged += 1
             log.warning("sippcache: the chunks of an entry of %d tokens do not join (not used): %s", len(key), exc)
         return None
 
     def _chunks(
-        self, key: tuple[int, ...], need: int, size: int, per_cell: int, layout: str, namespace: str
+        self, key: tuple[int, ...], need: int, size: int, per_cell: int, layout: str, namespace: str, held: list[Match]
     ) -> list[memoryview]:
-        """The first `need` chunks of `key`'s chain, in order, up to the first one missing or unusable.
-
-        Every match is released as soon as its chunk is checked: a match may pin a read transaction
-        (LMDB has about 126 reader slots, shared by every process), and a long state has hundreds
-        of chunks. A chunk whose blob is a view of the store's memory is copied out first (into one
-        buffer for them all); one in a `bytes` blob the match owned is used as it is (immutable,
-        and kept alive by the view)."""
+        """The cells of the first `need` chunks of `key`'s chain, in order, up to the first one
+        missing or unusable: read with one `lookup_prefixes` (one snapshot, or one round trip),
+        their matches added to `held` (views of them are returned)."""
         ids = _ids(key)
         width = size * per_cell
-        area: memoryview | None = None
+        found = self.cache.lookup_prefixes(ids, [k * size for k in range(1, need + 1)], namespace=namespace)
+        held += found
+        chain = chain_digests(ids, size, len(found))
         out: list[memoryview] = []
-        for k in range(1, need + 1):
-            end = k * size
-            match = self.cache.lookup(ids[:end], namespace=namespace)
-            if match is None:
+        for match, digest in zip(found, chain, strict=True):
+            end = match.length
+            try:
+                chunk = frame.decode(match.blob, secret=self.secret)
+            except UnsupportedEntry:
                 break
-            with match:
-                if match.length != end:  # a shorter chunk: this one is missing
-                    break
-                try:
-                    chunk = frame.decode(match.blob, secret=self.secret)
-                except UnsupportedEntry:
-                    break
-                except CorruptEntry as exc:
-                    self._drop(ids[:end], namespace, str(exc))
-                    break
-                cells = chunk.section("cells")
-                if (
-                    chunk.kind != self.chunk_kind
-                    or chunk.fingerprint != self.fingerprint
-                    or chunk.meta.get("chunk_layout") != layout
-                    or chunk.meta.get("chunk_tokens") != size
-                    or cells is None
-                    or len(cells) != width
-                    or chunk.tokens != key[:end]
-                ):
-                    del cells, chunk
-                    self._drop(ids[:end], namespace, "a chunk that does not match its key, model or layout")
-                    break
-                if isinstance(match.blob, bytes):
-                    out.append(cells)
-                else:
-                    if area is None:
-                        area = memoryview(bytearray(need * width))
-                    at = len(out) * width
-                    area[at : at + width] = cells
-                    out.append(area[at : at + width])
-                del cells, chunk  # views of a blob the store may reuse once the match is released
+            except CorruptEntry as exc:
+                self._drop(ids[:end], namespace, str(exc))
+                break
+            cells = chunk.section("cells")
+            if (
+                chunk.kind != self.chunk_kind
+                or chunk.fingerprint != self.fingerprint
+                or chunk.meta.get("chunk_layout") != layout
+                or chunk.meta.get("chunk_tokens") != size
+                or cells is None
+                or len(cells) != width
+                or chunk.meta.get("chain") != digest
+            ):
+                self._drop(ids[:end], namespace, "a chunk that does not match its key, model or layout")
+                break
+            out.append(cells)
         return out
 
     def _drop(self, key: Tokens, namespace: str, why: str) -> None:
         """A damaged entry: deleted, as every reader does (a miss)."""
         self.damaged += 1
-        log.warning("sippcache: a damaged entry was deleted: %s", why)
+        log.warning("sippcache: a corrupt entry was deleted: %s", why)
         self.cache.delete(key, namespace=namespace)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a namespace's chunked states take in a store (`usage`; `sippcache stats`)."""
+
+    #: The caller's namespace (its chunks live in namespaces of their own: `chunk_namespace`).
+    namespace: str
+    #: Tails and whole entries: the states a lookup finds.
+    states: int
+    state_bytes: int
+    #: Chunk entries, each shared by every state with its prefix.
+    chunks: int
+    chunk_bytes: int
+    #: Token positions the states' keys hold between them (a shared prefix counted once).
+    distinct_tokens: int
+    #: The K/V bytes of one token, about (the chunks' bytes over their tokens, frames included).
+    kv_bytes_per_token: float
+
+    @property
+    def per_distinct(self) -> float:
+        """The bytes stored over the K/V bytes of the distinct tokens: 1.0 when every token is
+        stored once; whole states of a chat's turns give many times that."""
+        wanted = self.distinct_tokens * self.kv_bytes_per_token
+        return (self.state_bytes + self.chunk_bytes) / wanted if wanted else 0.0
+
+
+def usage(entries: Iterable[EntryInfo]) -> list[Usage]:
+    """`Usage` of every namespace that has chunks, from a listing (`CacheBackend.entries`: no
+    entry is read)."""
+    states: dict[str, list[tuple[int, ...]]] = {}
+    state_bytes: dict[str, int] = {}
+    chunk_sizes: dict[str, list[tuple[int, int, int]]] = {}  # owner -> (chunk tokens, key tokens, size)
+    for entry in entries:
+        owner, mark, rest = entry.namespace.partition(NAMESPACE_MARK)
+        if mark:
+            size = rest.split("/", 1)[0]
+            if size.isdigit() and int(size) > 0:
+                chunk_sizes.setdefault(owner, []).append((int(size), len(entry.key), entry.size))
+            continue
+        states.setdefault(owner, []).append(tuple(entry.key))
+        state_bytes[owner] = state_bytes.get(owner, 0) + entry.size
+    out = []
+    for owner, found in sorted(chunk_sizes.items()):
+        keys = sorted(states.get(owner, []))
+        distinct = sum(len(k) - _tokens.common_prefix(p, k) for p, k in zip([(), *keys], keys, strict=False))
+        chunk_bytes = sum(size for _, _, size in found)
+        kv = sum(size - 4 * n for _, n, size in found) / sum(c for c, _, _ in found)
+        out.append(Usage(owner, len(keys), state_bytes.get(owner, 0), len(found), chunk_bytes, distinct, kv))
+    return out
+
+
+def chain_digests(ids: array[int], size: int, count: int) -> list[bytes]:
+    """The chained digests of the first `count` chunks of `size` tokens of `ids` (uint32): each is
+    the xxh3_128 of the one before and its chunk's tokens, so it stands for every token up to the
+    chunk's end. A chunk entry's frame holds its own tokens and this digest, not the whole prefix
+    its key is (4 bytes a token, again in every chunk: O(N^2 / C) for a state of N tokens)."""
+    view = memoryview(ids).cast("B")
+    digests: list[bytes] = []
+    digest = b""
+    for k in range(count):
+        digest = xxhash.xxh3_128_digest(digest + view[4 * k * size : 4 * (k + 1) * size])
+        digests.append(digest)
+    return digests
+
+
+def chunk_matches_key(entry: frame.Frame, key: Sequence[int]) -> bool:
+    """Whether a decoded chunk entry is the one stored under `key` (its frame holds the chunk's own
+    tokens and the chained digest of all of `key`: `chain_digests`)."""
+    size = entry.meta.get("chunk_tokens")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or len(key) % size:
+        return False
+    ids = _ids(key)
+    return (
+        entry.token_bytes == ids[-size:].tobytes()
+        and entry.meta.get("chain") == chain_digests(ids, size, len(key) // size)[-1]
+    )
 
 
 def _ids(key: Sequence[int]) -> array[int]:

@@ -29,6 +29,7 @@ import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
@@ -56,7 +57,9 @@ _META_TYPES = (str, int, float, bool, bytes)
 class Frame:
     """A decoded entry. `sections` are zero-copy views into the buffer given to `decode`."""
 
-    tokens: tuple[int, ...]
+    #: The key's tokens as `sippcache.tokens.encode` bytes: compared as they are (a chunk's key
+    #: holds every token before it), decoded into `tokens` only when asked for.
+    token_bytes: bytes
     fingerprint: str
     kind: str
     sections: tuple[memoryview, ...]
@@ -65,6 +68,11 @@ class Frame:
     meta: Mapping[str, Any] = field(default_factory=dict)
     roles: tuple[str, ...] = ()  # one name per section ("" where the writer gave none)
     authenticated: bool = False  # its MAC was checked against a secret
+
+    @cached_property
+    def tokens(self) -> tuple[int, ...]:
+        """The key's token ids."""
+        return _tokens.decode(self.token_bytes)
 
     @property
     def payload_size(self) -> int:
@@ -252,7 +260,7 @@ def decode(buf: Blob, *, secret: Secret | None = None) -> Frame:
         sections.append(payload[offset : offset + size])
         offset += size
     return Frame(
-        tokens=_tokens.decode(header["tokens"]),
+        token_bytes=header["tokens"],
         fingerprint=header["fingerprint"],
         kind=header["kind"],
         sections=tuple(sections),

@@ -50,6 +50,7 @@ __all__ = [
     "Stream",
     "UnsupportedState",
     "join",
+    "join_parts",
     "parse",
     "prefix",
     "split",
@@ -712,6 +713,13 @@ def join(meta: Buffer, chunks: Sequence[Buffer], tail: Buffer = b"") -> bytes:
     tail, any leading chunks give the state of their positions (a prefix). With one, the
     chunks must cover exactly the positions the tail belongs to. Raises
     `UnsupportedState` when the parts do not fit together."""
+    return b"".join(join_parts(meta, chunks, tail))
+
+
+def join_parts(meta: Buffer, chunks: Sequence[Buffer], tail: Buffer = b"") -> list[Buffer]:
+    """`join`'s state as the parts it is made of, in order: views of `chunks` and `tail`
+    and a few small new buffers, so that a caller writing the state out (a slot file)
+    copies each byte once. Valid while the chunks and tail are."""
     flags, _, seq_id, header_seq_id, n_caches, chunked, caches = _read_meta(meta)
     ext = bool(flags & _FLAG_EXT)
     per_cell = sum(cache.bytes_per_cell(ext) for cache in caches if cache.active >= 0)
@@ -769,7 +777,7 @@ def join(meta: Buffer, chunks: Sequence[Buffer], tail: Buffer = b"") -> bytes:
                         at[i] += n * v_size
             offsets = at
     pieces.append(rest)
-    return b"".join(pieces)
+    return pieces
 
 
 def _join_columns(views: list[memoryview], at: list[int], counts: list[int], size: int, dims: int) -> Iterator[Buffer]:

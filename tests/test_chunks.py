@@ -11,7 +11,10 @@ bytes for it (llama.cpp's values depend on the batch split: test_stateformat.py)
 from __future__ import annotations
 
 import ctypes
+import json
 import random
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -229,7 +232,7 @@ def test_chunks_are_kept_fresh_and_not_marked_superseded(llm: Any, tmp_path: Pat
 
 def test_a_long_chain_restores_from_lmdb_without_a_reader_per_chunk(llm: Any, tmp_path: Path) -> None:
     """An LMDB match pins a read transaction, and an environment has a fixed number of reader slots
-    (shared by every process): a restore releases each chunk's match as soon as it has copied it."""
+    (shared by every process): a restore reads its whole chain in one (`lookup_prefixes`)."""
     tokens = prompt(1300)  # 20 chunks
     data = state_of(llm, tokens)
     with sippcache.open(f"lmdb://{tmp_path}/store?max_readers=8") as cache:
@@ -374,3 +377,105 @@ def test_a_tail_keeps_the_callers_sections_and_meta(llm: Any, cache: sippcache.C
     with assembled:
         assert not assembled.whole and assembled.entry.meta["prompt"] == 7
         assert assembled.extra("logits") == b"L" * 40 and assembled.entry.versions == {"llama.cpp": "test"}
+
+
+# -- superseding, pins, checks ----------------------------------------------------------------------
+
+
+def test_a_state_supersedes_the_entries_under_its_prefixes_except_pinned_ones(
+    llm: Any, cache: sippcache.CacheBackend
+) -> None:
+    """`supersede` (the llama-cpp-python layer's prompt ends, on full attention): once stored as
+    chunks, the unpinned entries under shorter prefixes of the state go; the state, cut back,
+    serves them. Entries of other prompts, and pinned ones, stay."""
+    store = states(cache)
+    tokens, other = prompt(300), prompt(120, seed=3)
+    for n in (100, 150, 200):
+        store.store(tokens[:n], state_of(llm, tokens[:n]), namespace=NS, pinned=n == 150)
+    store.store(other, state_of(llm, other), namespace=NS)
+    data = state_of(llm, tokens)
+    store.store(tokens, data, namespace=NS, supersede=True)
+    _, kept = entries(cache)
+    assert sorted(len(e.key) for e in kept) == [120, 150, 300]
+    assert [len(e.key) for e in kept if e.pinned] == [150]
+    # What was superseded comes from the longer state: its chunks, cut at a chunk boundary.
+    assert restored(store, [*tokens[:200], 9], partial=True) == (tuple(tokens[:256]), sf.prefix(data, 256))
+    # Whole states (chunking off) supersede nothing: they cannot be cut apart.
+    whole = chunks.ChunkedStates(cache, fingerprint=FP, kind=KIND, chunk_tokens=0)
+    whole.store(other[:60], state_of(llm, other[:60]), namespace="other")
+    whole.store(other, state_of(llm, other), namespace="other", supersede=True)
+    assert len([e for e in cache.entries("other")]) == 2
+
+
+def test_pinning_a_state_pins_its_chain(llm: Any, cache: sippcache.CacheBackend) -> None:
+    store = states(cache)
+    tokens = prompt(300)
+    store.store(tokens, state_of(llm, tokens), namespace=NS)
+    assert store.pin(tokens, namespace=NS)
+    chunk_entries, kept = entries(cache)
+    assert all(e.pinned for e in chunk_entries + kept) and len(chunk_entries) == 4
+    assert store.pin(tokens, namespace=NS, pinned=False)
+    assert not any(e.pinned for e in cache.entries())
+    assert not store.pin(prompt(50, seed=8), namespace=NS)
+
+
+def test_a_chunk_frame_holds_its_own_tokens_and_the_chained_digest_of_its_key(
+    llm: Any, cache: sippcache.CacheBackend, tmp_path: Path
+) -> None:
+    """A chunk's frame holds C tokens and a digest standing for all k*C of its key, so a chain
+    reads O(N) key bytes; `chunk_matches_key` is the check, and `sippcache verify` passes chunks."""
+    store = states(cache)
+    tokens = prompt(300)
+    store.store(tokens, state_of(llm, tokens), namespace=NS)
+    chunk_entries, _ = entries(cache)
+    for entry in chunk_entries:
+        with cache.lookup(entry.key, namespace=entry.namespace) as match:
+            decoded = frame.decode(match.blob)
+            assert decoded.tokens == tuple(entry.key[-C:])
+            assert chunks.chunk_matches_key(decoded, entry.key)
+            assert not chunks.chunk_matches_key(decoded, [*entry.key[:-1], entry.key[-1] ^ 1])
+            assert not chunks.chunk_matches_key(decoded, [entry.key[0] ^ 1, *entry.key[1:]])
+            del decoded
+    url = f"lmdb://{tmp_path}/verify"
+    with sippcache.open(url) as disk:
+        states(disk).store(tokens, state_of(llm, tokens), namespace=NS)
+    result = subprocess.run(
+        [sys.executable, "-m", "sippcache.cli", "verify", url, "--json"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"checked": 5, "bad": [], "deleted": 0}
+
+
+def test_stats_shows_what_chunked_states_take_against_their_distinct_tokens(llm: Any, tmp_path: Path) -> None:
+    """`sippcache stats`: per namespace with chunks, its states, chunks, bytes, the distinct tokens
+    their keys hold and the bytes stored over those tokens' K/V bytes. Four conversations over one
+    system prompt, two turns each, in chunks: about 1x; whole states of the same: far more."""
+    system = prompt(256)
+    chats = [system + prompt(41, seed=10 + c)[1:] for c in range(4)]  # (each prompt() starts with BOS)
+    turns = [chat + prompt(31, seed=20 + c)[1:] for c, chat in enumerate(chats)]
+    url = f"lmdb://{tmp_path}/stats"
+    with sippcache.open(url) as cache:
+        store = states(cache)
+        for first, second in zip(chats, turns, strict=True):
+            store.store(first, state_of(llm, first), namespace=NS)
+            store.store(second, state_of(llm, second), namespace=NS, replaces=first)
+        whole = chunks.ChunkedStates(cache, fingerprint=FP, kind=KIND, chunk_tokens=0)
+        for first, second in zip(chats, turns, strict=True):
+            whole.store(first, state_of(llm, first), namespace="whole")
+            whole.store(second, state_of(llm, second), namespace="whole")
+        (use,) = chunks.usage(cache.entries())
+    distinct = 256 + 4 * 70
+    assert (use.namespace, use.states, use.distinct_tokens) == (NS, 4, distinct)
+    assert use.chunks == 4 + 4  # the system prompt's 4 chunks once, and each conversation's 5th
+    assert 500 < use.kv_bytes_per_token < 600  # the tiny model's 512 bytes, with the frames
+    assert 1.0 <= use.per_distinct < 1.6
+    result = subprocess.run(
+        [sys.executable, "-m", "sippcache.cli", "stats", url, "--json"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    (row,) = json.loads(result.stdout)["chunked"]
+    assert (row["namespace"], row["states"], row["chunks"], row["distinct_tokens"]) == (NS, 4, 8, distinct)
+    table = subprocess.run(
+        [sys.executable, "-m", "sippcache.cli", "stats", url], capture_output=True, text=True, check=False
+    )
+    assert table.returncode == 0 and "chunked states" in table.stdout

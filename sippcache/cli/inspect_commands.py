@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.filesize import decimal as human_size
 from rich.table import Table
 
+from .. import chunks as _chunks
 from .. import frame as _frame
 from ..base import BaseBackend
 from ..protocol import CacheBackend, EntryInfo
@@ -97,10 +98,12 @@ def stats(url: str | None, cache_option: str | None, as_json: bool) -> None:
         exists = not isinstance(cache, AbsentStore)
         info = cache.stats()
         per_namespace: dict[str, list[int]] = {}
-        for entry in cache.entries():
+        listed = list(cache.entries())
+        for entry in listed:
             counts = per_namespace.setdefault(entry.namespace, [0, 0])
             counts[0] += 1
             counts[1] += entry.size
+    chunked = _chunks.usage(listed)
     namespaces: list[NamespaceRow] = []
     for namespace, (count, size) in sorted(per_namespace.items()):
         model, scope = split_namespace(namespace)
@@ -117,6 +120,9 @@ def stats(url: str | None, cache_option: str | None, as_json: bool) -> None:
                 "max_bytes": info.max_bytes,
                 "max_entries": info.max_entries,
                 "namespaces": namespaces,
+                "chunked": [
+                    {**asdict(use), "per_distinct": round(use.per_distinct, 3)} for use in chunked
+                ],
             }
         )
         return
@@ -150,6 +156,25 @@ def stats(url: str | None, cache_option: str | None, as_json: bool) -> None:
         table = first_that_fits([(split, split_folding), (whole, [labels])])
         llama_rows = table is split and any(row["model"] for row in namespaces)
         print_table(table, "llama rows: namespace llama:<model>/<scope>" if llama_rows else None)
+    if chunked:
+        shared = Table()
+        for name in ("states of", "states", "chunks", "bytes", "distinct tokens", "x their K/V"):
+            shared.add_column(name, overflow="fold", justify="left" if name == "states of" else "right")
+        for use in chunked:
+            add_row(
+                shared,
+                namespace_label(use.namespace),
+                f"{use.states:,}",
+                f"{use.chunks:,}",
+                short_size(use.state_bytes + use.chunk_bytes),
+                f"{use.distinct_tokens:,}",
+                f"{use.per_distinct:.2f}",
+            )
+        print_table(
+            shared,
+            "chunked states: the bytes stored against the K/V bytes of the distinct tokens their keys hold "
+            "(1.00: each token stored once)",
+        )
 
 
 def _counts_table(*names: str) -> Table:
@@ -244,7 +269,10 @@ def _check_entry(cache: CacheBackend, entry: EntryInfo, secret: bytes | None) ->
             decoded = _frame.decode(match.blob, secret=secret)
         except Exception as exc:  # any failure to parse the blob makes the entry unusable
             return str(exc) or type(exc).__name__
-        same = decoded.tokens == tuple(entry.key)
+        if _chunks.is_chunk_namespace(entry.namespace):
+            same = _chunks.chunk_matches_key(decoded, entry.key)
+        else:
+            same = decoded.tokens == tuple(entry.key)
         del decoded  # its sections are views of the blob
         return None if same else "the frame's tokens differ from the entry's key"
     finally:

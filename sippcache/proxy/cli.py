@@ -113,11 +113,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--chunk-tokens",
         type=int,
-        default=0,
+        default=chunks.DEFAULT_CHUNK_TOKENS,
         metavar="N",
         help="store states as chunks of N tokens that every state sharing them shares, and a tail: a conversation's "
-        f"later save writes only its new chunks (e.g. {chunks.DEFAULT_CHUNK_TOKENS}; default 0: every state whole, "
-        "the faster restore of a long state); recurrent and hybrid models' states are stored whole",
+        f"later save writes only its new chunks (default {chunks.DEFAULT_CHUNK_TOKENS}; 0: every state whole); "
+        "recurrent and hybrid models' states are stored whole",
     )
     parser.add_argument(
         "--restore",

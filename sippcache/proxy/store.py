@@ -29,7 +29,7 @@ Which state is worth loading is the proxy's choice:
   length, so only the longest stored *prefix* of the prompt, and every entry is
   kept.
 
-With `chunk_tokens` (0, off, by default: a restore joined from chunks is slower)
+With `chunk_tokens` (`sippcache.chunks.DEFAULT_CHUNK_TOKENS` by default; 0: whole)
 states are stored as chunks of that many tokens and a tail (`sippcache.chunks`):
 a conversation's later save writes only the chunks the store lacks and its tail,
 and conversations over one system prompt share its chunks. A restore reads the
@@ -138,7 +138,7 @@ class SlotStore:
         staging: str,
         min_tokens: int = 16,
         secret: bytes | None = None,
-        chunk_tokens: int = 0,
+        chunk_tokens: int = chunks.DEFAULT_CHUNK_TOKENS,
     ) -> None:
         self.cache = cache
         self.fingerprint = fingerprint
@@ -255,19 +255,19 @@ class SlotStore:
             try:
                 version = int(assembled.entry.meta.get("slot_version", 0))
                 prompt = int(assembled.entry.meta.get("prompt", 0))
-                state = slotfile.state_of(assembled.state)
+                state = slotfile.state_parts(assembled.parts)
             except (TypeError, ValueError) as exc:  # damaged (SlotFileError is a ValueError): dropped
                 self._failed("decode", exc)
                 self._drop(assembled.key, namespace)
                 return None
             held = assembled.tokens
             try:
-                _rewrite(path, slotfile.build(version, held, state))
+                _rewrite(path, slotfile.build(version, held, *state))
             except OSError as exc:
                 self._failed("staging write", exc)
                 _remove(path)
                 return None
-            return Origin(assembled.key, prompt), len(state), held
+            return Origin(assembled.key, prompt), sum(len(part) for part in state), held
 
     # -- save --------------------------------------------------------------------
 
