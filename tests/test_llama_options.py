@@ -32,7 +32,16 @@ def test_defaults() -> None:
         4,
     )
     assert options.secret is None and options.restore is None  # None: $SIPPCACHE_RESTORE, else "auto"
-    assert FIELDS == ("scope", "min_tokens", "checkpoint_interval", "max_pending_writes", "secret", "restore")
+    assert options.chunk_tokens == 64
+    assert FIELDS == (
+        "scope",
+        "min_tokens",
+        "checkpoint_interval",
+        "max_pending_writes",
+        "secret",
+        "restore",
+        "chunk_tokens",
+    )
     assert set(CacheSettings.__annotations__) == set(FIELDS), "the keyword form lists exactly the fields"
 
 
@@ -54,6 +63,9 @@ def test_defaults() -> None:
         (dict(secret=b""), TypeError, "secret must be a non-empty str or bytes, not an empty value"),
         (dict(secret=""), TypeError, "secret must be a non-empty str or bytes, not an empty value"),
         (dict(secret=42), TypeError, "secret must be a non-empty str or bytes, not int"),
+        (dict(chunk_tokens=-1), ValueError, "chunk_tokens must be at least 0 (0: whole states), got -1"),
+        (dict(chunk_tokens=True), TypeError, "chunk_tokens must be an int, not bool"),
+        (dict(chunk_tokens="128"), TypeError, "chunk_tokens must be an int, not str"),
     ],
 )
 def test_each_bad_value_is_refused_naming_the_option(changes: dict[str, Any], error: type, message: str) -> None:
@@ -228,7 +240,8 @@ def test_adapter_pool_and_engine_follow_one_checkpoint_plan(
     make_llama, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A cold prompt of 200 tokens, checkpoints every 64: each path stores the plan's
-    checkpoints and the whole prompt (with its logits), and each got them from one function."""
+    checkpoints and the whole prompt (with its logits), and each got them from one function.
+    (Whole states: in chunks the prompt's end supersedes the checkpoints: test_llama_tiny.py.)"""
     calls: list[str] = []
     plan = seqcache.checkpoint_positions
 
@@ -237,7 +250,7 @@ def test_adapter_pool_and_engine_follow_one_checkpoint_plan(
         return plan(*args, **kwargs)
 
     monkeypatch.setattr(seqcache, "checkpoint_positions", spy)
-    options = CacheOptions(checkpoint_interval=64, min_tokens=16)
+    options = CacheOptions(checkpoint_interval=64, min_tokens=16, chunk_tokens=0)
     tokens = [1] + [random.Random(7).randrange(3, 250) for _ in range(199)]
     expected = [*plan(0, 0, 200, interval=64, min_tokens=16), 200]
     assert expected == [64, 128, 192, 200]
@@ -290,10 +303,10 @@ def test_restore_says_what_it_loaded(make_llama, tiny_model: Path) -> None:
     cache = SequenceCache(store, fingerprint=llama_fingerprint(llm), kind=MemoryKind(), n_vocab=llm.n_vocab())
     try:
         for with_logits, length in ((True, 60), (False, 60), (False, 40)):
-            match = cache.lookup(tokens, partial=False)
-            assert match is not None
-            with match:
-                restored = cache.restore(llm.ctx, 0, match, length, with_logits=with_logits)
+            found = cache.lookup(tokens, partial=False)
+            assert found is not None
+            with found:
+                restored = cache.restore(llm.ctx, 0, found, length, with_logits=with_logits)
             assert isinstance(restored, Restored) and restored.length == length
             if with_logits:
                 assert restored.logits is not None and restored.logits.shape == (llm.n_vocab(),)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import sippcache
-from sippcache import frame
+from sippcache import chunks, frame
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama import LlamaCache, PrefixCache
 from tests.llama_tools import last_logits, prefill_in_new_process, reference_logits
@@ -177,7 +177,7 @@ def test_corrupt_entry_is_a_miss_and_dropped(make_llama, tiny_model, caplog) -> 
         assert_close(last_logits(llm), whole)
     assert "corrupt" in caplog.text
     decoded = frame.decode(cache.lookup(tokens[:-1], namespace=namespace).blob)  # dropped, then stored afresh
-    assert decoded.kind == "llama.seq"
+    assert decoded.kind == "llama.seq.tail"  # 299 tokens: four chunks of 64 and this tail
 
 
 def test_a_well_formed_entry_for_other_positions_is_dropped(make_llama, tiny_model) -> None:
@@ -185,7 +185,7 @@ def test_a_well_formed_entry_for_other_positions_is_dropped(make_llama, tiny_mod
     is never used: the restored positions must be exactly the key's."""
     tokens = prompt(301)
     cache = sippcache.open("ram://")
-    with PrefixCache(make_llama(tiny_model), cache) as pc:
+    with PrefixCache(make_llama(tiny_model), cache, chunk_tokens=0) as pc:  # a whole state to forge from
         pc.prefill(tokens[:300])
         pc.flush()
         namespace, digest = pc.namespace, pc.fingerprint.digest
@@ -202,28 +202,44 @@ def test_a_well_formed_entry_for_other_positions_is_dropped(make_llama, tiny_mod
     np.testing.assert_array_equal(last_logits(llm), split)
 
 
-def test_entries_are_framed_sequence_states(make_llama, tiny_model) -> None:
+@pytest.mark.parametrize("chunk_tokens", [0, 128])
+def test_entries_are_framed_sequence_states(make_llama, tiny_model, chunk_tokens) -> None:
+    """Whole (`chunk_tokens=0`): one entry, the sequence's state. In chunks: a tail under the
+    prompt's tokens and a chunk entry under each multiple of 128 below it, in a namespace of
+    their own; together they hold one sequence's state, not the context's."""
     tokens = prompt(300)
     cache = sippcache.open("ram://")
     llm = make_llama(tiny_model)
-    with PrefixCache(llm, cache) as pc:
+    with PrefixCache(llm, cache, chunk_tokens=chunk_tokens) as pc:
         pc.prefill(tokens)
         pc.flush()
         match = cache.lookup(tokens, namespace=pc.namespace)
     entry = frame.decode(match.blob)
-    assert entry.tokens == tuple(tokens[:-1]) and entry.kind == "llama.seq"
-    assert entry.fingerprint == pc.fingerprint.digest
-    assert entry.payload_size < llama_cpp.llama_state_get_size(llm.ctx)  # a sequence, not the context
+    assert entry.tokens == tuple(tokens[:-1]) and entry.fingerprint == pc.fingerprint.digest
+    parts = [frame.decode(cache.lookup(e.key, namespace=e.namespace).blob) for e in cache.entries()]
+    if chunk_tokens:
+        assert entry.kind == "llama.seq.tail"
+        chunk_entries = [e for e in cache.entries() if chunks.is_chunk_namespace(e.namespace)]
+        assert sorted(len(e.key) for e in chunk_entries) == [128, 256]
+        assert {p.kind for p in parts} == {"llama.seq.tail", "llama.seq.chunk"}
+    else:
+        assert entry.kind == "llama.seq" and len(parts) == 1
+    assert sum(p.payload_size for p in parts) < llama_cpp.llama_state_get_size(llm.ctx)  # a sequence, not the context
 
 
-def test_checkpoints_and_min_tokens(make_llama, tiny_model) -> None:
+@pytest.mark.parametrize("chunk_tokens", [0, 128])
+def test_checkpoints_and_min_tokens(make_llama, tiny_model, chunk_tokens) -> None:
+    """Checkpoints every 256 tokens, then the prompt's end. Whole states keep them all; in
+    chunks, the prompt's end supersedes them (restored and cut back, it gives each of them)."""
     cache = sippcache.open("ram://")
-    with PrefixCache(make_llama(tiny_model), cache, checkpoint_interval=256, min_tokens=8) as pc:
+    options = dict(checkpoint_interval=256, min_tokens=8, chunk_tokens=chunk_tokens)
+    with PrefixCache(make_llama(tiny_model), cache, **options) as pc:
         pc.prefill(prompt(1000))
         pc.prefill(prompt(5, seed=9))  # shorter than min_tokens: nothing stored
         pc.flush()
-        lengths = sorted(len(cache.lookup(prompt(1000)[:n], namespace=pc.namespace).key) for n in (256, 512, 768, 999))
-    assert lengths == [256, 512, 768, 999] and len(cache) == 4
+        assert pc.stats()["entries_written"] == 4
+        states = sorted(len(e.key) for e in cache.entries() if not chunks.is_chunk_namespace(e.namespace))
+    assert states == ([256, 512, 768, 999] if not chunk_tokens else [999])
 
 
 def test_checkpoints_stay_within_half_the_budget(make_llama, tiny_model) -> None:
@@ -232,11 +248,12 @@ def test_checkpoints_stay_within_half_the_budget(make_llama, tiny_model) -> None
     with PrefixCache(llm, cache, checkpoint_interval=100) as pc:
         pc.prefill(prompt(1500))
         pc.flush()
+        written = pc.stats()["entries_written"]
         keys = sorted(len(e.key) for e in cache.entries())
     assert keys[-1] == 1499  # the prompt-minus-one snapshot is always offered
     intermediate = [e.size for e in cache.entries() if len(e.key) != 1499]
     assert intermediate and sum(intermediate) <= 1024 * 1024
-    assert len(keys) < 15  # not every 100 tokens: the budget stopped them
+    assert written < 15  # not every 100 tokens: the budget stopped them
 
 
 def test_bad_input(make_llama, tiny_model) -> None:
@@ -270,11 +287,13 @@ def test_a_failing_store_never_fails_the_request(make_llama, tiny_model, caplog)
 
 
 def test_restore_from_lmdb_is_zero_copy(make_llama, tiny_model, url, monkeypatch) -> None:
+    """A whole entry is handed to llama.cpp as a view of LMDB's map (a chunked one is joined
+    into one buffer first: tests/test_chunks.py)."""
     tokens = prompt(400)
-    with PrefixCache(make_llama(tiny_model), url) as pc:
+    with PrefixCache(make_llama(tiny_model), url, chunk_tokens=0) as pc:
         pc.prefill(tokens)
     llm = make_llama(tiny_model)
-    pc = PrefixCache(llm, url)
+    pc = PrefixCache(llm, url, chunk_tokens=0)
     blobs, pointers = [], []
     real_lookup, real_set = pc.cache.lookup, llama_cpp.llama_state_seq_set_data
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import sippcache
-from sippcache import frame
+from sippcache import chunks, frame
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama import LlamaCache, PrefillResult, PrefixCache
 from tests.llama_tools import last_logits
@@ -153,7 +153,7 @@ def test_stored_logits_are_the_evaluated_ones(make_llama, tiny_model, url) -> No
         pc.flush()
         with pc.cache.lookup(tokens, namespace=pc.namespace) as match:
             entry = frame.decode(match.blob)
-            assert entry.roles == ("state", "logits") and len(match.key) == 500
+            assert entry.roles == ("cells", "caches", "logits") and len(match.key) == 500  # a chunked state's tail
             np.testing.assert_array_equal(np.frombuffer(entry.section("logits"), dtype=np.float32), last_logits(plain))
             del entry
 
@@ -166,13 +166,13 @@ def test_prefill_result(make_llama, tiny_model, url) -> None:
         assert isinstance(miss, PrefillResult) and miss == 0 and str(miss) == "0"
         again = pc.prefill(tokens)  # the context already holds it: nothing to do
         assert (int(again), again.live, again.restored, again.evaluated) == (400, 400, 0, 0)
-        longer = pc.prefill(tokens + [5, 6, 7])
+        longer = pc.prefill(tokens + [5, 6, 7])  # a conversation's next turn: its entry supersedes the first's
         assert (longer.live, longer.evaluated, longer.logits_from_store) == (400, 3, False)
         pc.flush()
     llm = make_llama(tiny_model, cls=SippLlama)
     with PrefixCache(llm, url) as pc:
-        hit = pc.prefill(tokens)
-        assert hit == 400 and hit.logits_from_store and hit.restore_seconds > 0
+        hit = pc.prefill(tokens + [5, 6, 7])
+        assert hit == 403 and hit.logits_from_store and hit.restore_seconds > 0
         assert "logits_from_store=True" in repr(hit)
         stats = pc.stats()
         assert (stats["lookups"], stats["hits"], stats["logits_hits"], stats["tokens_evaluated"]) == (1, 1, 1, 0)
@@ -329,7 +329,7 @@ def test_old_format_entries_still_load(make_llama, tiny_model) -> None:
     minus its last token, no logits) is restored; the last token is evaluated."""
     tokens = prompt(300)
     cache = sippcache.open("ram://")
-    with PrefixCache(make_llama(tiny_model), cache) as pc:  # a plain Llama stores prompt minus one
+    with PrefixCache(make_llama(tiny_model), cache, chunk_tokens=0) as pc:  # plain Llama: prompt minus one, whole
         pc.prefill(tokens)
         pc.flush()
         namespace, digest = pc.namespace, pc.fingerprint.digest
@@ -413,8 +413,11 @@ def test_pinned_prompt_survives_a_flood(make_llama, tiny_model) -> None:
             pc.prefill(prompt(400, seed=100 + i))
         pc.flush()
         assert cache.stats().evictions > 10
-        pinned = [e for e in cache.entries() if e.pinned]
-        assert [len(e.key) for e in pinned] == [400]
+        pinned = [e for e in cache.entries() if e.pinned]  # the prompt's tail and its chain of chunks
+        assert sorted((chunks.is_chunk_namespace(e.namespace), len(e.key)) for e in pinned) == [
+            (False, 400),
+            *((True, n) for n in range(64, 400, 64)),
+        ]
         result = pc.prefill(system + [9, 10, 11])
         assert result.restored == 400
         assert pc.unpin(system) is True and pc.pin(system) is True

@@ -321,7 +321,15 @@ class PrefixCache:
         self._eval(ids, position, final, start, n, progress)
         if final > start and final >= self.min_tokens:
             logits = states.copy_logits(ctx, cache.n_vocab) if self.stored_logits else None
-            cache.snapshot(ctx, 0, ids[:final], logits=logits, pinned=pin, replace=replace_final and logits is not None)
+            cache.snapshot(
+                ctx,
+                0,
+                ids[:final],
+                logits=logits,
+                pinned=pin,
+                replace=replace_final and logits is not None,
+                supersede=True,
+            )
         elif pin:
             cache.set_pinned(ids[:final], True)
         self._eval(ids, final, n, start, n, progress)

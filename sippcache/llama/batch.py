@@ -518,7 +518,7 @@ class BatchEngine:
             if len(job.prompt) >= self.cache.min_tokens:  # stored with its logits: an exact repeat evaluates nothing
                 logits = states.copy_logits(self._ctx, self.cache.n_vocab, index)
                 if self._store_now(slot, end):
-                    self.cache.snapshot(self._ctx, slot.seq, job.prompt, logits=logits, replace=True)
+                    self.cache.snapshot(self._ctx, slot.seq, job.prompt, logits=logits, replace=True, supersede=True)
                     slot.saved, slot.unsaved = end, None
                 else:
                     slot.unsaved = (list(job.prompt), logits)
@@ -551,7 +551,7 @@ class BatchEngine:
         if len(slot.tokens) > len(key) and not self.cache.truncate(self._ctx, slot.seq, len(key)):
             return
         slot.tokens = list(key)
-        self.cache.snapshot(self._ctx, slot.seq, key, logits=logits, replace=True)
+        self.cache.snapshot(self._ctx, slot.seq, key, logits=logits, replace=True, supersede=True)
 
     # -- decoding and sampling ----------------------------------------------------------------
 

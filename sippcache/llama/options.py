@@ -1,7 +1,7 @@
 """`CacheOptions`: how a llama.cpp layer object uses its store, as one checked value.
 
 `PrefixCache`, `LlamaCache`, `SessionPool` and `SequenceCache` (and through it
-`BatchEngine` and ``sippcache serve``) all take the same six settings. They
+`BatchEngine` and ``sippcache serve``) all take the same seven settings. They
 are one frozen value, checked once, when it is made, before anything is
 opened::
 
@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
+from ..chunks import DEFAULT_CHUNK_TOKENS
 from ..frame import Secret
 from ..rates import MODES, Mode
 
@@ -58,7 +59,12 @@ class CacheOptions:
       expected to beat computing its tokens, from the rates this cache measures
       (`sippcache.rates`: on a CPU restoring always wins; on a fast GPU it may
       not); ``"always"``; ``"never"`` (states are still stored); None:
-      ``SIPPCACHE_RESTORE``, read when the cache is made, else ``"auto"``.
+      ``SIPPCACHE_RESTORE``, read when the cache is made, else ``"auto"``;
+    - `chunk_tokens`: states are stored as chunks of that many tokens and a tail
+      (`sippcache.chunks`: a chat's next turn writes about its own tokens, and a
+      prompt shared by many conversations is stored once); 0 stores every state
+      whole. States llama.cpp's format cannot be cut in (recurrent and hybrid
+      models) are stored whole whatever it says.
 
     Bad values raise TypeError (wrong type) or ValueError (out of range),
     naming the option.
@@ -70,6 +76,7 @@ class CacheOptions:
     max_pending_writes: int = 4
     secret: Secret | None = field(default=None, repr=False)
     restore: Mode | None = None
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
     def __post_init__(self) -> None:
         scope: Any = self.scope
@@ -87,6 +94,11 @@ class CacheOptions:
                 raise TypeError(f"{name} must be an int, not {type(value).__name__}")
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        chunk_tokens: Any = self.chunk_tokens
+        if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool):
+            raise TypeError(f"chunk_tokens must be an int, not {type(chunk_tokens).__name__}")
+        if chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be at least 0 (0: whole states), got {chunk_tokens}")
         secret: Any = self.secret
         if secret is not None and (not isinstance(secret, (str, bytes)) or not secret):
             raise TypeError(f"secret must be a non-empty str or bytes, not {_describe(secret)}")
@@ -123,6 +135,7 @@ class CacheSettings(TypedDict, total=False):
     max_pending_writes: int
     secret: Secret | None
     restore: Mode | None
+    chunk_tokens: int
 
 
 #: The field names, in order.

@@ -7,7 +7,7 @@ follow the same rules and keep the same counters:
 - every call to the store is one that never fails a request: a backend error
   is logged, counted and answered as a miss;
 - candidates are peeked at first and only the entry restored is fetched;
-- a restored entry must check out (`sippcache.llama.states.decode_entry`), hold
+- a restored entry must check out (`sippcache.chunks.ChunkedStates.restore`), hold
   exactly its key's positions, and is cut back only where the model's memory
   (`states.MemoryKind`) can be cut exactly: anywhere with full attention, by one
   token with a sliding window, never for recurrent and hybrid models;
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,9 +36,10 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import tokens as _tokens
+from ..chunks import Assembled, ChunkedStates
 from ..errors import CorruptEntry, UnsupportedEntry
 from ..frame import secret_from_environment
-from ..protocol import CacheBackend, Match, Peek
+from ..protocol import CacheBackend, Peek
 from ..rates import RestoreRates, mode_from_environment
 from ..registry import open as open_cache
 from . import layout, states
@@ -84,6 +86,9 @@ class PrefixStats:
     bytes_read: int = 0
     restore_seconds: float = 0.0
     corrupt_entries: int = 0
+    chunks_written: int = 0  # chunk entries stored (`CacheOptions.chunk_tokens`): a state's tokens the store lacked
+    chunks_shared: int = 0  # chunks a stored state found in the store already (not written again)
+    chunks_read: int = 0  # chunk entries read by restores
     rejected_entries: int = 0  # entries not used: the sum of the refused_* reasons below
     refused_load: int = 0  # llama.cpp did not take the state (another layout, no room now): kept
     refused_positions: int = 0  # it held other positions than its key says: a wrong entry, dropped
@@ -276,6 +281,15 @@ class SequenceCache:
         #: The secret in use (bytes), from `options` or `SIPPCACHE_SECRET`.
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self.stats = PrefixStats()
+        #: The states in the store: as chunks and tails (`CacheOptions.chunk_tokens`), or whole.
+        self.states = ChunkedStates(
+            self.cache,
+            fingerprint=fingerprint.digest,
+            kind=states.KIND,
+            chunk_tokens=options.chunk_tokens,
+            secret=self.secret,
+            versions={"llama_cpp_python": llama_cpp.__version__},
+        )
         #: Whether a restore beats computing, from what this cache measured: llama.cpp's own
         #: prefill timings and the restores done (`CacheOptions.restore`).
         self.rates = RestoreRates(options.restore or mode_from_environment())
@@ -290,8 +304,14 @@ class SequenceCache:
         """What a lookup would find (no blob read, not a use)."""
         return self._safely("peek", lambda: self.cache.peek(key, namespace=self.namespace, partial=partial), None)
 
-    def lookup(self, key: list[int], *, partial: bool) -> Match | None:
-        return self._safely("lookup", lambda: self.cache.lookup(key, namespace=self.namespace, partial=partial), None)
+    def lookup(self, key: list[int], *, partial: bool) -> Assembled | None:
+        """The best stored state for `key` (as `ChunkedStates.restore`), or None."""
+        damaged = self.states.damaged
+        found = self._safely(
+            "lookup", lambda: self.states.restore(key, namespace=self.namespace, partial=partial), None
+        )
+        self.stats.corrupt_entries += self.states.damaged - damaged
+        return found
 
     def exists(self, key: list[int]) -> bool:
         """Whether `key` is stored (counting as a use of it, which it is)."""
@@ -300,8 +320,7 @@ class SequenceCache:
     def set_pinned(self, key: list[int], pinned: bool) -> bool:
         if len(key) < self.min_tokens:
             return False
-        change = self.cache.pin if pinned else self.cache.unpin
-        return self._safely("pin", lambda: change(key, namespace=self.namespace), False)
+        return self._safely("pin", lambda: self.states.pin(key, namespace=self.namespace, pinned=pinned), False)
 
     def drop(self, key: Sequence[int]) -> None:
         self._safely("delete of a bad entry", lambda: self.cache.delete(key, namespace=self.namespace), None)
@@ -445,38 +464,46 @@ class SequenceCache:
     ) -> Restored | None:
         """Look `query` up and restore the match into `seq`: with `with_logits`, only an
         entry for all of `query` with its logits; None if nothing usable was restored."""
-        match = self.lookup(query, partial=partial)
-        if match is None:
+        started = time.perf_counter()
+        found = self.lookup(query, partial=partial)
+        if found is None:
             return None
-        with match:
-            length = match.length
+        with found:
+            length = found.length
             if length < self.min_tokens or (with_logits and length != len(query)):
                 return None
-            return self.restore(ctx, seq, match, length, with_logits=with_logits)
+            return self.restore(ctx, seq, found, length, with_logits=with_logits, started=started)
 
-    def restore(self, ctx: Any, seq: int, match: Match, length: int, *, with_logits: bool = False) -> Restored | None:
-        """Load `match` into `seq` and keep its first `length` tokens; None if unusable
-        (the sequence is then empty). With `with_logits` the entry must carry the logits
-        of its last position: `Restored.logits` holds them (a copy)."""
-        started = time.perf_counter()
-        key = match.key
-        entry = decode_or_drop(
-            lambda: states.decode_entry(
-                match.blob, key, fingerprint=self.fingerprint.digest, n_vocab=self.n_vocab, secret=self.secret
-            ),
-            key,
-            self.stats,
-            lambda: self.drop(key),
-        )
-        if entry is None:
+    def restore(
+        self,
+        ctx: Any,
+        seq: int,
+        found: Assembled,
+        length: int,
+        *,
+        with_logits: bool = False,
+        started: float | None = None,
+    ) -> Restored | None:
+        """Load the state `found` (`lookup`'s) into `seq` and keep its first `length` tokens;
+        None if unusable (the sequence is then empty). With `with_logits` the entry must carry
+        the logits of its last position: `Restored.logits` holds them (a copy). `started`:
+        when the lookup began (`time.perf_counter`; default now), for the restore rate."""
+        started = time.perf_counter() if started is None else started
+        key, held = found.key, found.tokens
+        logits_bytes = found.extra(states.LOGITS) if len(held) == len(key) else None
+        if logits_bytes is not None and len(logits_bytes) != 4 * self.n_vocab:
+            log.warning("sippcache: dropping a cache entry (%d tokens) whose logits are not n_vocab floats", len(key))
+            self.stats.corrupt_entries += 1
+            self.drop(key)
             return None
-        if with_logits and entry.logits is None:
+        if with_logits and logits_bytes is None:
             return None  # usable only with an evaluation of the last token: find a shorter entry
-        logits = np.frombuffer(entry.logits, dtype=np.float32).copy() if with_logits else None  # type: ignore[arg-type]
+        logits = np.frombuffer(logits_bytes, dtype=np.float32).copy() if with_logits and logits_bytes else None
+        del logits_bytes
+        nbytes = found.nbytes
         self.clear(ctx, seq)
-        refused = self._restore_state(ctx, seq, entry.state, len(key))
-        del entry  # views of the match: gone before it is released
-        if refused is None and length < len(key) and not self.truncate(ctx, seq, length):
+        refused = self._restore_state(ctx, seq, memoryview(found.state), len(held))
+        if refused is None and length < len(held) and not self.truncate(ctx, seq, length):
             refused = states.REFUSED_CUT
         if refused is not None:
             self._refuse(len(key), refused)
@@ -487,9 +514,10 @@ class SequenceCache:
         seconds = time.perf_counter() - started
         self.stats.hits += 1
         self.stats.tokens_reused += length
-        self.stats.bytes_read += len(match.blob)
+        self.stats.bytes_read += nbytes
+        self.stats.chunks_read += found.chunks
         self.stats.restore_seconds += seconds
-        self.rates.record_restore("", nbytes=len(match.blob), seconds=seconds, tokens=len(key))
+        self.rates.record_restore("", nbytes=nbytes, seconds=seconds, tokens=len(held))
         return Restored(length, logits)
 
     def _refuse(self, key_length: int, reason: str) -> None:
@@ -537,11 +565,14 @@ class SequenceCache:
         logits: np.ndarray | None = None,
         pinned: bool = False,
         replace: bool = False,
+        supersede: bool = False,
     ) -> int:
         """Copy sequence `seq`'s state (and `logits`, the last position's) now, on the
         thread that owns the context, and store it in the background, unless `key`
         is stored already (and not to be replaced) or the state is larger than
-        `budget`. Returns the bytes queued."""
+        `budget`. `supersede` (a prompt's end): the entries under shorter prefixes of
+        `key` go once it is stored, where this model's states can be cut anywhere (see
+        `_write_entry`). Returns the bytes queued."""
         if not replace and self.exists(key):
             if pinned:
                 self.set_pinned(key, True)
@@ -553,7 +584,7 @@ class SequenceCache:
             log.warning("sippcache: llama.cpp could not copy the sequence state; not caching it")
             return 0
         self.rates.record_size("", len(key), len(state))
-        snapshot = states.Snapshot(key, state, logits, time.time_ns(), pinned)
+        snapshot = states.Snapshot(key, state, logits, time.time_ns(), pinned, supersede)
         with self._queued_lock:
             self._queued[id(snapshot)] = key
         self._writer.submit(snapshot)
@@ -565,18 +596,33 @@ class SequenceCache:
             return max((common_length(key, ids) for key in self._queued.values()), default=0)
 
     def _write_entry(self, snapshot: states.Snapshot) -> None:
+        """Store a snapshot (on the writer thread): as chunks the store lacks and a tail, or
+        whole. A prompt's end (`supersede`) supersedes the entries under shorter prefixes of
+        it where a restored state can be cut anywhere (full attention: this one serves them,
+        cut back, with one token evaluated where theirs had logits): a conversation keeps its
+        latest prompt's entry (an exact repeat of it needs no evaluation) and what followed
+        it, and what it grew from goes."""
         try:
-            blob = states.encode_entry(
-                snapshot, fingerprint=self.fingerprint.digest, kind=self.kind, scope=self.scope, secret=self.secret
-            )
-            self.cache.store(
-                snapshot.key, blob, namespace=self.namespace, pinned=snapshot.pinned, generation=snapshot.generation
+            logits = [] if snapshot.logits is None else [snapshot.logits.data.cast("B")]
+            stored = self.states.store(
+                snapshot.key,
+                snapshot.state,
+                namespace=self.namespace,
+                header=True,
+                meta={"n_swa": self.kind.n_swa, "memory": self.kind.name, "scope": self.scope, "pid": os.getpid()},
+                sections=logits,
+                roles=[states.LOGITS] * len(logits),
+                supersede=snapshot.supersede and self.kind.n_swa == 0 and not self.kind.exact_length_only,
+                pinned=snapshot.pinned,
+                generation=snapshot.generation,
             )
         finally:
             with self._queued_lock:
                 self._queued.pop(id(snapshot), None)
         self.stats.entries_written += 1
-        self.stats.bytes_written += len(blob)
+        self.stats.bytes_written += stored.nbytes
+        self.stats.chunks_written += stored.chunks_new
+        self.stats.chunks_shared += stored.chunks_kept
 
     # -- lifetime ---------------------------------------------------------------------
 

@@ -18,15 +18,11 @@ evaluation at all.
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp
 import numpy as np
-
-from .. import frame
-from ..errors import CorruptEntry
 
 #: The `kind` of entries holding one llama.cpp sequence's state.
 KIND = "llama.seq"
@@ -44,14 +40,7 @@ class Snapshot:
     logits: np.ndarray | None
     generation: int
     pinned: bool = False
-
-
-@dataclass
-class Entry:
-    """A decoded, checked entry: views of the stored blob (keep the match open while used)."""
-
-    state: memoryview
-    logits: memoryview | None
+    supersede: bool = False  # a prompt's end: the entries under shorter prefixes of it go (`SequenceCache`)
 
 
 def memory(ctx: Any) -> Any:
@@ -234,35 +223,3 @@ def sample_from_logits(sampler: Any, logits: np.ndarray) -> int:
     token = int(candidates.data[candidates.selected].id)
     llama_cpp.llama_sampler_accept(sampler, token)
     return token
-
-
-def encode_entry(snapshot: Snapshot, *, fingerprint: str, kind: MemoryKind, scope: str, secret: bytes | None) -> bytes:
-    """Frame a snapshot: state, and logits when it has them."""
-    sections: list[Any] = [snapshot.state]
-    roles = [STATE]
-    if snapshot.logits is not None:
-        sections.append(snapshot.logits.data.cast("B"))
-        roles.append(LOGITS)
-    return frame.encode(
-        snapshot.key,
-        sections,
-        fingerprint=fingerprint,
-        kind=KIND,
-        versions={"llama_cpp_python": llama_cpp.__version__},
-        meta={"n_swa": kind.n_swa, "memory": kind.name, "scope": scope, "pid": os.getpid()},
-        roles=roles,
-        secret=secret,
-    )
-
-
-def decode_entry(blob: Any, key: tuple[int, ...], *, fingerprint: str, n_vocab: int, secret: bytes | None) -> Entry:
-    """Check that `blob` is an entry for exactly `key` of this model; raise `CorruptEntry`
-    (or `UnsupportedEntry`) saying why not."""
-    entry = frame.decode(blob, secret=secret)
-    state = entry.section(STATE) if STATE in entry.roles else entry.sections[0] if len(entry.sections) == 1 else None
-    logits = entry.section(LOGITS)
-    if (entry.kind, entry.fingerprint, entry.tokens) != (KIND, fingerprint, tuple(key)) or state is None:
-        raise CorruptEntry("its header does not match its key and model")
-    if logits is not None and len(logits) != 4 * n_vocab:
-        raise CorruptEntry(f"its logits are {len(logits)} bytes, not 4 x n_vocab ({n_vocab})")
-    return Entry(state, logits)
