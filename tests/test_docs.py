@@ -1,0 +1,247 @@
+"""The pages a reader opens first: README.md, CONTRIBUTING.md, CHANGELOG.md and docs/.
+
+- every relative link and ``#anchor`` resolves, as GitHub renders the anchors;
+- every figure in the README's results table is in docs/benchmarks.md, with the command
+  that produced it (the README links there rather than repeating how it was measured);
+- README's test command is the one `.ci/run` runs, and the chart the README shows is the
+  generated one, with the command that regenerates it;
+- every page with a `sippcache` command is one tests/test_doc_commands.py runs, and every
+  `python benchmarks/NAME.py` a page spells names a script that takes the options given.
+
+These read files only: no model, no server.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import unicodedata
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from tests.test_doc_commands import PAGES as COMMAND_PAGES
+from tests.test_doc_commands import shell_blocks
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+#: Every page whose links are checked.
+PAGES = [README, ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+_FENCE = re.compile(r"^\s*(```|~~~)")
+#: [text](target) and ![alt](target); a target ends at whitespace or the closing parenthesis.
+_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+_INLINE_CODE = re.compile(r"`[^`]*`")
+
+
+def prose(page: Path) -> list[tuple[int, str]]:
+    """(line number, line) of the page outside fenced code blocks, inline code removed."""
+    lines: list[tuple[int, str]] = []
+    fenced = False
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        if _FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append((number, line))
+    return lines
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: markup dropped, lower case, punctuation but `-` and `_`
+    removed, spaces to hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text
+    text = text.replace("`", "").replace("*", "")
+    text = unicodedata.normalize("NFC", text).lower()
+    text = "".join(c for c in text if c.isalnum() or c in " -_")
+    return text.replace(" ", "-")
+
+
+@cache
+def anchors(page: Path) -> frozenset[str]:
+    """Every anchor the page has: its headings' (numbered -1, -2 where they repeat, as GitHub
+    does) and any explicit `<a id=...>` / `<a name=...>`."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    for _, line in prose(page):
+        heading = _HEADING.match(line)
+        if heading:
+            base = slug(heading.group(2))
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            found.add(base if count == 0 else f"{base}-{count}")
+        found.update(re.findall(r"<a\s+(?:id|name)=\"([^\"]+)\"", line))
+    return frozenset(found)
+
+
+def links(page: Path) -> list[tuple[int, str]]:
+    out = []
+    for number, line in prose(page):
+        for target in _LINK.findall(_INLINE_CODE.sub("", line)):
+            out.append((number, target))
+    return out
+
+
+def test_every_page_exists() -> None:
+    missing = [str(p.relative_to(ROOT)) for p in PAGES if not p.is_file()]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_relative_links_and_anchors_resolve(page: Path) -> None:
+    broken = []
+    for number, target in links(page):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        where = (page.parent / path).resolve() if path else page
+        if not where.exists():
+            broken.append(f"{page.name}:{number}: {target}: no such file")
+        elif anchor and where.suffix == ".md" and anchor not in anchors(where):
+            broken.append(f"{page.name}:{number}: {target}: no heading with that anchor in {where.name}")
+    assert not broken, "\n".join(broken)
+
+
+def test_slugs_as_github_makes_them() -> None:
+    assert slug("Serving with llama.cpp's llama-server") == "serving-with-llamacpps-llama-server"
+    assert slug("`sippcache proxy`: the cache in front") == "sippcache-proxy-the-cache-in-front"
+    assert slug("Sliding-window, recurrent and hybrid models") == "sliding-window-recurrent-and-hybrid-models"
+    assert slug("Route 1: `KVBackend` over a map") == "route-1-kvbackend-over-a-map"
+
+
+def results_table() -> list[str]:
+    """The rows of the README's results table: the first table under `## Results`."""
+    rows: list[str] = []
+    inside = False
+    for _, line in prose(README):
+        if line.startswith("## "):
+            if inside and rows:
+                break
+            inside = line.strip() == "## Results"
+            continue
+        if inside and line.startswith("|"):
+            rows.append(line)
+        elif inside and rows:
+            break
+    return rows[2:]  # the header and its rule left out
+
+
+#: A figure: a number with a unit, or a ratio such as "43x" or "3.36x".
+_FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:\s?(?:ms|µs|s|MB|GB|GiB|tokens/s|tok/s|%|U)|x)(?![\w/])")
+
+
+def test_every_readme_figure_is_in_the_benchmarks_page_with_its_command() -> None:
+    """Each figure of the README's results table is in docs/benchmarks.md, and the row links to
+    a section of that page which spells the command that produced it."""
+    rows = results_table()
+    assert len(rows) >= 5, "README.md has no results table under '## Results'"
+    page = BENCHMARKS.read_text()
+    flat = " ".join(page.split()).replace("**", "")
+    sections = benchmark_sections()
+    problems = []
+    for row in rows:
+        figures = _FIGURE.findall(_INLINE_CODE.sub("", row).replace("**", ""))
+        assert figures, f"a results row without a figure: {row}"
+        for figure in figures:
+            if " ".join(figure.split()) not in flat:
+                problems.append(f"{figure!r} (row: {row.strip()}) is not in docs/benchmarks.md")
+        targets = [t for t in _LINK.findall(row) if t.startswith("docs/benchmarks.md#")]
+        if not targets:
+            problems.append(f"row links to no section of docs/benchmarks.md: {row.strip()}")
+        for target in targets:
+            text = sections.get(target.partition("#")[2], "")
+            if not re.search(r"(python benchmarks/\w+\.py|sippcache demo)", text):
+                problems.append(f"{target}: the section spells no command")
+    assert not problems, "\n".join(problems)
+
+
+def benchmark_sections(level: int = 1) -> dict[str, str]:
+    """docs/benchmarks.md's sections of heading `level` or deeper, by anchor, each with its text
+    up to the next heading of the same or a higher level."""
+    lines = BENCHMARKS.read_text().splitlines()
+    headings = []
+    fenced = False
+    for i, line in enumerate(lines):
+        if _FENCE.match(line):
+            fenced = not fenced
+        heading = None if fenced else _HEADING.match(line)
+        if heading:
+            headings.append((i, len(heading.group(1)), slug(heading.group(2))))
+    out = {}
+    for k, (i, depth, anchor) in enumerate(headings):
+        if depth >= level:
+            end = next((j for j, d, _ in headings[k + 1 :] if d <= depth), len(lines))
+            out[anchor] = "\n".join(lines[i:end])
+    return out
+
+
+def test_each_benchmark_has_a_section_with_date_machine_and_goals() -> None:
+    """A section per script in benchmarks/, naming its command; the page names the machines."""
+    page = BENCHMARKS.read_text()
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+    missing = [s for s in scripts if f"python benchmarks/{s}" not in page]
+    assert not missing, f"no command for {missing} in docs/benchmarks.md"
+    undated = [
+        anchor
+        for anchor, text in benchmark_sections(level=2).items()
+        if "python benchmarks/" in text and not re.search(r"20\d\d-\d\d-\d\d", text)
+    ]
+    assert not undated, f"sections of docs/benchmarks.md with a command but no date: {undated}"
+    assert "cores" in page and "Xeon" in page
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    """README's command 2 is, byte for byte, the command `.ci/run` runs."""
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    command = next(line for line in ci if "pytest" in line)
+    readme = [line for _, line in shell_blocks(README)]
+    assert command in readme, "README.md's command 2 differs from .ci/run's"
+
+
+def test_the_chart_is_generated_and_shown() -> None:
+    """The README shows the chart benchmarks/ttft_chart.py writes, and the pages spell the command."""
+    chart = ROOT / "docs" / "ttft.svg"
+    assert chart.is_file() and (ROOT / "docs" / "ttft.json").is_file()
+    readme = README.read_text()
+    assert "](docs/ttft.svg)" in readme
+    for page in (README, BENCHMARKS):
+        assert "python benchmarks/ttft_chart.py" in page.read_text(), page.name
+    assert "<svg" in chart.read_text()[:2000]
+
+
+def test_pages_with_sippcache_commands_are_the_ones_run() -> None:
+    """tests/test_doc_commands.py runs README.md's and docs/*.md's commands; a page outside those
+    (CONTRIBUTING.md, CHANGELOG.md) must not spell a `sippcache` command it would not run."""
+    for page in PAGES:
+        spelled = [
+            (n, line)
+            for n, line in shell_blocks(page)
+            for part in re.split(r"&&|\|\||;", line)
+            if (words := shlex.split(part, comments=True)) and Path(words[0]).name == "sippcache"
+        ]
+        if spelled:
+            assert page in COMMAND_PAGES, f"{page.name} spells {spelled} but test_doc_commands.py does not run it"
+
+
+_BENCH_COMMAND = re.compile(r"python (benchmarks/\w+\.py)((?: [\[\]\w,.:/=|-]+)*)")
+
+
+def test_benchmark_commands_name_real_scripts_and_options() -> None:
+    """Every `python benchmarks/NAME.py --option` in the pages names a script that exists and
+    an option its argument parser declares."""
+    problems = []
+    for page in PAGES:
+        text = " ".join(page.read_text().split())
+        for script, rest in _BENCH_COMMAND.findall(text):
+            path = ROOT / script
+            if not path.is_file():
+                problems.append(f"{page.name}: {script} does not exist")
+                continue
+            source = path.read_text()
+            for option in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", rest):
+                if f'"{option}"' not in source:
+                    problems.append(f"{page.name}: {script} has no option {option}")
+    assert not problems, "\n".join(problems)
