@@ -48,6 +48,7 @@ No `llama_cpp` import: the proxy (slot files) and the llama-cpp-python layer
 from __future__ import annotations
 
 import logging
+import mmap
 import struct
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
@@ -147,7 +148,7 @@ class Stored:
 class Assembled:
     """A state put together for a query by `ChunkedStates.restore`. The matches it was read from
     (the tail's or whole entry's, and its chunks') are held until `release` (a `with` block):
-    `parts`, `state` and the caller's sections are views of them."""
+    the state's bytes and the caller's sections are views of them."""
 
     def __init__(
         self,
@@ -155,7 +156,7 @@ class Assembled:
         key: tuple[int, ...],
         length: int,
         n_tokens: int,
-        parts: list[sf.Buffer],
+        state: sf.Joined | memoryview,
         chunks: int,
         matches: list[Match],
     ) -> None:
@@ -165,23 +166,57 @@ class Assembled:
         self.key = key
         #: How many of the query's tokens the entry matches.
         self.length = length
-        #: The state's bytes in order, as the parts it is assembled from (one for a whole
-        #: entry): write them back to back, and each byte is copied once.
-        self.parts = parts
         #: Chunk entries read (0: a whole entry, or a state within its tail).
         self.chunks = chunks
         self._n_tokens = n_tokens
         self._matches = matches
-        self._state: sf.Buffer | None = parts[0] if len(parts) == 1 else None
+        self._state: sf.Joined | memoryview | None = state
+        self._joined: Blob | None = None
+
+    def _held(self) -> sf.Joined | memoryview:
+        if self._state is None:
+            raise ValueError("the assembled state was released")
+        return self._state
 
     @property
-    def state(self) -> sf.Buffer:
-        """The state's bytes in one buffer, in the form they were stored in (with
-        `llama_state_seq_get_data`'s 8-byte header if they had it): the state of `tokens`.
-        Joined (one copy) the first time it is asked for, unless a whole entry's."""
-        if self._state is None:
-            self._state = b"".join(self.parts)
-        return self._state
+    def nbytes(self) -> int:
+        """The state's size in bytes (in the form it was stored in: with `llama_state_seq_get_data`'s
+        8-byte header if it had it)."""
+        state = self._held()
+        return state.nbytes
+
+    @property
+    def parts(self) -> list[Blob]:
+        """The state's bytes in order, as the parts it is made of (one for a whole entry): write
+        them back to back, and each byte is copied once."""
+        state = self._held()
+        return [state] if isinstance(state, memoryview) else state.parts()
+
+    @property
+    def state(self) -> Blob:
+        """The state in one buffer: a whole entry's own bytes (no copy), or joined (one copy,
+        the first time it is asked for)."""
+        state = self._held()
+        if isinstance(state, memoryview):
+            return state
+        if self._joined is None:
+            self._joined = state.to_bytes()
+        return self._joined
+
+    def state_in(self, buffer: bytearray | mmap.mmap) -> Blob:
+        """`state`, joined into the first `nbytes` of `buffer` (at least that long) rather than a
+        new buffer: a caller that restores again and again keeps one, whose pages are not
+        faulted in again (in a new buffer that costs about as much as the copy itself). A whole
+        entry's own bytes are returned as they are. Valid until `buffer` is written again or
+        this is released."""
+        state = self._held()
+        if isinstance(state, memoryview):
+            return state
+        if len(buffer) < state.nbytes:
+            raise ValueError(f"a buffer of {len(buffer)} bytes for a state of {state.nbytes}")
+        out = memoryview(buffer)[: state.nbytes]
+        state.write_into(out)
+        return out
 
     @property
     def whole(self) -> bool:
@@ -193,18 +228,15 @@ class Assembled:
         """The tokens the state holds: the entry's, or (a chunk run short of its tail) a prefix of them."""
         return self.key[: self._n_tokens]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(memoryview(part).nbytes for part in self.parts)
-
     def extra(self, role: str) -> memoryview | None:
         """The caller's section named `role` (stored with `ChunkedStates.store(sections=, roles=)`)."""
         return self.entry.section(role)
 
     def release(self) -> None:
-        """Release the matches (idempotent); `parts`, `state` and the frame's sections are not to be used after."""
+        """Release the matches (idempotent); the state's bytes and the frame's sections are not
+        to be used after."""
         matches, self._matches = self._matches, []
-        self.parts, self._state = [], None
+        self._state = self._joined = None
         for match in matches:
             match.release()
 
@@ -469,7 +501,7 @@ class ChunkedStates:
             self._drop(key, namespace, "its header does not match its key and model")
             return None
         if entry.kind == self.kind and entry.sections:
-            return Assembled(entry, key, match.length, len(key), [entry.sections[0]], 0, held)
+            return Assembled(entry, key, match.length, len(key), entry.sections[0], 0, held)
         if entry.kind != self.tail_kind:
             self._drop(key, namespace, f"an entry of kind {entry.kind!r} among states of {self.kind!r}")
             return None
@@ -498,12 +530,12 @@ class ChunkedStates:
         chunks = self._chunks(key, need, size, per_cell, layout, chunk_namespace(namespace, size, layout), held)
         try:
             if full and len(chunks) == need:
-                parts = sf.join_parts(meta, [*chunks, cells], caches)
-                return Assembled(entry, key, match.length, len(key), parts, need, held)
+                state = sf.joined(meta, [*chunks, cells], caches)
+                return Assembled(entry, key, match.length, len(key), state, need, held)
             if chunks and alone:  # a run short of the tail: the state of its tokens
                 run = len(chunks) * size
-                parts = sf.join_parts(meta, chunks)
-                return Assembled(entry, key, min(match.length, run), run, parts, len(chunks), held)
+                state = sf.joined(meta, chunks)
+                return Assembled(entry, key, min(match.length, run), run, state, len(chunks), held)
         except sf.UnsupportedState as exc:  # checksums passed, yet the parts do not fit: not used
             self.damaged += 1
             log.warning("sippcache: the chunks of an entry of %d tokens do not join (not used): %s", len(key), exc)

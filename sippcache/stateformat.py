@@ -44,13 +44,14 @@ __all__ = [
     "SEQ_STATE_MAGIC",
     "VERSIONS",
     "Cache",
+    "Joined",
     "Layer",
     "SeqState",
     "Split",
     "Stream",
     "UnsupportedState",
     "join",
-    "join_parts",
+    "joined",
     "parse",
     "prefix",
     "split",
@@ -713,13 +714,45 @@ def join(meta: Buffer, chunks: Sequence[Buffer], tail: Buffer = b"") -> bytes:
     tail, any leading chunks give the state of their positions (a prefix). With one, the
     chunks must cover exactly the positions the tail belongs to. Raises
     `UnsupportedState` when the parts do not fit together."""
-    return b"".join(join_parts(meta, chunks, tail))
+    return joined(meta, chunks, tail).to_bytes()
 
 
-def join_parts(meta: Buffer, chunks: Sequence[Buffer], tail: Buffer = b"") -> list[Buffer]:
-    """`join`'s state as the parts it is made of, in order: views of `chunks` and `tail`
-    and a few small new buffers, so that a caller writing the state out (a slot file)
-    copies each byte once. Valid while the chunks and tail are."""
+class Joined:
+    """`join`'s state before any byte of it is copied: the pieces it is made of, views of the
+    chunks and tail and a few small new buffers (a transposed V is put together as it is
+    written). Write it out piece by piece (`parts`: a slot file), or into one buffer
+    (`write_into`: what llama.cpp loads), and each byte is copied once. Valid while the
+    chunks and tail are."""
+
+    def __init__(self, pieces: list[Buffer | _Columns]) -> None:
+        self._pieces = pieces
+        #: The state's size in bytes.
+        self.nbytes = sum(p.nbytes if isinstance(p, _Columns) else memoryview(p).nbytes for p in pieces)
+
+    def parts(self) -> list[Buffer]:
+        """The state as buffers to write back to back (a transposed V joined into one first)."""
+        return [
+            part for piece in self._pieces for part in (piece.buffers() if isinstance(piece, _Columns) else [piece])
+        ]
+
+    def write_into(self, out: memoryview) -> None:
+        """Write the state into the first `nbytes` of `out` (a writable byte buffer)."""
+        at = 0
+        for piece in self._pieces:
+            if isinstance(piece, _Columns):
+                piece.write(out[at : at + piece.nbytes])
+                at += piece.nbytes
+            else:
+                size = memoryview(piece).nbytes
+                out[at : at + size] = piece
+                at += size
+
+    def to_bytes(self) -> bytes:
+        return b"".join(self.parts())
+
+
+def joined(meta: Buffer, chunks: Sequence[Buffer], tail: Buffer = b"") -> Joined:
+    """`join`'s state as a `Joined`, nothing copied yet (the same checks as `join`)."""
     flags, _, seq_id, header_seq_id, n_caches, chunked, caches = _read_meta(meta)
     ext = bool(flags & _FLAG_EXT)
     per_cell = sum(cache.bytes_per_cell(ext) for cache in caches if cache.active >= 0)
@@ -743,7 +776,7 @@ def join_parts(meta: Buffer, chunks: Sequence[Buffer], tail: Buffer = b"") -> li
     elif len(rest):
         raise UnsupportedState("a tail given for a state whose caches are all chunked")
     views = [memoryview(chunk).cast("B") for chunk in chunks]
-    pieces: list[Buffer] = []
+    pieces: list[Buffer | _Columns] = []
     if flags & _FLAG_HEADER:
         pieces.append(_SEQ_HEAD.pack(SEQ_STATE_MAGIC, header_seq_id))
     offsets = [0] * len(views)  # where each chunk's part of the next cache starts
@@ -767,7 +800,7 @@ def join_parts(meta: Buffer, chunks: Sequence[Buffer], tail: Buffer = b"") -> li
             for v_type, v_size, v_dims in cache.v:
                 if v_dims:
                     pieces.append(_VT_HEAD.pack(v_type, v_size, v_dims))
-                    pieces.extend(_join_columns(views, at, counts, v_size, v_dims))
+                    pieces.append(_Columns(views, at, counts, v_size, v_dims))
                     for i, n in enumerate(counts):
                         at[i] += v_dims * n * v_size
                 else:
@@ -777,25 +810,48 @@ def join_parts(meta: Buffer, chunks: Sequence[Buffer], tail: Buffer = b"") -> li
                         at[i] += n * v_size
             offsets = at
     pieces.append(rest)
-    return pieces
+    return Joined(pieces)
 
 
-def _join_columns(views: list[memoryview], at: list[int], counts: list[int], size: int, dims: int) -> Iterator[Buffer]:
-    """A transposed V from the chunks' parts (chunk i's at `at[i]`: dims runs of its
-    counts[i] elements): each dimension's runs of every chunk, one after the other."""
-    if _np is not None and len(views) > 1:
-        table = _np.empty((dims, sum(counts) * size), dtype=_np.uint8)
-        column = 0
-        for view, start, n in zip(views, at, counts, strict=True):
-            width = n * size
-            part = _np.frombuffer(view, dtype=_np.uint8, count=dims * width, offset=start)
-            table[:, column : column + width] = part.reshape(dims, width)
-            column += width
-        yield table.reshape(-1).data
-        return
-    for j in range(dims):
-        for view, start, n in zip(views, at, counts, strict=True):
-            yield view[start + j * n * size : start + (j + 1) * n * size]
+class _Columns:
+    """A transposed V from the chunks' parts (chunk i's at `at[i]`: dims runs of its counts[i]
+    elements of `size` bytes): each dimension's runs of every chunk, one after the other."""
+
+    __slots__ = ("at", "counts", "dims", "nbytes", "size", "views")
+
+    def __init__(self, views: list[memoryview], at: list[int], counts: list[int], size: int, dims: int) -> None:
+        self.views, self.at, self.counts, self.size, self.dims = views, list(at), counts, size, dims
+        self.nbytes = dims * sum(counts) * size
+
+    def _runs(self) -> Iterator[memoryview]:
+        size = self.size
+        for j in range(self.dims):
+            for view, start, n in zip(self.views, self.at, self.counts, strict=True):
+                yield view[start + j * n * size : start + (j + 1) * n * size]
+
+    def write(self, out: memoryview) -> None:
+        """Into `out`, `nbytes` long: with numpy, one concatenation of the chunks' (dims, cells)
+        tables."""
+        if _np is None:
+            at = 0
+            for run in self._runs():
+                out[at : at + len(run)] = run
+                at += len(run)
+            return
+        table = _np.frombuffer(out, dtype=_np.uint8, count=self.nbytes).reshape(self.dims, -1)
+        parts = [
+            _np.frombuffer(view, dtype=_np.uint8, count=self.dims * n * self.size, offset=start).reshape(self.dims, -1)
+            for view, start, n in zip(self.views, self.at, self.counts, strict=True)
+        ]
+        _np.concatenate(parts, axis=1, out=table)
+
+    def buffers(self) -> list[Buffer]:
+        """As buffers to write back to back: one new one with numpy (and several chunks), else the runs."""
+        if _np is None or len(self.views) < 2:
+            return list(self._runs())
+        out = bytearray(self.nbytes)
+        self.write(memoryview(out))
+        return [out]
 
 
 def _cell_records(

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import sippcache
+from sippcache.chunks import is_chunk_namespace
 
 pytestmark = pytest.mark.gemma
 SCRIPT = Path(sys.executable).with_name("sippcache")
@@ -84,8 +85,9 @@ def test_warm_pin_pins_the_prompt(tmp_path: Path, gemma_model: Path) -> None:
     result = run("warm", "--model", str(gemma_model), "--prompt-file", str(prompt), "--pin", url, "--json")
     assert result.returncode == 0, result.stderr[-2000:]
     tokens = json.loads(result.stdout)["prompts"][0]["tokens"]
-    with sippcache.open(url) as cache:
-        assert [(len(e.key), e.pinned) for e in cache.entries()] == [(tokens, True)]
+    with sippcache.open(url) as cache:  # the prompt's tail and its chain of 64-token chunks, all pinned
+        pinned = sorted((is_chunk_namespace(e.namespace), len(e.key), e.pinned) for e in cache.entries())
+    assert pinned == [(False, tokens, True), *((True, n, True) for n in range(64, tokens, 64))]
 
 
 def test_warm_shows_a_prompt_file_name_literally(tmp_path: Path, gemma_model: Path) -> None:

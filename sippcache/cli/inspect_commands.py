@@ -120,9 +120,7 @@ def stats(url: str | None, cache_option: str | None, as_json: bool) -> None:
                 "max_bytes": info.max_bytes,
                 "max_entries": info.max_entries,
                 "namespaces": namespaces,
-                "chunked": [
-                    {**asdict(use), "per_distinct": round(use.per_distinct, 3)} for use in chunked
-                ],
+                "chunked": [{**asdict(use), "per_distinct": round(use.per_distinct, 3)} for use in chunked],
             }
         )
         return

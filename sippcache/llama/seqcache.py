@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import threading
 import time
@@ -56,6 +57,10 @@ log = logging.getLogger("sippcache")
 #: at 999 or 1,001 moves logits by up to 1.1. Aligned, a checkpoint costs nothing
 #: in exactness (and at most 31 tokens of reuse).
 CHECKPOINT_ALIGNMENT = 32
+
+#: The largest state in chunks joined into a buffer kept for the next restore (`SequenceCache`):
+#: one of, say, 32K tokens of an 8B model (4 GB) is joined into a buffer of its own each time.
+JOIN_BUFFER_LIMIT = 512 * 1024**2
 
 #: Token ids as a list or as llama-cpp-python's `input_ids` array.
 TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
@@ -296,6 +301,7 @@ class SequenceCache:
         self._perf_seen: tuple[int, int, float] | None = None  # (context, n_p_eval, t_p_eval_ms) last read
         self._writer = BackgroundWriter(self._write_entry, max_pending=options.max_pending_writes)
         self._queued: dict[int, list[int]] = {}  # keys of snapshots not yet written, by snapshot id
+        self._joins = mmap.mmap(-1, 1)  # `_join_buffer`
         self._queued_lock = threading.Lock()
 
     # -- the store, never failing a request -------------------------------------------
@@ -502,7 +508,7 @@ class SequenceCache:
         del logits_bytes
         nbytes = found.nbytes
         self.clear(ctx, seq)
-        refused = self._restore_state(ctx, seq, memoryview(found.state), len(held))
+        refused = self._restore_state(ctx, seq, memoryview(found.state_in(self._join_buffer(nbytes))), len(held))
         if refused is None and length < len(held) and not self.truncate(ctx, seq, length):
             refused = states.REFUSED_CUT
         if refused is not None:
@@ -519,6 +525,21 @@ class SequenceCache:
         self.stats.restore_seconds += seconds
         self.rates.record_restore("", nbytes=nbytes, seconds=seconds, tokens=len(held))
         return Restored(length, logits)
+
+    def _join_buffer(self, nbytes: int) -> mmap.mmap:
+        """Where a state in chunks is joined for llama.cpp: one buffer kept from restore to restore
+        (a new one's page faults cost as much as the copy), grown to the largest state, up to
+        `JOIN_BUFFER_LIMIT`; a larger state gets a buffer of its own each time. Anonymous
+        memory in huge pages where the kernel has them: not zeroed by Python (bytearray is), and
+        a 2 MB page faulted in at a time."""
+        if nbytes <= len(self._joins):
+            return self._joins
+        buffer = mmap.mmap(-1, max(nbytes, 1))
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        if nbytes <= JOIN_BUFFER_LIMIT:
+            self._joins = buffer
+        return buffer
 
     def _refuse(self, key_length: int, reason: str) -> None:
         """Count and log an entry of `key_length` tokens not used, for `reason`: a warning
