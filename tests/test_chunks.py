@@ -13,14 +13,17 @@ from __future__ import annotations
 import ctypes
 import json
 import random
+import struct
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 import pytest
+import xxhash
 
 import sippcache
 from sippcache import chunks, frame
@@ -479,3 +482,84 @@ def test_stats_shows_what_chunked_states_take_against_their_distinct_tokens(llm:
         [sys.executable, "-m", "sippcache.cli", "stats", url], capture_output=True, text=True, check=False
     )
     assert table.returncode == 0 and "chunked states" in table.stdout
+
+
+# -- a writer killed mid-store ----------------------------------------------------------------------
+
+
+def token_state(tokens: list[int], layers: int = 8, row: int = 256) -> bytes:
+    """A state in llama.cpp's format (version 3, with `llama_state_seq_get_data`'s header) whose
+    every cell's K and V rows are made from the tokens up to it, as a real model's are: states
+    sharing a prefix share its bytes, so chunks of one serve another, and the state of a prefix
+    is `token_state` of it."""
+    digest, cells_rows = b"", []
+    for token in tokens:
+        digest = xxhash.xxh3_128_digest(digest + token.to_bytes(4, "little"))
+        cells_rows.append(digest * (row // len(digest)))
+    rows = b"".join(cells_rows)
+    parts = [
+        struct.pack("<Ii", sf.SEQ_STATE_MAGIC, 0),
+        struct.pack("<II", 1, len(tokens)),
+        b"".join(struct.pack("<iIi", pos, 1, 0) for pos in range(len(tokens))),
+        struct.pack("<II", 0, layers),
+    ]
+    for _ in range(2 * layers):  # every layer's K rows, then every layer's V rows (f16)
+        parts += [struct.pack("<iQ", 1, row), rows]
+    return b"".join(parts)
+
+
+def conversation(i: int) -> list[int]:
+    """Conversation `i`'s tokens: a shared 100-token system prompt, then its own 20 to 140."""
+    rng = random.Random(i)
+    return list(range(1000, 1100)) + [rng.randrange(3, 5000) for _ in range(rng.randrange(20, 140))]
+
+
+_WRITER = """
+import sys
+sys.path.insert(0, sys.argv[2])
+import sippcache
+from sippcache import chunks
+from tests.test_chunks import conversation, token_state
+with sippcache.open(sys.argv[1]) as cache:
+    store = chunks.ChunkedStates(cache, fingerprint="fp", kind="test.seq", chunk_tokens=16)
+    for i in range(int(sys.argv[3]), 10**6):
+        tokens = conversation(i)
+        store.store(tokens, token_state(tokens), namespace="ns")
+        print(i, flush=True)
+"""
+
+
+def test_a_writer_killed_mid_store_leaves_no_chain_that_restores_wrong_bytes(tmp_path: Path) -> None:
+    """A writer storing states of conversations over one system prompt is killed (SIGKILL) at
+    random points, three times; whatever it left, every restore gives exactly the state of the
+    tokens it says it holds (a shorter run where chunks are missing), or nothing."""
+    url = f"lmdb://{tmp_path}/store"
+    rng = random.Random(3)
+    start, done = 0, 0
+    root = str(Path(__file__).resolve().parent.parent)
+    for _ in range(3):
+        writer = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, url, root, str(start)], stdout=subprocess.PIPE, text=True
+        )
+        assert writer.stdout is not None
+        for _ in range(rng.randrange(5, 40)):  # some states stored whole, then a kill mid-way
+            done = int(writer.stdout.readline()) + 1
+        time.sleep(rng.random() * 0.05)
+        writer.kill()
+        writer.wait()
+        start = done + 1
+    checked = 0
+    with sippcache.open(url) as cache:
+        store = chunks.ChunkedStates(cache, fingerprint="fp", kind="test.seq", chunk_tokens=16)
+        for i in range(start + 2):
+            tokens = conversation(i)
+            for query, partial in ((tokens, False), ([*tokens[:110], 1], True)):
+                assembled = store.restore(query, namespace="ns", partial=partial)
+                if assembled is None:
+                    continue
+                with assembled:
+                    held = list(assembled.tokens)
+                    assert held == query[: len(held)] or partial
+                    assert bytes(assembled.state) == token_state(held), (i, partial, len(held))
+                    checked += 1
+    assert checked >= done  # each state stored before the last kill is found whole
