@@ -1,4 +1,7 @@
-"""How the proxy's store grows: whole states against chunked ones (`sippcache.chunks`).
+"""How a store grows: whole states against chunked ones (`sippcache.chunks`), through the proxy
+(the default) or the llama-cpp-python layer (``--path dropin``: `sippcache.llama.Llama` with a
+bound `LlamaCache`; ``--path pool``: a one-slot `SessionPool`; both on LMDB, the same
+conversations as token lists, `run_llama`).
 
 N conversations (default 4) over one shared system prompt of about 1,200 tokens,
 T turns each (default 5, short greedy answers), taken in turn (conversation 1's
@@ -24,8 +27,8 @@ is not per token: there the goal is less than whole states, written and kept. An
 from whole states' only at a near-tie (the same tokens computed in other batches differ in their
 last bits: docs/proxy.md, "Chunked states"). Exit code 1 if one is missed:
 
-    python benchmarks/store_growth.py [--model smollm2|tiny|gemma] [--chunk-tokens 256[,128,...]]
-        [--conversations 4] [--turns 5]
+    python benchmarks/store_growth.py [--path proxy|dropin|pool] [--model smollm2|tiny|gemma]
+        [--chunk-tokens 64[,128,...]] [--conversations 4] [--turns 5]
 """
 
 from __future__ import annotations
