@@ -488,7 +488,9 @@ def test_prefix_cache_never_restores_a_damaged_entry(
 
     url = f"{backend}://{store_dir}"
     tokens = _prompt(120)
-    with PrefixCache(make_llama(tiny_model, n_ctx=256), url) as pc:
+    # Whole states: one entry, so the damage and the entry stored in its place are the same one
+    # (a damaged chunk: tests/test_chunks.py::test_damaged_chunks_are_deleted_and_give_the_shorter_run).
+    with PrefixCache(make_llama(tiny_model, n_ctx=256), url, chunk_tokens=0) as pc:
         pc.prefill(tokens)
     _damage_llama_entry(store_dir, backend, where)
     _, never_cached = reference_logits(make_llama, tiny_model, tokens, n_ctx=256)  # the split a miss makes
@@ -502,7 +504,7 @@ def test_prefix_cache_never_restores_a_damaged_entry(
 
     monkeypatch.setattr(llama_cpp, "llama_state_seq_set_data", set_data)
     llm = make_llama(tiny_model, n_ctx=256)
-    with PrefixCache(llm, url) as pc:
+    with PrefixCache(llm, url, chunk_tokens=0) as pc:
         assert pc.prefill(tokens) == 0
         stats = pc.stats()
     assert restored == [], "a damaged entry was handed to llama.cpp"

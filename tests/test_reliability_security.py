@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 
 import sippcache
 from sippcache import CorruptEntry, SippcacheError, frame
+from sippcache.chunks import is_chunk_namespace
 from tests.llama_tools import last_logits, reference_logits
 from tests.reliability_tools import SLOW
 
@@ -472,7 +473,12 @@ def test_scopes_never_share_entries_and_the_cli_lists_them_apart(make_llama, tin
     other = a.namespace.rsplit("/", 1)[0] + "/tenant-c"
     assert json.loads(run_cli("ls", url, "--namespace", other, "--json").stdout) == []
     stats = json.loads(run_cli("stats", url, "--json").stdout)
-    assert sorted((row["scope"], row["entries"]) for row in stats["namespaces"]) == [("tenant-a", 1), ("tenant-b", 1)]
+    rows = sorted((row["scope"], row["entries"]) for row in stats["namespaces"])
+    # Each tenant's 99-token state: its tail, and its first 64 tokens' chunk in a namespace of its own.
+    assert [row for row in rows if not is_chunk_namespace(row[0])] == [("tenant-a", 1), ("tenant-b", 1)]
+    chunk_rows = [row for row in rows if is_chunk_namespace(row[0])]
+    assert [(scope.split("\u2022")[0], n) for scope, n in chunk_rows] == [("tenant-a", 1), ("tenant-b", 1)]
+    assert sorted(row["namespace"] for row in stats["chunked"]) == sorted([a.namespace, b.namespace])
 
 
 namespace_st = st.text(max_size=12)

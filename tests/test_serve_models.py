@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import sippcache
+from sippcache.chunks import NAMESPACE_MARK
 from tests.servers import briefed, delta
 
 pytestmark = pytest.mark.gemma
@@ -87,8 +88,10 @@ def test_two_models_and_alias_swapping(
     assert metrics['sippcache_hits_total{model="gemma-q8k"}'] == 1
     server.stop()
 
-    # What each store holds: the two gemma namespaces in one, the tiny model's in the other.
+    # What each store holds: the two gemma namespaces in one, the tiny model's in the other (each
+    # with the namespace of its chunks beside it).
     with sippcache.open(store) as cache:
-        assert {e.namespace for e in cache.entries()} == {stats["gemma"]["namespace"], stats["gemma-q8k"]["namespace"]}
+        owners = {e.namespace.split(NAMESPACE_MARK)[0] for e in cache.entries()}
+        assert owners == {stats["gemma"]["namespace"], stats["gemma-q8k"]["namespace"]}
     with sippcache.open(tiny_store) as cache:
-        assert {e.namespace for e in cache.entries()} == {stats["tiny"]["namespace"]}
+        assert {e.namespace.split(NAMESPACE_MARK)[0] for e in cache.entries()} == {stats["tiny"]["namespace"]}

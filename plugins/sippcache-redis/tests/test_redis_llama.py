@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 from sippcache_redis.servers import ValkeyServer
 
+from sippcache.chunks import is_chunk_namespace
+
 _PREFILL = textwrap.dedent(
     """
     import ctypes, json, sys
@@ -110,8 +112,8 @@ def test_completions_succeed_with_the_server_dead(
 
 def test_a_warm_prefill_transfers_one_entry(tiny_model: Path, valkey_server: ValkeyServer, prefix: str) -> None:
     """The adapter peeks at its candidates (one round trip each, no blob) and fetches
-    only the entry it restores: a long prompt with several stored checkpoints moves
-    one entry's chunks, not two or three."""
+    only the state it restores: its tail and the chain of 64-token chunks under it (each
+    entry in its 64 KiB Redis chunks), nothing of another entry."""
     import llama_cpp
     from sippcache_redis.testing import commands_during
 
@@ -130,5 +132,9 @@ def test_a_warm_prefill_transfers_one_entry(tiny_model: Path, valkey_server: Val
         result: list[Any] = []
         counts = commands_during([client], lambda: result.append(pc.prefill(longer)))
         assert result[0].restored == 1500
-        size = next(e.size for e in pc.cache.entries(namespace=pc.namespace) if len(e.key) == 1500) - 4 * 1500
-    assert counts.get("get", 0) == -(-size // 65536)  # the chunks of the one entry restored
+        listed = list(pc.cache.entries())
+        tail = next(e for e in listed if e.namespace == pc.namespace and len(e.key) == 1500)
+        chain = [e for e in listed if is_chunk_namespace(e.namespace) and len(e.key) < 1500]
+    assert len(chain) == 1499 // 64
+    pieces = sum(-(-(e.size - 4 * len(e.key)) // 65536) for e in [tail, *chain])
+    assert counts.get("get", 0) == pieces  # the Redis chunks of the one state restored
