@@ -563,3 +563,21 @@ def test_a_writer_killed_mid_store_leaves_no_chain_that_restores_wrong_bytes(tmp
                     assert bytes(assembled.state) == token_state(held), (i, partial, len(held))
                     checked += 1
     assert checked >= done  # each state stored before the last kill is found whole
+
+
+def test_under_a_budget_no_chunk_outlives_the_chunk_before_it() -> None:
+    """A chunk is worth something only with every chunk before it. Conversations over one system
+    prompt through a store 10x too small (old ones coming back now and then): whatever eviction
+    took, every chunk left has its parent chunk, so no run is cut short in its middle."""
+    with sippcache.open("ram://?max_bytes=600KiB") as cache:
+        store = chunks.ChunkedStates(cache, fingerprint="fp", kind="test.seq", chunk_tokens=16)
+        for i in range(60):
+            tokens = conversation(i)
+            store.store(tokens, token_state(tokens, layers=2, row=64), namespace="ns")
+            if i % 3 == 0:
+                back = store.restore(conversation(i // 2), namespace="ns")
+                if back is not None:
+                    back.release()
+        assert cache.stats().evictions > 100
+        held = {tuple(e.key) for e in cache.entries() if chunks.is_chunk_namespace(e.namespace)}
+    assert held and all(key[:-16] in held for key in held if len(key) > 16)
