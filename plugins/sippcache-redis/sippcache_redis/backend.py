@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import re
 import secrets
 import ssl
@@ -88,8 +89,10 @@ UPLOAD_TTL_MS = 15 * 60 * 1000
 KEEP_TTL_MS = 10 * 365 * 86400 * 1000
 #: Log records returned by one script call; a client further behind pages or rebuilds.
 MAX_RECORDS = 256
-#: Times a store (or pin, or clear) plans again after another client changed the store first.
-COMMIT_ATTEMPTS = 8
+#: Times a store (or pin, or clear) plans again after another client changed the store first,
+#: waiting a random while (up to COMMIT_BACKOFF times the attempt, in seconds) before each: with
+#: several writers in a loop and no wait, one lost 8 attempts in a row now and then (a store dropped).
+COMMIT_ATTEMPTS, COMMIT_BACKOFF = 32, 0.002
 #: After a failure the server is left alone this long (doubling up to the maximum).
 BACKOFF_FIRST, BACKOFF_MAX = 0.5, 5.0
 #: Entries read per HSCAN call while rebuilding.
@@ -764,6 +767,7 @@ class RedisBackend(BaseBackend):
         final plan and, if committed, the chunks the store made obsolete."""
         for attempt in range(COMMIT_ATTEMPTS):
             if attempt:
+                time.sleep(random.uniform(0, COMMIT_BACKOFF * attempt))
                 plan = self._mirror.plan_store(eid, key, namespace, size, options)
             if plan.state is None:
                 return plan, None
