@@ -128,15 +128,20 @@ class BaseBackend(ABC):
     ) -> list[Match]:
         """See `CacheBackend.lookup_prefixes`; checks that `lengths` ascend within the query."""
         key = self._query_key(tokens, namespace)
-        wanted = list(lengths)
-        if any(isinstance(n, bool) or not isinstance(n, int) for n in wanted):
-            raise TypeError("lengths must be ints")
-        if any(a >= b for a, b in zip([0, *wanted], wanted, strict=False)) or (wanted and wanted[-1] > len(key) // 4):
-            raise ValueError(f"lengths must ascend from 1 to at most the {len(key) // 4} query tokens")
+        wanted = _chain_lengths(key, lengths)
         if not wanted:
             return []
         with self._library_errors_translated():
             return self._lookup_prefixes(key, wanted, namespace, bool(touch))
+
+    def touch_prefixes(self, tokens: Tokens, lengths: Sequence[int], *, namespace: str = "") -> int:
+        """See `CacheBackend.touch_prefixes`; checks `lengths` as `lookup_prefixes` does."""
+        key = self._query_key(tokens, namespace)
+        wanted = _chain_lengths(key, lengths)
+        if not wanted:
+            return 0
+        with self._library_errors_translated():
+            return self._touch_prefixes(key, wanted, namespace)
 
     def peek(self, tokens: Tokens, *, namespace: str = "", partial: bool = False) -> Peek | None:
         """See `CacheBackend.peek`; an empty query finds nothing."""
@@ -283,6 +288,14 @@ class BaseBackend(ABC):
             raise
         return matches
 
+    def _touch_prefixes(self, key: bytes, lengths: list[int], namespace: str) -> int:
+        """`touch_prefixes`: by default one `_touch_entry` per length; override where the index
+        can record the chain's uses at once (every built-in backend does)."""
+        for count, n in enumerate(lengths):
+            if not self._touch_entry(key[: 4 * n], namespace):
+                return count
+        return len(lengths)
+
     def _peek(self, key: bytes, namespace: str, partial: bool) -> Peek | None:
         """`peek`: by default a lookup that does not count as a use, its blob unread;
         override where the index can answer alone (every built-in backend does)."""
@@ -338,3 +351,14 @@ def _check_namespace(namespace: Any) -> None:
         raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
     if len(namespace.encode("utf-8")) > 1024:
         raise ValueError("namespace is longer than 1024 bytes")
+
+
+def _chain_lengths(key: bytes, lengths: Sequence[int]) -> list[int]:
+    """`lengths` of a chain of prefixes of `key` (packed tokens) as a list, checked: ints ascending
+    from 1 to at most the query's tokens."""
+    wanted = list(lengths)
+    if any(isinstance(n, bool) or not isinstance(n, int) for n in wanted):
+        raise TypeError("lengths must be ints")
+    if any(a >= b for a, b in zip([0, *wanted], wanted, strict=False)) or (wanted and wanted[-1] > len(key) // 4):
+        raise ValueError(f"lengths must ascend from 1 to at most the {len(key) // 4} query tokens")
+    return wanted

@@ -369,20 +369,19 @@ class ChunkedStates:
         chunks_at = chunk_namespace(namespace, size, layout)
         ours = {"chunk_meta": pieces.meta, "chunk_tokens": size, "chunk_layout": layout}
         bounds = [k * size for k in range(1, len(pieces.chunks))]  # the chunk entries' key lengths
-        new: list[int] = []
-        kept: list[int] = []
-        for end in bounds:
-            peek = self.cache.peek(ids[:end], namespace=chunks_at)
-            (kept if peek is not None and peek.key_length == peek.length == end else new).append(end)
-        # Recency: a state just saved uses its chunks. Kept chunks are touched first (the new ones'
-        # room is not made out of them); new ones are stored deepest first, since a key that extends
-        # another's whole key marks it superseded (evicted first: sippcache.eviction) and a shorter
-        # one never does; the one kept chunk the deepest new one may have marked is touched again.
-        for end in kept:
-            (self.cache.pin if pinned else self.cache.touch)(ids[:end], namespace=chunks_at)
+        # The chunks this state extends are kept (the run of them from the first, found and used
+        # in one call, before the new ones' room is made); the rest are written, deepest first,
+        # since a key that extends another's whole key marks it superseded (evicted first:
+        # sippcache.eviction) and a shorter one never does.
+        if pinned:
+            have = 0
+            while have < len(bounds) and self.cache.pin(ids[: bounds[have]], namespace=chunks_at):
+                have += 1
+        else:
+            have = self.cache.touch_prefixes(ids, bounds, namespace=chunks_at)
         nbytes = written = 0
         chain = chain_digests(ids, size, len(bounds))
-        for i, end in enumerate(reversed(new)):
+        for end in reversed(bounds[have:]):
             blob = frame.encode(
                 ids[end - size : end],
                 [pieces.chunks[end // size - 1]],
@@ -397,9 +396,6 @@ class ChunkedStates:
             # weighs) the first chunks, which every longer state needs, outlast the last ones.
             if self.cache.store(ids[:end], blob, namespace=chunks_at, priority=end + size, pinned=pinned):
                 written, nbytes = written + 1, nbytes + len(blob)
-            below = [k for k in kept if k < end]
-            if i == 0 and below:
-                self.cache.touch(ids[: below[-1]], namespace=chunks_at)
         blob = frame.encode(
             key,
             [pieces.chunks[-1], pieces.tail, *sections],
@@ -414,9 +410,13 @@ class ChunkedStates:
             key, blob, namespace=namespace, priority=len(key) + size, pinned=pinned, generation=generation
         ):
             written, nbytes = written + 1, nbytes + len(blob)
+        # The chain used once more, after its tail: if making room moved eviction's clock up
+        # meanwhile, the tail would otherwise outlive the chunks it is restored with. This also
+        # clears the superseded marks the deepest new chunk left on the chunk before it.
+        self.cache.touch_prefixes(ids, bounds, namespace=chunks_at)
         if replaces is not None and tuple(replaces) != key:
             self._replace(tuple(replaces), key, namespace, chunks_at)
-        return Stored(key, True, nbytes, written, view.nbytes, len(new), len(kept))
+        return Stored(key, True, nbytes, written, view.nbytes, len(bounds) - have, have)
 
     def pin(self, tokens: Tokens, *, namespace: str = "", pinned: bool = True) -> bool:
         """Pin (or unpin) the entry stored under exactly `tokens` and, for a tail, the chunks

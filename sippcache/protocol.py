@@ -203,6 +203,12 @@ class CacheBackend(Protocol):
         locally, one round trip to a server). Each match is released on its own; each hit
         counts as a use unless `touch` is False."""
 
+    def touch_prefixes(self, tokens: Tokens, lengths: Sequence[int], *, namespace: str = "") -> int:
+        """Count a use of the entries stored under exactly ``tokens[:n]`` for each `n` of
+        `lengths` (as `lookup_prefixes` takes them), up to the first one not stored, without
+        reading them: a new state keeping the chain of chunks it extends, in one call, not one
+        `touch` each. Returns how many were there."""
+
     def peek(self, tokens: Tokens, *, namespace: str = "", partial: bool = False) -> Peek | None:
         """What `lookup` would find, without reading the blob or counting a use: to
         decide whether an entry is worth fetching (a large state over a network)."""

@@ -566,9 +566,11 @@ def test_a_writer_killed_mid_store_leaves_no_chain_that_restores_wrong_bytes(tmp
 
 
 def test_under_a_budget_no_chunk_outlives_the_chunk_before_it() -> None:
-    """A chunk is worth something only with every chunk before it. Conversations over one system
-    prompt through a store 10x too small (old ones coming back now and then): whatever eviction
-    took, every chunk left has its parent chunk, so no run is cut short in its middle."""
+    """A chunk is worth something only with every chunk before it, and a tail only with its whole
+    chain. Conversations over one system prompt through a store 10x too small (old ones coming
+    back now and then): whatever eviction took, every chunk left has its parent chunk and every
+    tail left its chain, so no run is cut short in its middle. (Before the chain was used again
+    after its tail was stored, 1 tail of 20 here had lost its last chunk.)"""
     with sippcache.open("ram://?max_bytes=600KiB") as cache:
         store = chunks.ChunkedStates(cache, fingerprint="fp", kind="test.seq", chunk_tokens=16)
         for i in range(60):
@@ -580,4 +582,7 @@ def test_under_a_budget_no_chunk_outlives_the_chunk_before_it() -> None:
                     back.release()
         assert cache.stats().evictions > 100
         held = {tuple(e.key) for e in cache.entries() if chunks.is_chunk_namespace(e.namespace)}
+        tails = [tuple(e.key) for e in cache.entries(namespace="ns")]
     assert held and all(key[:-16] in held for key in held if len(key) > 16)
+    assert len(tails) >= 10
+    assert all(key[:end] in held for key in tails for end in range(16, len(key), 16))

@@ -425,6 +425,17 @@ class TieredBackend(BaseBackend):
             return True
         return bool(self._ordered(lambda: self.l2.touch(tokens, namespace=namespace), False))
 
+    def _touch_prefixes(self, key: bytes, lengths: list[int], namespace: str) -> int:
+        """L1's run of the chain (its touches forwarded to L2), then L2's for the lengths past it."""
+        tokens = _tokens(key)
+        found = self.l1.touch_prefixes(tokens, lengths, namespace=namespace)
+        if found:
+            self._submit(lambda: self.l2.touch_prefixes(tokens, lengths[:found], namespace=namespace))
+        if found == len(lengths):
+            return found
+        rest = lengths[found:]
+        return found + int(self._ordered(lambda: self.l2.touch_prefixes(tokens, rest, namespace=namespace), 0))
+
     def _delete(self, key: bytes, namespace: str) -> bool:
         tokens = _tokens(key)
         first = self.l1.delete(tokens, namespace=namespace)

@@ -216,6 +216,16 @@ class KVBackend(BaseBackend):
             self._flush_touches_if_due()
         return matches
 
+    def _touch_prefixes(self, key: bytes, lengths: list[int], namespace: str) -> int:
+        """One walk down the index; the chain's uses recorded as one change."""
+        with self._lock:
+            self._refresh()
+            eids = self._replica.catalog.index.entries_along(namespace, key, [4 * n for n in lengths])
+            if eids and not self.read_only:
+                self._replica.uses.record(self._replica.catalog, *eids)
+                self._flush_touches_if_due()
+            return len(eids)
+
     def _peek(self, key: bytes, namespace: str, partial: bool) -> Peek | None:
         with self._lock:
             self._refresh()

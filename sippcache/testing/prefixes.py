@@ -120,11 +120,35 @@ class PrefixTests(BackendFixtures):
 
     def test_lookup_prefixes_checks_its_lengths(self, cache: CacheBackend) -> None:
         cache.store([1, 2, 3], b"abc")
-        for lengths in ([2, 2], [3, 1], [0, 1], [1, 4], [-1]):
-            with pytest.raises(ValueError):
-                cache.lookup_prefixes([1, 2, 3], lengths)
-        with pytest.raises(TypeError):
-            cache.lookup_prefixes([1, 2, 3], [1.5])  # type: ignore[list-item]
+        for chain in (cache.lookup_prefixes, cache.touch_prefixes):
+            for lengths in ([2, 2], [3, 1], [0, 1], [1, 4], [-1]):
+                with pytest.raises(ValueError):
+                    chain([1, 2, 3], lengths)
+            with pytest.raises(TypeError):
+                chain([1, 2, 3], [1.5])  # type: ignore[list-item]
+
+    def test_touch_prefixes_counts_a_chain_up_to_its_first_gap(self, cache: CacheBackend) -> None:
+        base = list(range(1, 25))
+        for n in (4, 8, 16, 20):
+            cache.store(base[:n], bytes([n]) * 10)
+        cache.store(base[:12], b"x", namespace="x")
+        assert cache.touch_prefixes(base, [4, 8, 12, 16, 20]) == 2  # nothing under 12 here
+        assert cache.touch_prefixes(base, [4, 8]) == 2
+        assert cache.touch_prefixes(base, [2, 4]) == 0  # the first length is not stored
+        assert cache.touch_prefixes(base, [12], namespace="x") == 1
+        assert cache.touch_prefixes(base, []) == 0 and cache.touch_prefixes([], []) == 0
+        assert blob_of(cache.lookup(base[:20], touch=False)) == bytes([20]) * 10  # nothing read or changed
+
+    def test_touch_prefixes_counts_uses(self, open_cache: Opener) -> None:
+        cache = open_cache(max_bytes=3500)
+        cache.store([9], bytes(1000))
+        cache.store([1, 2], bytes(1000))
+        cache.store([1, 2, 3, 4], bytes(1000))
+        cache.touch([9])  # now the least recently used is the chain
+        assert cache.touch_prefixes([1, 2, 3, 4], [2, 4]) == 2  # ... and now [9]
+        cache.store([8], bytes(1000))
+        assert cache.lookup([9], touch=False) is None
+        assert blob_of(cache.lookup([1, 2, 3, 4], touch=False)) == bytes(1000)
 
     def test_lookup_prefixes_counts_uses_unless_told_not_to(self, open_cache: Opener) -> None:
         cache = open_cache(max_bytes=3500)

@@ -923,7 +923,15 @@ class RedisBackend(BaseBackend):
 
     def _touch_entry(self, key: bytes, namespace: str) -> bool:
         """Record a use from the mirror, saved with a later sync: no round trip of its own."""
-        eid = entry_id(namespace, key)
+        return self._record_uses(namespace, key, None) == 1
+
+    def _touch_prefixes(self, key: bytes, lengths: list[int], namespace: str) -> int:
+        """The chain's uses from the mirror (one walk down its index), saved with a later sync."""
+        return self._record_uses(namespace, key, [4 * n for n in lengths])
+
+    def _record_uses(self, namespace: str, key: bytes, ends: list[int] | None) -> int:
+        """Record a use of the entry under `key` (`ends` None) or of those under its prefixes
+        ending at `ends` up to the first not stored; how many there were."""
         mirror = self._mirror
         with self._lock:
             if mirror.seq < 0:
@@ -931,11 +939,15 @@ class RedisBackend(BaseBackend):
                     self._sync()
                 except (_ServerError, _Rebuild):
                     self._failed()
-                    return False
-            found = eid in mirror.catalog
-            if found:
-                mirror.uses.record(mirror.catalog, eid)
-            return found
+                    return 0
+            if ends is None:
+                eid = entry_id(namespace, key)
+                eids = [eid] if eid in mirror.catalog else []
+            else:
+                eids = mirror.catalog.index.entries_along(namespace, key, ends)
+            if eids:
+                mirror.uses.record(mirror.catalog, *eids)
+            return len(eids)
 
     def _delete(self, key: bytes, namespace: str) -> bool:
         eid = entry_id(namespace, key)
