@@ -362,6 +362,25 @@ def test_without_numpy_the_same_bytes(contexts: Callable[..., Context], monkeypa
     assert sf.join(*slow) == data and sf.join(slow.meta, slow.chunks[:2]) == sf.prefix(data, 128)
 
 
+def test_write_into_gathers_on_helper_threads_the_same_bytes(
+    contexts: Callable[..., Context], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large transposed V is gathered by helper threads too (`PARALLEL_GATHER_BYTES`): layer by
+    layer, each in one place, whichever thread takes it."""
+    context = contexts("tiny", flash=False)
+    context.eval(TOKENS, ends=batch_ends(N))
+    data = context.state()
+    pieces = sf.split(data, list(range(STEP, N, STEP)))
+    monkeypatch.setattr(sf, "PARALLEL_GATHER_BYTES", 0)
+    monkeypatch.setattr(sf.os, "cpu_count", lambda: 4)
+    assert sf._gather_helpers() is not None
+    for chunks, expected in ((pieces.chunks, data), (pieces.chunks[:2], sf.prefix(data, 2 * STEP))):
+        joined = sf.joined(pieces.meta, chunks)
+        out = bytearray(joined.nbytes + 3)
+        joined.write_into(memoryview(out))
+        assert bytes(out[: joined.nbytes]) == expected and out[joined.nbytes :] == bytes(3)
+
+
 def test_split_checks_its_cuts(contexts: Callable[..., Context]) -> None:
     context = contexts("tiny")
     context.eval(TOKENS[:50])
