@@ -18,8 +18,8 @@ tokens as (docs/format.md, "Chunked states"):
 Chunks live in a namespace of their own next to the caller's
 (`chunk_namespace`: the namespace, C and a digest of the layout their bytes
 have), so a tail never shares a key with a chunk, and states of another layout
-or chunk size never mix. Storing writes only the chunks the store lacks (a
-`peek` of each chunk key, nothing read) and the tail. A restore finds the tail
+or chunk size never mix. Storing writes only the chunks the store lacks (the
+run it holds found with one `touch_prefixes`, nothing read) and the tail. A restore finds the tail
 (or whole entry) with the longest match, reads the chunks it needs in order,
 and joins them into one buffer: the bytes llama.cpp itself would give for that
 prefix. A chunk missing mid-chain (evicted, deleted by another process) gives
@@ -73,6 +73,7 @@ __all__ = [
     "chain_digests",
     "chunk_matches_key",
     "chunk_namespace",
+    "chunk_namespace_parts",
     "is_chunk_namespace",
     "layout_of",
     "usage",
@@ -108,6 +109,17 @@ def chunk_namespace(namespace: str, chunk_tokens: int, layout: str) -> str:
 def is_chunk_namespace(namespace: str) -> bool:
     """Whether `namespace` holds chunk entries (not states a lookup can use alone)."""
     return NAMESPACE_MARK in namespace
+
+
+def chunk_namespace_parts(namespace: str) -> tuple[str, int] | None:
+    """(the namespace of its states, its chunks' tokens) of a chunk namespace (`chunk_namespace`'s
+    form; the tokens are 0 where they cannot be read); None for any other namespace."""
+    owner, mark, rest = namespace.partition(NAMESPACE_MARK)
+    if not mark:
+        return None
+    size = rest.split("/", 1)[0]
+    # A namespace is anyone's string, and "²".isdigit() is True while int("²") fails.
+    return owner, int(size) if size.isascii() and size.isdigit() else 0
 
 
 def layout_of(state: sf.SeqState) -> str:
@@ -616,14 +628,14 @@ def usage(entries: Iterable[EntryInfo]) -> list[Usage]:
     state_bytes: dict[str, int] = {}
     chunk_sizes: dict[str, list[tuple[int, int, int]]] = {}  # owner -> (chunk tokens, key tokens, size)
     for entry in entries:
-        owner, mark, rest = entry.namespace.partition(NAMESPACE_MARK)
-        if mark:
-            size = rest.split("/", 1)[0]
-            if size.isdigit() and int(size) > 0:
-                chunk_sizes.setdefault(owner, []).append((int(size), len(entry.key), entry.size))
+        parts = chunk_namespace_parts(entry.namespace)
+        if parts is not None:
+            owner, size = parts
+            if size > 0:
+                chunk_sizes.setdefault(owner, []).append((size, len(entry.key), entry.size))
             continue
-        states.setdefault(owner, []).append(tuple(entry.key))
-        state_bytes[owner] = state_bytes.get(owner, 0) + entry.size
+        states.setdefault(entry.namespace, []).append(tuple(entry.key))
+        state_bytes[entry.namespace] = state_bytes.get(entry.namespace, 0) + entry.size
     out = []
     for owner, found in sorted(chunk_sizes.items()):
         keys = sorted(states.get(owner, []))

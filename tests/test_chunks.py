@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import random
 import struct
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
+import numpy as np
 import pytest
 import xxhash
 
@@ -30,6 +32,8 @@ from sippcache import chunks, frame
 from sippcache import stateformat as sf
 from sippcache.errors import CorruptEntry
 from tests import tinymodel
+from tests.llama_tools import ROOT, last_logits, reference_logits
+from tests.test_llama_tiny import assert_close
 
 C = 64  # tokens a chunk: small, so that a few hundred tokens make a chain
 FP, KIND, NS = "tiny-model", "test.seq", "scope-a"
@@ -586,3 +590,73 @@ def test_under_a_budget_no_chunk_outlives_the_chunk_before_it() -> None:
     assert held and all(key[:-16] in held for key in held if len(key) > 16)
     assert len(tails) >= 10
     assert all(key[:end] in held for key in tails for end in range(16, len(key), 16))
+
+
+# -- two processes over one system prompt -----------------------------------------------------------
+
+_PREFILLER = """
+import json, sys
+sys.path.insert(0, sys.argv[3])
+import numpy as np
+from sippcache.llama import Llama, PrefixCache
+from tests.llama_tools import last_logits
+llm = Llama(model_path=sys.argv[1], n_ctx=2048, n_batch=512, flash_attn=False, verbose=False)
+with PrefixCache(llm, sys.argv[2]) as cache:  # chunks of 64 tokens, the default
+    cache.prefill(json.loads(sys.stdin.read()))
+    np.save(sys.argv[4], last_logits(llm))
+    cache.flush()
+    print(json.dumps(cache.stats()))
+"""
+
+
+def prefill_in_a_process(model: Path, url: str, tokens: list[int], logits: Path) -> dict[str, Any]:
+    """`PrefixCache.prefill(tokens)` over a `sippcache.llama.Llama` in a new Python process: its
+    stats once its states are written; the last logits are saved to `logits`."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PREFILLER, str(model), url, str(ROOT), str(logits)],
+        input=json.dumps(tokens),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "SIPPCACHE_RESTORE": "always"},  # the tiny model computes faster than it loads
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    stats: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return stats
+
+
+def test_a_second_process_restores_the_shared_prompt_from_the_first_ones_chunks(
+    tiny_model: Path, make_llama: Any, tmp_path: Path
+) -> None:
+    """Process A prefills a 300-token system prompt and its own question; process B, started after
+    A ended, the same prompt and another question. B restores the prompt from A's chunks (cut
+    back to the 300 tokens they share), writes only the chunks past it, and its logits are those
+    of a llama.cpp context that never saw a cache, evaluating B's tokens in the same two batches."""
+    size = chunks.DEFAULT_CHUNK_TOKENS  # 64: the prompt's first 4 chunks are whole, its 5th is not
+    system = prompt(300)
+    a, b = system + prompt(61, seed=1)[1:], system + prompt(91, seed=2)[1:]  # 360 and 390 tokens
+    assert a[300] != b[300]
+    url = f"lmdb://{tmp_path / 'store'}"
+
+    first = prefill_in_a_process(tiny_model, url, a, tmp_path / "a.npy")
+    assert (first["hits"], first["chunks_written"], first["chunks_shared"]) == (0, 5, 0)  # 64, 128, ... 320
+    second = prefill_in_a_process(tiny_model, url, b, tmp_path / "b.npy")
+    # Restored: A's state cut back to the shared prompt, read as A's first 5 chunks (the 5th, of
+    # tokens 256 to 320, holds 20 of A's own, cut off); then B's 90 tokens evaluated.
+    assert (second["hits"], second["partial_hits"], second["tokens_reused"]) == (1, 1, 300)
+    assert second["chunks_read"] == 5 and second["tokens_evaluated"] == len(b) - 300
+    # Stored: the prompt's 4 whole chunks were A's already; B wrote its 320 and 384 and its tail.
+    assert (second["chunks_shared"], second["chunks_written"], second["entries_written"]) == (4, 2, 1)
+
+    with sippcache.open(url) as cache:
+        held, tails = entries(cache)
+    assert len({e.namespace for e in held}) == 1 and len(tails) == 2
+    boundaries = {tuple(tokens[:end]) for tokens in (a, b) for end in range(size, len(tokens), size)}
+    assert len(boundaries) == 5 + 6 - 4 and sorted(e.key for e in held) == sorted(boundaries)
+
+    fresh = make_llama(tiny_model, flash_attn=False)  # no cache: B's prompt in B's two batches
+    fresh.eval(b[:300])
+    fresh.eval(b[300:])
+    np.testing.assert_array_equal(np.load(tmp_path / "b.npy"), last_logits(fresh))
+    whole, _ = reference_logits(make_llama, tiny_model, b, flash_attn=False)  # and in one batch
+    assert_close(np.load(tmp_path / "b.npy"), whole)

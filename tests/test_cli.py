@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 import sippcache
-from sippcache import frame
+from sippcache import chunks, frame
 from sippcache.cli.output import short_size
+from tests.test_chunks import conversation, token_state
 
 # The console script pip installed beside this interpreter (not whatever is first on PATH).
 SCRIPT = Path(sys.executable).with_name("sippcache")
@@ -238,6 +239,19 @@ def test_stats_table(url: str) -> None:
     assert "hits" not in out
 
 
+def test_stats_and_ls_take_any_namespace_that_looks_like_chunks(tmp_path: Path) -> None:
+    """A namespace is anyone's string: one with the chunk mark and no chunk size ("²" is a digit
+    to `str.isdigit`, not to `int`) is listed, not a crash."""
+    url = f"lmdb://{tmp_path}/store"
+    with sippcache.open(url) as cache:
+        cache.store([1, 2, 3], b"abc", namespace=f"x{chunks.NAMESPACE_MARK}\u00b2/y")
+        cache.store([1, 2], b"ab", namespace="x")
+    info = run_json("stats", url)
+    assert info["entries"] == 2
+    assert run("stats", url).returncode == 0
+    assert [row["tokens"] for row in run_json("ls", url) if "tokens" in row] == [2]
+
+
 def test_stats_url_by_option_and_environment(url: str) -> None:
     assert run_json("stats", "--cache", url)["entries"] == len(ENTRIES)
     assert run_json("stats", SIPPCACHE_URL=url)["entries"] == len(ENTRIES)
@@ -324,6 +338,107 @@ def test_ls_table(url: str) -> None:
     assert time.strftime("%Y-") in out  # local, human-readable times
     result = run("ls", url, "-n", LLAMA_NS)
     assert result.returncode == 0 and PLAIN_NS not in result.stdout
+
+
+#: Chunks of 16 tokens: each of `conversation`'s chats over its 100-token system prompt holds 6
+#: chunks of it (96 tokens), the same 6, and 2 to 8 of its own.
+CHUNK = 16
+#: What `ls --json` tells of a state's chain, besides its entry's fields (`ls --chunks --json`'s).
+CHAIN_FIELDS = {"chunk_tokens", "chunks", "chunks_shared", "chunk_bytes", "total_bytes"}
+
+
+def store_conversations(url: str, chats: range, *, namespace: str = PLAIN_NS, chunk_tokens: int = CHUNK) -> None:
+    """`conversation(i)` for each i of `chats`, stored as llama.cpp states (`ChunkedStates`)."""
+    with sippcache.open(url) as cache:
+        store = chunks.ChunkedStates(cache, fingerprint=MODEL, kind="test.seq", chunk_tokens=chunk_tokens)
+        for i in chats:
+            tokens = conversation(i)
+            assert store.store(tokens, token_state(tokens), namespace=namespace).chunked == (chunk_tokens > 0)
+
+
+def chunk_sizes(url: str) -> dict[tuple[int, ...], int]:
+    """The key and size of every chunk entry in the store (one chunk namespace)."""
+    with sippcache.open(url) as cache:
+        listed = [e for e in cache.entries() if chunks.is_chunk_namespace(e.namespace)]
+    assert len({e.namespace for e in listed}) == 1
+    return {e.key: e.size for e in listed}
+
+
+def test_ls_shows_each_state_with_its_chain_and_the_chunks_it_shares(tmp_path: Path) -> None:
+    """Four conversations over one system prompt: one row each, with the chunks it is restored
+    with (up to the first one missing) and how many another row's chain holds too; chunks no
+    state reaches are summed up apart; --chunks lists every entry."""
+    url = f"lmdb://{tmp_path / 'chunked'}"
+    store_conversations(url, range(4))
+    store_conversations(url, range(9, 10), namespace="whole", chunk_tokens=0)  # one whole entry beside them
+    chats = [conversation(i) for i in range(4)]
+    assert [len(chat) for chat in chats] == [228, 137, 230, 150]
+    held = chunk_sizes(url)
+    assert len(held) == 6 + (14 - 6) + (8 - 6) + (14 - 6) + (9 - 6)  # the system prompt's 6 chunks once
+
+    rows = run_json("ls", url)
+    assert [(r["namespace"], r["tokens"]) for r in rows] == [(PLAIN_NS, len(c)) for c in chats] + [("whole", 179)]
+    assert [r["chunks"] for r in rows] == [14, 8, 14, 9, 0]  # (tokens - 1) // 16: every chunk k*16 < tokens
+    assert [r["chunks_shared"] for r in rows] == [6, 6, 6, 6, 0]
+    assert [r["chunk_tokens"] for r in rows] == [CHUNK] * 4 + [None]
+    for row, chat in zip(rows[:4], chats, strict=True):
+        assert row["chunk_bytes"] == sum(held[tuple(chat[:end])] for end in range(CHUNK, len(chat), CHUNK))
+    assert all(r["total_bytes"] == r["bytes"] + r["chunk_bytes"] for r in rows)
+    every = run_json("ls", url, "--chunks")  # every entry, as ls listed them before chunks
+    assert len(every) == len(held) + 5 and {r["id"] for r in rows} < {r["id"] for r in every}
+
+    # Conversation 1's tail gone: its own 2 chunks are orphans, the system prompt's 6 still shared.
+    # A chunk gone mid-chain (conversation 0's 11th): a restore stops before it, so ls does too.
+    with sippcache.open(url) as cache:
+        assert cache.delete(chats[1], namespace=PLAIN_NS)
+        namespace = next(e.namespace for e in cache.entries() if chunks.is_chunk_namespace(e.namespace))
+        assert cache.delete(chats[0][: 11 * CHUNK], namespace=namespace)
+    held = chunk_sizes(url)
+    *rows, orphans = run_json("ls", url)
+    assert [(r["tokens"], r["chunks"], r["chunks_shared"]) for r in rows] == [
+        (228, 10, 6),
+        (230, 14, 6),
+        (150, 9, 6),
+        (179, 0, 0),
+    ]
+    orphaned = [tuple(chats[1][:112]), tuple(chats[1][:128]), *(tuple(chats[0][:end]) for end in (192, 208, 224))]
+    assert orphans == {"orphan_chunks": 5, "bytes": sum(held[key] for key in orphaned)}
+    assert len(run_json("ls", url, "--chunks")) == len(held) + 4  # every entry: the chunks and 4 states
+
+    result = run("ls", url)
+    assert result.returncode == 0, result.stderr
+    for text in ("chunks", "shared", "4 states restored with 21 chunks (6 shared)", "5 chunks no listed state"):
+        assert text in " ".join(result.stdout.split()), text
+    assert "\u2022chunks" not in result.stdout  # no chunk rows
+    assert "\u2022chunks" in run("ls", url, "--chunks").stdout
+    narrow = run("ls", url, COLUMNS="80")
+    assert narrow.returncode == 0 and "…" not in narrow.stdout
+    assert max(len(line) for line in narrow.stdout.splitlines()) <= 80, narrow.stdout
+
+    # --namespace: that namespace's states with their chains (its chunk namespace is its own).
+    only = run_json("ls", url, "-n", PLAIN_NS)
+    assert only == [*rows[:3], orphans]
+    assert run_json("ls", url, "-n", "whole") == rows[3:]
+    listed = run_json("ls", url, "-n", PLAIN_NS, "--chunks")
+    assert {r["namespace"] for r in listed} == {PLAIN_NS, namespace} and len(listed) == len(held) + 3
+
+
+def test_ls_lists_whole_states_as_it_always_did(tmp_path: Path) -> None:
+    """States stored whole (chunking off): each one a row of its own, no chain, no orphans, and
+    the table of entries without chunk columns."""
+    url = f"lmdb://{tmp_path / 'whole'}"
+    store_conversations(url, range(3), chunk_tokens=0)
+    rows = run_json("ls", url)
+    assert [r["tokens"] for r in rows] == [len(conversation(i)) for i in range(3)]
+    assert [(r["chunks"], r["chunks_shared"], r["chunk_bytes"], r["chunk_tokens"]) for r in rows] == [
+        (0, 0, 0, None)
+    ] * 3
+    assert all(r["total_bytes"] == r["bytes"] for r in rows)
+    assert [r["bytes"] for r in rows] == [size for *_, size in sizes(url)]
+    assert run_json("ls", url, "--chunks") == [{k: v for k, v in r.items() if k not in CHAIN_FIELDS} for r in rows]
+    result = run("ls", url)
+    assert result.returncode == 0, result.stderr
+    assert "3 entries" in result.stdout and "shared" not in result.stdout and "no listed state" not in result.stdout
 
 
 #: Namespaces longer than an 80-column table can give them (no spaces: folded cells join back exactly).

@@ -6,7 +6,8 @@ Only ``verify --delete`` changes a store; the others open it `read_only`.
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict
+from collections import Counter
+from dataclasses import asdict, dataclass
 from typing import TypedDict
 
 import click
@@ -16,6 +17,7 @@ from rich.table import Table
 
 from .. import chunks as _chunks
 from .. import frame as _frame
+from .. import tokens as _tokens
 from ..base import BaseBackend
 from ..protocol import CacheBackend, EntryInfo
 from ..registry import backends as list_backends
@@ -23,6 +25,7 @@ from ..registry import redact_url
 from .absent import AbsentStore
 from .errors import one_line_errors, open_store
 from .output import (
+    EntryRow,
     add_row,
     byte_progress,
     echo_json,
@@ -187,22 +190,173 @@ def _counts_table(*names: str) -> Table:
 
 @click.command(name="ls")
 @url_argument
-@click.option("--namespace", "-n", metavar="N", help='Only this namespace ("" is the default one).')
+@click.option(
+    "--namespace", "-n", metavar="N", help='Only this namespace ("" is the default one) and its states\' chunks.'
+)
+@click.option("--chunks", "each_chunk", is_flag=True, help="List every entry, chunks included, one per row.")
 @json_option
 @one_line_errors
-def ls(url: str | None, cache_option: str | None, namespace: str | None, as_json: bool) -> None:
-    """List the entries of a store, least recently used first.
+def ls(url: str | None, cache_option: str | None, namespace: str | None, each_chunk: bool, as_json: bool) -> None:
+    """List the states of a store, least recently used first, with their chunks.
 
-    Times are local in the table, ISO 8601 (UTC) in JSON; last-use times are
-    saved in batches, so the newest uses may show a second or so late. In a
-    narrow terminal the table leaves out creation times (--json has them).
-    With no URL, a default store that does not exist yet lists nothing.
+    A state (the tail of a state stored in chunks, or a whole entry) is shown
+    with the chunks of its chain the store holds (what a restore of it reads),
+    how many of those another listed state's chain holds too (a shared system
+    prompt's), and the bytes of its chain and its entry together. Chunks that
+    no listed state reaches are summed up in one line. --chunks lists every
+    entry instead, each chunk in a row of its own. Times are local in the
+    table, ISO 8601 (UTC) in JSON; last-use times are saved in batches, so the
+    newest uses may show a second or so late. In a narrow terminal the table
+    leaves out times (--json has them). With no URL, a default store that does
+    not exist yet lists nothing.
     """
     default = is_default_store(url, cache_option)
     url = resolve_url(url, cache_option)
     with open_store(url, read_only=True, default=default) as cache:
-        listed = list(cache.entries(namespace))
+        listed = _selected(cache, namespace)
         absent = _absent_note(cache)
+    if each_chunk:
+        _print_entries(listed, absent, as_json)
+        return
+    chained, orphans = _chains(listed)
+    users = Counter(id(chunk) for state in chained for chunk in state.chain)  # the states each chunk serves
+    rows = [_state_row(state, sum(users[id(chunk)] > 1 for chunk in state.chain)) for state in chained]
+    orphan_bytes = sum(chunk.size for chunk in orphans)
+    if as_json:
+        orphan: list[OrphanRow] = [{"orphan_chunks": len(orphans), "bytes": orphan_bytes}] if orphans else []
+        echo_json([*rows, *orphan])
+        return
+    if not users and not orphans:  # no chunks: the table of entries it always was
+        _print_entries(listed, absent, as_json=False)
+        return
+    labels = [namespace_label(row["namespace"]) for row in rows]
+    # Roomiest first: with creation times; without; the last-use time on two lines; no times.
+    layouts = [
+        (_states_table(chained, rows, created=created, used=used, wrap_times=wrap), [labels])
+        for created, used, wrap in (
+            (True, True, False),
+            (False, True, False),
+            (False, True, True),
+            (False, False, False),
+        )
+    ]
+    table = first_that_fits(layouts)
+    reached = {id(chunk): chunk.size for state in chained for chunk in state.chain}
+    total = sum(state.entry.size for state in chained) + sum(reached.values())
+    shared = sum(count > 1 for count in users.values())
+    pinned = sum(row["pinned"] for row in rows)
+    caption = (
+        f"{_count(len(rows), 'state')} restored with {_count(len(reached), 'chunk')} ({shared:,} shared), "
+        f"{human_size(total)} in all; a state's bytes: its chunks' and its own"
+    )
+    print_table(table, caption + (f"; {pinned:,} pinned" if pinned else ""))
+    if orphans:
+        orphaned = f"{_count(len(orphans), 'chunk')} no listed state is restored with, {human_size(orphan_bytes)}"
+        Console().print(literal(orphaned))
+
+
+class StateRow(EntryRow):
+    """One state (a tail or a whole entry) in ``ls --json``: its entry, and the chain it is restored with."""
+
+    #: The chunk size of its chain (None: no chunk of it is held).
+    chunk_tokens: int | None
+    #: Chunks of its chain the store holds (from the first, up to the first one missing).
+    chunks: int
+    #: Those of them that another listed state's chain holds too.
+    chunks_shared: int
+    #: The bytes of those chunks; and of them and its own entry together.
+    chunk_bytes: int
+    total_bytes: int
+
+
+class OrphanRow(TypedDict):
+    """The last row of ``ls --json`` where there are chunks that no listed state is restored with."""
+
+    orphan_chunks: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class _Chained:
+    """A state, and the chunk entries of its chain that a listing holds, in order."""
+
+    entry: EntryInfo
+    chunk_tokens: int | None
+    chain: list[EntryInfo]
+
+
+def _selected(cache: CacheBackend, namespace: str | None) -> list[EntryInfo]:
+    """Every entry, least recently used first; with `namespace`, those of it and of its chunk
+    namespaces (the chunks its states are restored with live apart: `chunks.chunk_namespace`)."""
+    listed = list(cache.entries())
+    if namespace is None:
+        return listed
+
+    def wanted(entry: EntryInfo) -> bool:
+        owner = _chunks.chunk_namespace_parts(entry.namespace)
+        return entry.namespace == namespace if owner is None else owner[0] == namespace
+
+    return [entry for entry in listed if wanted(entry)]
+
+
+def _chains(listed: list[EntryInfo]) -> tuple[list[_Chained], list[EntryInfo]]:
+    """Each state of `listed` (an entry outside the chunk namespaces) with its chain as a restore
+    reads it: the chunks under its first k*C tokens for k = 1, 2, ... while listed and k*C is
+    less than its tokens, in a chunk namespace of its own namespace (of several, other sizes or
+    layouts, the one holding most of it); and the chunk entries no state's chain holds. From the
+    listing alone, as `chunks.usage`: no entry is read, so ``ls`` costs what it always did."""
+    held: dict[str, dict[bytes, EntryInfo]] = {}  # chunk namespace -> its entries by key bytes
+    sizes: dict[str, list[tuple[str, int]]] = {}  # a states' namespace -> (chunk namespace, C)
+    states: list[EntryInfo] = []
+    for entry in listed:
+        owner = _chunks.chunk_namespace_parts(entry.namespace)
+        if owner is None:
+            states.append(entry)
+            continue
+        if entry.namespace not in held:
+            held[entry.namespace] = {}
+            if owner[1] > 0:  # a size that cannot be read: no state reaches the namespace
+                sizes.setdefault(owner[0], []).append((entry.namespace, owner[1]))
+        held[entry.namespace][_tokens.encode(entry.key)] = entry
+    chained: list[_Chained] = []
+    for entry in states:
+        key, best = _tokens.encode(entry.key), _Chained(entry, None, [])
+        for namespace, size in sizes.get(entry.namespace, []):
+            chain: list[EntryInfo] = []
+            for end in range(4 * size, len(key), 4 * size):  # 4 bytes a token
+                chunk = held[namespace].get(key[:end])
+                if chunk is None:
+                    break
+                chain.append(chunk)
+            if len(chain) > len(best.chain):
+                best = _Chained(entry, size, chain)
+        chained.append(best)
+    reached = {id(chunk) for state in chained for chunk in state.chain}
+    orphans = [chunk for chunks in held.values() for chunk in chunks.values() if id(chunk) not in reached]
+    return chained, orphans
+
+
+def _state_row(state: _Chained, shared: int) -> StateRow:
+    """A state as ``ls --json`` prints it: its entry's row, and its chain (`shared` of whose chunks
+    another state's chain holds too)."""
+    chunk_bytes = sum(chunk.size for chunk in state.chain)
+    return {
+        **entry_row(state.entry),
+        "chunk_tokens": state.chunk_tokens,
+        "chunks": len(state.chain),
+        "chunks_shared": shared,
+        "chunk_bytes": chunk_bytes,
+        "total_bytes": chunk_bytes + state.entry.size,
+    }
+
+
+def _count(n: int, thing: str) -> str:
+    """``1 chunk``, ``1,024 chunks``."""
+    return f"{n:,} {thing}" if n == 1 else f"{n:,} {thing}s"
+
+
+def _print_entries(listed: list[EntryInfo], absent: str, as_json: bool) -> None:
+    """Every entry of `listed`, one per row (``ls --chunks``, and ``ls`` of a store without chunks)."""
     if as_json:
         echo_json([entry_row(entry) for entry in listed])
         return
@@ -219,6 +373,38 @@ def ls(url: str | None, cache_option: str | None, namespace: str | None, as_json
     pinned = sum(e.pinned for e in listed)
     caption = f"{entries(len(listed))}, {human_size(sum(e.size for e in listed))}"
     print_table(table, caption + (f"; {pinned:,} pinned" if pinned else ""))
+
+
+def _states_table(
+    chained: list[_Chained], rows: list[StateRow], *, created: bool, used: bool, wrap_times: bool
+) -> Table:
+    """The `ls` table of states (`rows`, of `chained`): as `_entries_table`, with their chunks, and the
+    bytes of chain and entry together."""
+    table = Table()
+    table.add_column("id", no_wrap=True)
+    table.add_column("namespace", overflow="fold")
+    for name in ("tokens", "chunks", "shared", "bytes"):
+        table.add_column(name, justify="right", no_wrap=True)
+    if created:
+        table.add_column("created", no_wrap=True)
+    if used:
+        table.add_column("last used", no_wrap=not wrap_times, max_width=10 if wrap_times else None)
+    table.add_column("pinned", no_wrap=True)
+    for state, row in zip(chained, rows, strict=True):
+        times = [local_time(state.entry.created)] if created else []
+        times += [local_time(state.entry.last_used)] if used else []
+        add_row(
+            table,
+            row["id"],
+            namespace_label(row["namespace"]),
+            f"{row['tokens']:,}",
+            f"{row['chunks']:,}",
+            f"{row['chunks_shared']:,}",
+            short_size(row["total_bytes"]),
+            *times,
+            "pinned" if row["pinned"] else "",
+        )
+    return table
 
 
 def _absent_note(cache: CacheBackend) -> str:
