@@ -26,12 +26,15 @@ import llama_cpp
 import numpy as np
 import pytest
 
+import sippcache
+from sippcache import chunks
 from sippcache.llama import CacheOptions
 from sippcache.llama.batch import BatchEngine, Job
 from sippcache.llama.fingerprint import llama_fingerprint
 from sippcache.llama.pool import Sampling
 from sippcache.llama.seqcache import SequenceCache
 from sippcache.llama.states import MemoryKind
+from sippcache.server.settings import ModelOptions, ServeError
 from tests.servers import Server
 
 SLOT_CTX = 512
@@ -169,6 +172,36 @@ def test_an_idle_server_stores_its_slots_so_a_crash_after_loses_nothing(
     again = serve(servers, tiny_model, store)
     did = chat.ask(again, reference)
     assert did["hits"] == 1 and did["prompt_tokens_evaluated"] <= chat.new_tokens() + 1, (did, chat.usage)
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 16])
+def test_chunk_tokens_sets_how_the_server_stores_states(
+    tiny_model: Path, servers, tmp_path: Path, reference: Callable[[str], str], chunk_tokens: int
+) -> None:
+    """``--chunk_tokens C``: states stored in chunks of C tokens (0: whole), and a restarted
+    server continues from them either way."""
+    store = f"lmdb://{tmp_path}/store"
+    server = serve(servers, tiny_model, store, "--chunk_tokens", str(chunk_tokens))
+    chat = Chat("C")
+    chat.ask(server, reference)
+    assert server.stop() == 0
+    with sippcache.open(store) as cache:
+        spaces = {e.namespace for e in cache.entries()}
+    sizes = {parts[1] for ns in spaces if (parts := chunks.chunk_namespace_parts(ns)) is not None}
+    assert sizes == ({chunk_tokens} if chunk_tokens else set()) and len(spaces) == len(sizes) + 1, spaces
+
+    again = serve(servers, tiny_model, store, "--chunk_tokens", str(chunk_tokens))
+    did = chat.ask(again, reference)
+    assert did["hits"] == 1 and did["prompt_tokens_evaluated"] <= chat.new_tokens() + 1, (did, chat.usage)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("chunk_tokens", -1), ("chunk_tokens", 1.5), ("chunk_tokens", True), ("prefill_chunk", 48), ("parallel", 0)],
+)
+def test_model_options_refuse_what_they_cannot_use(name: str, value: object) -> None:
+    with pytest.raises(ServeError, match=name):
+        ModelOptions(**{name: value})  # type: ignore[arg-type]
 
 
 # -- the engine's side: `BatchEngine.store_unsaved` ------------------------------------------------

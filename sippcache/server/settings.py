@@ -20,6 +20,7 @@ from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
 from llama_cpp.server.settings import ConfigFileSettings, ModelSettings, ServerSettings
 from llama_cpp.server.settings import Settings as UpstreamSettings
 
+from ..chunks import DEFAULT_CHUNK_TOKENS
 from ..llama.batch import DEFAULT_CHUNK
 
 __all__ = [
@@ -84,17 +85,19 @@ class ModelOptions:
     None for the server's ``--cache``), how many requests it runs at once
     (`parallel`; 1 is upstream's one request at a time, on upstream's code path),
     how many more may wait (`max_queue`), the prompt tokens a step evaluates
-    (`prefill_chunk`), and the seconds without a job after which its slots are
-    stored (`save_idle`)."""
+    (`prefill_chunk`), the seconds without a job after which its slots are
+    stored (`save_idle`), and the tokens of a stored state's chunks (`chunk_tokens`:
+    `CacheOptions.chunk_tokens`, 0 for whole states)."""
 
     cache_url: str | None = None
     parallel: int = DEFAULT_PARALLEL
     max_queue: int = DEFAULT_MAX_QUEUE
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     save_idle: float = DEFAULT_SAVE_IDLE
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
     def __post_init__(self) -> None:
-        for name, lowest in (("parallel", 1), ("max_queue", 0), ("prefill_chunk", 32)):
+        for name, lowest in (("parallel", 1), ("max_queue", 0), ("prefill_chunk", 32), ("chunk_tokens", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
                 raise ServeError(f"{name} must be an integer >= {lowest}, not {value!r}")
@@ -106,7 +109,7 @@ class ModelOptions:
 
 
 #: ModelOptions fields a config file's model may set (taken out before upstream validates it).
-OPTION_KEYS = (CACHE_URL_KEY, "parallel", "max_queue", "prefill_chunk", "save_idle")
+OPTION_KEYS = (CACHE_URL_KEY, "parallel", "max_queue", "prefill_chunk", "save_idle", "chunk_tokens")
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         f"when the slot goes to another one and on shutdown (default {DEFAULT_SAVE_IDLE:g}; 0: as soon as no "
         "request runs; 'save_idle' per model in --config_file).",
     )
+    parser.add_argument(
+        "--chunk_tokens",
+        type=int,
+        metavar="C",
+        help=f"States are stored in chunks of C tokens, so a conversation's next turn writes only its new "
+        f"tokens and a shared prompt is stored once (default {DEFAULT_CHUNK_TOKENS}; 0: whole states; "
+        "'chunk_tokens' per model in --config_file).",
+    )
     return parser
 
 
@@ -180,7 +191,7 @@ def load_settings(args: argparse.Namespace) -> Settings:
 
     As upstream: ``$CONFIG_FILE`` wins over ``--config_file``; with a config file,
     the other command-line settings are not used, except ours (``--cache``,
-    ``--parallel``, ``--max_queue``, ``--prefill_chunk``, ``--save_idle``), which are the defaults
+    ``--parallel``, ``--max_queue``, ``--prefill_chunk``, ``--save_idle``, ``--chunk_tokens``), which are the defaults
     of the models that do not set their own. Our keys are taken out of the models
     before upstream's models (which forbid unknown keys) validate them. Unlike
     upstream, ``interrupt_requests`` is off unless set: on, a request waiting for
@@ -188,7 +199,7 @@ def load_settings(args: argparse.Namespace) -> Settings:
     """
     defaults: dict[str, Any] = {
         name: getattr(args, name)
-        for name in ("parallel", "max_queue", "prefill_chunk", "save_idle")
+        for name in ("parallel", "max_queue", "prefill_chunk", "save_idle", "chunk_tokens")
         if getattr(args, name, None) is not None
     }
     config_file = os.environ.get("CONFIG_FILE", args.config_file)

@@ -56,7 +56,7 @@ class _Model:
     @property
     def cache_options(self) -> CacheOptions:
         """How the model's `LlamaCache` and its scheduler's `SequenceCache` use the store."""
-        return CacheOptions(scope=self.scope)
+        return CacheOptions(scope=self.scope, chunk_tokens=self.options.chunk_tokens)
 
 
 class CachePool:
