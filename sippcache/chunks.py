@@ -122,18 +122,21 @@ def chunk_namespace_parts(namespace: str) -> tuple[str, int] | None:
     return owner, int(size) if size.isascii() and size.isdigit() else 0
 
 
-def layout_of(state: sf.SeqState) -> str:
+def layout_of(state: sf.SeqState, chunked: int = 1) -> str:
     """A digest of what a chunk's bytes depend on besides its tokens: the format version, cell
-    extensions, the caches, and the chunked cache's V layout, rotation and per-layer K/V types
-    and sizes. Not the sequence id, the stream it sits in or the 8-byte header: chunks are the
-    same bytes whichever sequence held them."""
+    extensions, the caches, and the chunked caches' (the first `chunked`) V layout, rotation and
+    per-layer K/V types and sizes. Not the sequence id, the stream it sits in or the 8-byte
+    header: chunks are the same bytes whichever sequence held them."""
     words = [CHUNK_FORMAT, state.version, int(state.cell_ext), len(state.caches)]
-    found = state.caches[0].active() if state.caches else None
-    if found is not None:
-        stream = found[1]
-        words += [int(stream.v_trans), *(stream.rotation or (-1, -1))]
-        for layer in stream.layers:
-            words += [layer.k_type, layer.k_row, layer.v_type, layer.v_size, layer.v_dims]
+    if chunked > 1:  # (a layout of one chunked cache is digested as it was before there could be more)
+        words.append(chunked)
+    for cache in state.caches[:chunked]:
+        found = cache.active()
+        if found is not None:
+            stream = found[1]
+            words += [int(stream.v_trans), *(stream.rotation or (-1, -1))]
+            for layer in stream.layers:
+                words += [layer.k_type, layer.k_row, layer.v_type, layer.v_size, layer.v_dims]
     return xxhash.xxh3_64_hexdigest(struct.pack(f"<{len(words)}q", *words))
 
 
@@ -334,8 +337,11 @@ class ChunkedStates:
                 parsed = sf.parse(view, header=header, version=version)
                 if parsed.n_positions != len(key):
                     raise sf.UnsupportedState(f"the state holds {parsed.n_positions} positions, its key {len(key)}")
-                pieces = sf.split(parsed, range(self.chunk_tokens, len(key), self.chunk_tokens))
-                layout = layout_of(parsed)
+                # Every cache holding all the positions is chunked: an iSWA model's sliding-window
+                # cache too while the state is within its window (past it, it goes whole with the tail).
+                chunked = max(1, sf.chunkable_caches(parsed))
+                pieces = sf.split(parsed, range(self.chunk_tokens, len(key), self.chunk_tokens), chunked=chunked)
+                layout = layout_of(parsed, chunked)
             except sf.UnsupportedState as exc:
                 self.stored_whole += 1
                 why = str(exc)

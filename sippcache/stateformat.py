@@ -54,6 +54,7 @@ __all__ = [
     "Split",
     "Stream",
     "UnsupportedState",
+    "chunkable_caches",
     "join",
     "joined",
     "parse",
@@ -540,6 +541,24 @@ def prefix(state: SeqState | Buffer, n: int) -> bytes:
             else:
                 pieces.append(_U32.pack(0))
     return b"".join(pieces)
+
+
+def chunkable_caches(state: SeqState | Buffer) -> int:
+    """How many of the state's caches, from the first, hold all its positions 0..N-1 in order:
+    what `split(chunked=)` can cut. An iSWA model's sliding-window cache does while the state
+    is within its window; past it llama.cpp writes only the window's cells (``swa_full`` or
+    not)."""
+    st = _as_state(state)
+    count = 0
+    for i, cache in enumerate(st.caches):
+        try:
+            found = _full_run(cache, f"cache {i}", st.n_positions)
+        except UnsupportedState:
+            break
+        if found is not None and not found[1].layers:
+            break
+        count += 1
+    return count
 
 
 def _full_run(cache: Cache, where: str, total: int) -> tuple[int, Stream] | None:

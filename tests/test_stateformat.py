@@ -68,9 +68,12 @@ class Context:
         n_seq_max: int = 1,
         unified: bool = True,
         n_ctx: int = 1024,
+        swa_full: bool | None = None,
     ) -> None:
         params = llama_cpp.llama_context_params.from_buffer_copy(llm.context_params)
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, 512, 512
+        if swa_full is not None:
+            params.swa_full = swa_full
         params.n_seq_max, params.kv_unified = n_seq_max, unified
         params.flash_attn_type = (
             llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -447,6 +450,35 @@ def test_sliding_window_states_hold_two_caches(contexts: Callable[..., Context])
     fresh = contexts("swa")
     fresh.eval(TOKENS[:51], ends=batch_ends(51, (1, 37, 50)))
     np.testing.assert_array_equal(restored.logits(), fresh.logits())
+
+
+def test_a_window_cache_is_chunked_while_the_state_is_within_the_window(contexts: Callable[..., Context]) -> None:
+    """Within the window the sliding-window cache holds every position: both caches are chunked,
+    the tail holds no cache, and any leading chunks are the state of their positions, which
+    restores to the never-cached logits. Past the window llama.cpp writes only the window's cells,
+    full-size cache (`swa_full`) or not: that cache is not chunked (`chunkable_caches` 1)."""
+    n, cut = tinymodel.N_SWA - 4, 32
+    within = contexts("swa")
+    within.eval(TOKENS[:n], ends=[cut, n])
+    data = within.state()
+    assert [cache.n_cells for cache in sf.parse(data).caches] == [n, n]
+    assert sf.chunkable_caches(data) == 2
+    pieces = sf.split(data, [cut], chunked=2)
+    assert pieces.tail == b"" and sf.join(pieces.meta, pieces.chunks) == data
+    short = contexts("swa")
+    short.eval(TOKENS[:cut])
+    prefix = sf.join(pieces.meta, pieces.chunks[:1])
+    assert prefix == short.state()
+    restored = contexts("swa")
+    assert restored.load(prefix) > 0
+    restored.eval([TOKENS[cut]], start=cut)
+    fresh = contexts("swa")
+    fresh.eval(TOKENS[: cut + 1], ends=[cut, cut + 1])
+    np.testing.assert_array_equal(restored.logits(), fresh.logits())
+    for swa_full in (True, False):
+        past = contexts("swa", swa_full=swa_full)
+        past.eval(TOKENS, ends=batch_ends(N))
+        assert sf.chunkable_caches(past.state()) == 1, swa_full
 
 
 @pytest.mark.gemma
