@@ -8,6 +8,9 @@ them as GB/s and as a ratio to a plain memory copy of the same bytes measured in
 
 - anchors: memcpy into a preallocated buffer, into a new buffer (page faults included), xxh3_64,
   writing a new file and rewriting an existing one on the --dir filesystem;
+- chunks joined (`stateformat.joined(...).write_into` one kept buffer, as the llama-cpp-python
+  layer restores a state stored in chunks of ``--chunk-tokens``): V as rows (flash attention on)
+  and V transposed (off: each dimension's runs of every chunk gathered);
 - framing: `frame.encode` of a one-section state, `frame.decode` of it (checksum checked);
 - each backend, opened by URL: `store` of the framed blob (a new key each repetition), `lookup` +
   xxh3 of the whole blob (so mapped pages are read) + release; LMDB runs with ``sync=false`` and
@@ -22,7 +25,8 @@ them as GB/s and as a ratio to a plain memory copy of the same bytes measured in
 
 Sizes are the KV of 2K, 8K and 32K tokens of an 8B-class model (32 KiB a token). Goals, judged on
 the largest size and the RAM backend (the other backends' writes are their own cost, shown
-beside): the proxy's restore (``_stage``) at least 0.5x memcpy, its save (``keep``) at least 0.3x.
+beside): the proxy's restore (``_stage``) at least 0.5x memcpy, its save (``keep``) at least 0.3x; and
+the chunks joined (both V layouts) at least 0.5x memcpy.
 Exit status 1 if a goal fails (unless --no-goals). Needs sippcache's ``proxy`` extra (httpx,
 starlette: `sippcache.proxy` imports them), not llama_cpp. Run it on an idle machine:
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -52,6 +57,7 @@ import xxhash
 
 import sippcache
 from sippcache import frame
+from sippcache import stateformat as sf
 from sippcache.backends.tiered import tiered_url
 from sippcache.chunks import DEFAULT_CHUNK_TOKENS
 from sippcache.options import Size
@@ -69,8 +75,11 @@ URLS = {
     "tiered": "",  # LMDB in front of diskcache, built in `backend_url`
 }
 RESTORE_GOAL, SAVE_GOAL, GOAL_BACKEND = 0.5, 0.3, "ram"
-CHUNKS = DEFAULT_CHUNK_TOKENS  # --chunk-tokens
 CHUNKED, CHUNKED_RESTORE = "proxy save, chunks", "proxy restore, chunks"
+ASSEMBLE_ROWS = "chunks: join into one buffer (V rows)"
+ASSEMBLE_COLUMNS = "chunks: join into one buffer (V transposed)"
+#: The issue's goal for assembly: the chunks joined at least 0.5x a memcpy of the same bytes.
+ASSEMBLE_GOAL = 0.5
 MEMCPY, LMDB_SYNC = "memcpy (preallocated buffer)", "lmdb: disk sync (fsync data.mdb)"
 
 
@@ -94,16 +103,19 @@ def random_bytes(size: int, seed: int) -> bytes:
     return np.random.default_rng(seed).bytes(size)
 
 
-def synthetic_state(n_tokens: int, seed: int) -> bytes:
+def synthetic_state(n_tokens: int, seed: int, *, v_transposed: bool = False) -> bytes:
     """A slot file's state of `n_tokens` cells in llama.cpp's format (version `SLOT_VERSION`; what
     `sippcache.stateformat` reads and cuts): Llama-3-8B's shape, 32 layers of f16 K and V rows of
-    512 bytes (8 KV heads of 128 over 4 layers' worth: the same bytes a token), random rows."""
+    512 bytes (8 KV heads of 128 over 4 layers' worth: the same bytes a token), random rows. With
+    `v_transposed`, V as llama.cpp writes it with flash attention off: each layer's 256 dimensions,
+    each a run of every cell's value (the same bytes, other headers)."""
     layers, row, f16 = 32, KV_BYTES_PER_TOKEN // 64, 1
     cells = b"".join(struct.pack("<iIi", pos, 1, 0) for pos in range(n_tokens))
     rows = random_bytes(2 * layers * row * n_tokens, seed)
-    parts = [struct.pack("<II", 1, n_tokens), cells, struct.pack("<IIII", 0, layers, 0, 0)]
-    for i in range(2 * layers):  # every layer's K rows, then every layer's V rows
-        parts += [struct.pack("<iQ", f16, row), rows[i * row * n_tokens : (i + 1) * row * n_tokens]]
+    parts = [struct.pack("<II", 1, n_tokens), cells, struct.pack("<IIII", int(v_transposed), layers, 0, 0)]
+    for i in range(2 * layers):  # every layer's K rows, then every layer's V rows (or columns)
+        head = struct.pack("<iII", f16, 2, row // 2) if v_transposed and i >= layers else struct.pack("<iQ", f16, row)
+        parts += [head, rows[i * row * n_tokens : (i + 1) * row * n_tokens]]
     return b"".join(parts)
 
 
@@ -254,14 +266,22 @@ def proxy(clock: Clock, name: str, url: str, state: bytes, keys: list[tuple[int,
                         sys.exit(f"FAIL: SlotStore._stage on {name} wrote another slot file")
 
 
-def proxy_chunked(clock: Clock, name: str, url: str, state: bytes, keys: list[tuple[int, ...]], staging: str) -> None:
-    """`SlotStore.keep` and `_stage` with states in chunks of `CHUNKS` tokens: a new state each
-    time, into an empty store (every chunk is written); then the last one restored, joined from
-    its chunks."""
+def proxy_chunked(
+    clock: Clock, name: str, url: str, state: bytes, keys: list[tuple[int, ...]], staging: str, chunk_tokens: int
+) -> None:
+    """`SlotStore.keep` and `_stage` with states in chunks of `chunk_tokens` tokens: a new state
+    each time, into an empty store (every chunk is written); then the last one restored, joined
+    from its chunks."""
     os.makedirs(staging)
     with sippcache.open(url) as cache:
         slots = SlotStore(
-            cache, fingerprint="bench", facts={}, kind="full", staging=staging, min_tokens=16, chunk_tokens=CHUNKS
+            cache,
+            fingerprint="bench",
+            facts={},
+            kind="full",
+            staging=staging,
+            min_tokens=16,
+            chunk_tokens=chunk_tokens,
         )
         namespace = slots.namespace("bench")
         for i, key in enumerate(keys):
@@ -273,7 +293,7 @@ def proxy_chunked(clock: Clock, name: str, url: str, state: bytes, keys: list[tu
                     f.write(part)
             with clock(f"{CHUNKED}: keep ({name})"):
                 saved = slots.keep(Snapshot(path, key, len(key), time.perf_counter()), None, "bench")
-            if saved is None or len(cache) < len(key) // CHUNKS:
+            if saved is None or len(cache) < len(key) // chunk_tokens:
                 sys.exit(f"FAIL: SlotStore.keep on {name} stored no chunks (errors: {slots.errors})")
         expected = xxhash.xxh3_64()
         for part in slotfile.build(SLOT_VERSION, keys[-1], state):
@@ -288,6 +308,29 @@ def proxy_chunked(clock: Clock, name: str, url: str, state: bytes, keys: list[tu
                 with open(path, "rb") as f:
                     if xxhash.xxh3_64_intdigest(f.read()) != expected.intdigest():
                         sys.exit(f"FAIL: SlotStore._stage on {name} joined another slot file")
+
+
+def assembly(clock: Clock, n_tokens: int, seed: int, chunk_tokens: int, repeat: int) -> None:
+    """`stateformat.joined(...).write_into` of a state cut in chunks of `chunk_tokens`, into one
+    kept buffer: the llama-cpp-python layer's restore (the proxy writes the same parts into its
+    staging file). V rows (flash attention on: every part one copy) and V transposed (off: each
+    dimension's runs of every chunk gathered)."""
+    for label, transposed in ((ASSEMBLE_ROWS, False), (ASSEMBLE_COLUMNS, True)):
+        state = synthetic_state(n_tokens, seed, v_transposed=transposed)
+        pieces = sf.split(
+            sf.parse(state, header=False, version=SLOT_VERSION), range(chunk_tokens, n_tokens, chunk_tokens)
+        )
+        out = mmap.mmap(-1, len(state))
+        view = memoryview(out)
+        for i in range(repeat + 1):  # the first faults the buffer's pages in: untimed, and checked
+            with clock(label) if i else nullcontext():
+                sf.joined(pieces.meta, pieces.chunks, pieces.tail).write_into(view)
+            if i == 0 and xxhash.xxh3_64_intdigest(view) != xxhash.xxh3_64_intdigest(state):
+                sys.exit(f"FAIL: {label}: the joined state is not the state")
+        view.release()
+        out.close()
+        del state, pieces
+        gc.collect()
 
 
 def keep_before(cache: sippcache.CacheBackend, path: str, namespace: str) -> None:
@@ -315,7 +358,7 @@ def stage_before(cache: sippcache.CacheBackend, tokens: tuple[int, ...], namespa
     os.unlink(path)
 
 
-def bench_size(size: int, backends: list[str], repeat: int, root: str) -> list[dict[str, Any]]:
+def bench_size(size: int, backends: list[str], repeat: int, root: str, chunk_tokens: int) -> list[dict[str, Any]]:
     """Every stage for one state size; rows of stage, median seconds, GB/s and ratio to memcpy."""
     n_tokens = max(16, size // KV_BYTES_PER_TOKEN)
     state = synthetic_state(n_tokens, seed=size)
@@ -324,6 +367,7 @@ def bench_size(size: int, backends: list[str], repeat: int, root: str) -> list[d
     keys = [(*prefix, i % VOCAB) for i in range(repeat)]  # a new key each repetition
     clock = Clock()
     anchors(clock, state, repeat, root)
+    assembly(clock, n_tokens, size, chunk_tokens, repeat)
     blob = framing(clock, state, keys[0], repeat)
     for name in backends:
         print(f"  {show_size(size)}: {name} ...", file=sys.stderr, flush=True)
@@ -338,7 +382,7 @@ def bench_size(size: int, backends: list[str], repeat: int, root: str) -> list[d
         proxy(clock, name, backend_url(name, where), state, keys, os.path.join(where, "staging"))
         shutil.rmtree(where)
         where = tempfile.mkdtemp(prefix=f"{name}-chunks-", dir=root)
-        proxy_chunked(clock, name, backend_url(name, where), state, keys, os.path.join(where, "staging"))
+        proxy_chunked(clock, name, backend_url(name, where), state, keys, os.path.join(where, "staging"), chunk_tokens)
         shutil.rmtree(where)
     del state
     gc.collect()
@@ -410,7 +454,6 @@ def totals(rows: list[dict[str, Any]], backends: list[str]) -> list[dict[str, An
 
 
 def main() -> int:
-    global CHUNKS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--sizes", default=DEFAULT_SIZES, help=f"comma-separated, e.g. 16M,1G (default {DEFAULT_SIZES})"
@@ -419,10 +462,11 @@ def main() -> int:
     parser.add_argument("--backends", default="ram,lmdb,diskcache", help=f"of {', '.join(URLS)} (ram,lmdb,diskcache)")
     parser.add_argument("--dir", help="where stores and files go (default: a temp dir under /dev/shm, if it exists)")
     parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
-    parser.add_argument("--chunk-tokens", type=int, default=CHUNKS, help=f"tokens a chunk ({CHUNKS})")
+    parser.add_argument(
+        "--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, help=f"tokens a chunk ({DEFAULT_CHUNK_TOKENS})"
+    )
     parser.add_argument("--no-goals", action="store_true", help="report only: exit 0 whatever the ratios")
     args = parser.parse_args()
-    CHUNKS = args.chunk_tokens
     sizes = sorted(parse_size(s) for s in args.sizes.split(",") if s.strip())
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if unknown := [b for b in backends if b not in URLS]:
@@ -438,7 +482,7 @@ def main() -> int:
     summary: list[dict[str, Any]] = []
     try:
         for size in sizes:
-            rows = bench_size(size, backends, args.repeat, root)
+            rows = bench_size(size, backends, args.repeat, root, args.chunk_tokens)
             print_table(size, rows, args.repeat)
             results += rows
             summary += totals(rows, backends)
@@ -452,7 +496,8 @@ def main() -> int:
             f"  {show_size(t['size']):>8} {t['backend']:<10} save {t['save_ms']:,.1f} ms ({t['save_x']:.2f}x memcpy)"
             f"{sync}, restore {t['restore_ms']:,.1f} ms ({t['restore_x']:.2f}x), round trip {t['round_trip_x']:.2f}x;"
             f" before: save {t['save_before_x']:.2f}x, restore {t['restore_before_x']:.2f}x;"
-            f" chunks of {CHUNKS} tokens: save {t['chunked_save_x']:.2f}x, restore {t['chunked_restore_x']:.2f}x"
+            f" chunks of {args.chunk_tokens} tokens: save {t['chunked_save_x']:.2f}x,"
+            f" restore {t['chunked_restore_x']:.2f}x"
         )
     judged = [t for t in summary if t["size"] == sizes[-1] and t["backend"] == GOAL_BACKEND]
     goals: dict[str, bool | None] = {"restore": None, "save": None, "chunked restore": None}
@@ -471,6 +516,12 @@ def main() -> int:
             )
     else:
         print(f"goals not judged: they are judged on the {GOAL_BACKEND} backend, which was not run")
+    largest = {row["stage"]: row for row in results if row["size"] == sizes[-1]}
+    for label in (ASSEMBLE_ROWS, ASSEMBLE_COLUMNS):
+        ratio = largest[label]["x_memcpy"]
+        goals[label] = ratio >= ASSEMBLE_GOAL
+        verdict = "PASS" if goals[label] else "MISS (--no-goals)" if args.no_goals else "FAIL"
+        print(f"{verdict}: {label} of a {show_size(sizes[-1])} state {ratio:.2f}x memcpy >= {ASSEMBLE_GOAL}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -30,8 +30,9 @@ cache where it is full-size: llama.cpp's default in llama-cpp-python, llama-serv
 without --swa-full), every tail holds it whole: there the goal is less than whole states',
 written and kept, and both are reported against the window's floor (U plus a window per state
 saved, or per conversation kept). Time to first token (each request streamed), turn by turn
-against whole states' same turn: the median ratio at most 1.10 and the sum at most 1.05 (the
-machine's noise; the goal is "no worse"). Answers may part from whole states' only at a
+against whole states' same turn: the median ratio at most 1.10, and the turns after the first
+(which computes the system prompt cold in every setting) at most 1.05 in all (the machine's
+noise; the goal is "no worse"). Answers may part from whole states' only at a
 near-tie (the same tokens computed in other batches differ in their last bits: docs/proxy.md,
 "Chunked states"). Exit code 1 if one is missed:
 
@@ -592,11 +593,13 @@ def main() -> int:
         print(line)
         print(f"    each turn, ms: {' '.join(f'{t * 1000:.0f}' for t in r.ttft)}")
         if r is not base:
-            ok = median(ratios) <= TTFT_MEDIAN_GOAL and sum(r.ttft) <= TTFT_SUM_GOAL * sum(base.ttft)
+            # The sum leaves out the first turn: it computes the system prompt cold in every setting.
+            later = sum(r.ttft[1:]) / sum(base.ttft[1:])
+            ok = median(ratios) <= TTFT_MEDIAN_GOAL and later <= TTFT_SUM_GOAL
             failed |= not ok
             print(
                 f"{'PASS' if ok else 'FAIL'}: {name}: time to first token per turn / whole states' median "
-                f"{median(ratios):.2f} (goal <= {TTFT_MEDIAN_GOAL}), sum {sum(r.ttft) / sum(base.ttft):.2f} "
+                f"{median(ratios):.2f} (goal <= {TTFT_MEDIAN_GOAL}), the turns after the first in all {later:.2f} "
                 f"(goal <= {TTFT_SUM_GOAL})"
             )
     for r in runs[1:]:
