@@ -272,7 +272,9 @@ class ChunkedStates:
     is the caller's kind of a whole state (its chunks are ``kind + ".chunk"``, its tails
     ``kind + ".tail"``). `chunk_tokens` 0 stores every state whole. Backend errors
     (`SippcacheError`) pass through; damaged entries are deleted and counted (`damaged`).
-    Not thread-safe beyond what the backend is: one instance per thread, or a lock around it.
+    It keeps nothing between calls but those two counters, so threads may share one as far as
+    the backend allows (the llama-cpp-python layer stores on its writer thread and restores on
+    the model's).
     """
 
     def __init__(

@@ -22,6 +22,7 @@ follow the same rules and keep the same counters:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -658,7 +659,11 @@ class SequenceCache:
         self._writer.flush()
 
     def close(self) -> None:
-        """Write pending snapshots, stop the writer, and close a cache opened from a URL."""
+        """Write pending snapshots, stop the writer, free the join buffer, and close a cache
+        opened from a URL."""
         self._writer.close()
+        joins, self._joins = self._joins, mmap.mmap(-1, 1)
+        with contextlib.suppress(BufferError):  # a view of it still held: freed with the view
+            joins.close()
         if self._owns_cache:
             self.cache.close()
