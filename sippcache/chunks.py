@@ -76,6 +76,7 @@ __all__ = [
     "chunk_namespace_parts",
     "is_chunk_namespace",
     "layout_of",
+    "pin_chain",
     "usage",
 ]
 
@@ -439,29 +440,8 @@ class ChunkedStates:
         return Stored(key, True, nbytes, written, view.nbytes, len(bounds) - have, have)
 
     def pin(self, tokens: Tokens, *, namespace: str = "", pinned: bool = True) -> bool:
-        """Pin (or unpin) the entry stored under exactly `tokens` and, for a tail, the chunks
-        it is restored with: a pinned state keeps its whole chain. True if there is one.
-        Unpinning unpins the chain, chunks another pinned state shares too (pin that one
-        again). Raises `CacheFull` as `CacheBackend.pin` does."""
-        key = tuple(tokens)
-        change = self.cache.pin if pinned else self.cache.unpin
-        if not change(key, namespace=namespace):
-            return False
-        match = self.cache.lookup(key, namespace=namespace, touch=False)
-        if match is None:
-            return True
-        with match:
-            try:
-                entry = frame.decode(match.blob, secret=self.secret)
-            except (CorruptEntry, UnsupportedEntry):
-                return True  # a restore finds it out
-            size, layout = entry.meta.get("chunk_tokens"), entry.meta.get("chunk_layout")
-            tail = entry.kind == self.tail_kind
-        if tail and isinstance(size, int) and not isinstance(size, bool) and size > 0 and isinstance(layout, str):
-            ids, at = _ids(key), chunk_namespace(namespace, size, layout)
-            for end in range(size, len(key), size):
-                change(ids[:end], namespace=at)
-        return True
+        """`pin_chain` on this store, with this instance's secret."""
+        return pin_chain(self.cache, tokens, namespace=namespace, pinned=pinned, secret=self.secret)
 
     def _supersede(self, key: tuple[int, ...], namespace: str) -> None:
         """Delete the unpinned entries stored under shorter prefixes of `key` (found with `peek`,
@@ -602,6 +582,41 @@ class ChunkedStates:
         self.damaged += 1
         log.warning("sippcache: a corrupt entry was deleted: %s", why)
         self.cache.delete(key, namespace=namespace)
+
+
+def pin_chain(
+    cache: CacheBackend,
+    tokens: Tokens,
+    *,
+    namespace: str = "",
+    pinned: bool = True,
+    secret: frame.Secret | None = None,
+) -> bool:
+    """Pin (or unpin) the entry stored under exactly `tokens` and, for a tail, the chunks it is
+    restored with: a pinned state keeps its whole chain (`ChunkedStates.pin`, ``sippcache pin``).
+    True if there is one. Unpinning unpins the chain, chunks another pinned state shares too
+    (pin that one again). A tail whose frame cannot be read (damaged, or a MAC without its
+    `secret`) is pinned alone: a restore finds it out. Raises `CacheFull` as `CacheBackend.pin`
+    does."""
+    key = tuple(tokens)
+    change = cache.pin if pinned else cache.unpin
+    if not change(key, namespace=namespace):
+        return False
+    match = cache.lookup(key, namespace=namespace, touch=False)
+    if match is None:
+        return True
+    with match:
+        try:
+            entry = frame.decode(match.blob, secret=secret)
+        except (CorruptEntry, UnsupportedEntry):
+            return True
+        size, layout = entry.meta.get("chunk_tokens"), entry.meta.get("chunk_layout")
+        tail = entry.kind.endswith(TAIL_SUFFIX)
+    if tail and isinstance(size, int) and not isinstance(size, bool) and size > 0 and isinstance(layout, str):
+        ids, at = _ids(key), chunk_namespace(namespace, size, layout)
+        for end in range(size, len(key), size):
+            change(ids[:end], namespace=at)
+    return True
 
 
 @dataclass(frozen=True)

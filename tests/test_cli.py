@@ -644,6 +644,28 @@ def test_ls_shows_ids_and_pins_and_pin_uses_them(url: str) -> None:
     assert not any(row["pinned"] for row in run_json("ls", url))
 
 
+def test_pin_pins_a_state_with_its_chain(tmp_path: Path) -> None:
+    """`sippcache pin` of a state stored in chunks (a tail, by the id `ls` shows) pins the chunks it
+    is restored with too, so no budget can leave the pinned tail without its chain; --unpin undoes
+    both."""
+    url = f"lmdb://{tmp_path / 'chunked'}"
+    store_conversations(url, range(2))
+    chat = conversation(0)
+    chain = {tuple(chat[:end]) for end in range(CHUNK, len(chat), CHUNK)}
+
+    def pinned() -> set[tuple[int, ...]]:
+        with sippcache.open(url) as cache:
+            return {tuple(e.key) for e in cache.entries() if e.pinned}
+
+    state = next(r for r in run_json("ls", url) if r["tokens"] == len(chat))
+    result = run("pin", "--cache", url, state["id"])
+    assert result.returncode == 0, result.stderr
+    assert pinned() == {tuple(chat), *chain}
+    result = run("pin", "--cache", url, "--unpin", state["id"])
+    assert result.returncode == 0, result.stderr
+    assert pinned() == set()
+
+
 def test_pin_errors_are_one_line(url: str) -> None:
     for ids, expected in ((["zz-not-hex"], "not an entry id"), (["abcdef012345"], "no entry")):
         assert expected in assert_one_line_error(run("pin", *ids, "--cache", url))

@@ -10,8 +10,10 @@ import click
 from rich.filesize import decimal as human_size
 from rich.progress import Progress
 
+from ..chunks import pin_chain
 from ..errors import CacheFull
 from ..eviction import DEFAULT_POLICY
+from ..frame import secret_from_environment
 from ..protocol import CacheBackend, EntryInfo
 from ..registry import redact_url
 from .errors import CLIError, one_line_errors, open_store, same_store
@@ -97,16 +99,18 @@ def prune(
 @one_line_errors
 def pin(ids: tuple[str, ...], cache_option: str | None, unpin: bool, as_json: bool) -> None:
     """Pin entries (by the ids `sippcache ls` shows, or a unique start of one):
-    budgets never evict them and prune leaves them. --unpin undoes it.
+    budgets never evict them and prune leaves them. A state stored in chunks is
+    pinned with its chain. --unpin undoes it.
 
     Pinning more than the store's max_bytes is refused.
     """
     url = resolve_url(None, cache_option)
+    secret = secret_from_environment()
     with open_store(url, read_only=False) as cache:
         listed = list(cache.entries())
         chosen = [_find_entry(listed, wanted) for wanted in ids]
         for entry in chosen:
-            (cache.unpin if unpin else cache.pin)(list(entry.key), namespace=entry.namespace)
+            pin_chain(cache, list(entry.key), namespace=entry.namespace, pinned=not unpin, secret=secret)
     done = [entry_id(entry) for entry in chosen]
     if as_json:
         echo_json({"unpinned" if unpin else "pinned": done})
