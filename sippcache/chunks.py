@@ -343,7 +343,7 @@ class ChunkedStates:
                 # Every cache holding all the positions is chunked: an iSWA model's sliding-window
                 # cache too while the state is within its window (past it, it goes whole with the tail).
                 chunked = max(1, sf.chunkable_caches(parsed))
-                pieces = sf.split(parsed, range(self.chunk_tokens, len(key), self.chunk_tokens), chunked=chunked)
+                pieces = sf.cut(parsed, range(self.chunk_tokens, len(key), self.chunk_tokens), chunked=chunked)
                 layout = layout_of(parsed, chunked)
             except sf.UnsupportedState as exc:
                 self.stored_whole += 1
@@ -375,7 +375,7 @@ class ChunkedStates:
         self,
         key: tuple[int, ...],
         view: memoryview,
-        pieces: sf.Split,
+        pieces: sf.Cut,
         layout: str,
         namespace: str,
         meta: Mapping[str, Any] | None,
@@ -389,7 +389,7 @@ class ChunkedStates:
         ids = _ids(key)
         chunks_at = chunk_namespace(namespace, size, layout)
         ours = {"chunk_meta": pieces.meta, "chunk_tokens": size, "chunk_layout": layout}
-        bounds = [k * size for k in range(1, len(pieces.chunks))]  # the chunk entries' key lengths
+        bounds = [k * size for k in range(1, len(pieces))]  # the chunk entries' key lengths
         # The chunks this state extends are kept (the run of them from the first, found and used
         # in one call, before the new ones' room is made); the rest are written, deepest first,
         # since a key that extends another's whole key marks it superseded (evicted first:
@@ -405,7 +405,7 @@ class ChunkedStates:
         for end in reversed(bounds[have:]):
             blob = frame.encode(
                 ids[end - size : end],
-                [pieces.chunks[end // size - 1]],
+                [pieces.pieces(end // size - 1)],  # copied once, into its frame
                 fingerprint=self.fingerprint,
                 kind=self.chunk_kind,
                 versions=self.versions,
@@ -419,7 +419,7 @@ class ChunkedStates:
                 written, nbytes = written + 1, nbytes + len(blob)
         blob = frame.encode(
             key,
-            [pieces.chunks[-1], pieces.tail, *sections],
+            [pieces.pieces(-1), pieces.tail, *sections],
             fingerprint=self.fingerprint,
             kind=self.tail_kind,
             versions=self.versions,

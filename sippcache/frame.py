@@ -106,7 +106,7 @@ def _mac(secret: Secret, parts: Sequence[Blob]) -> bytes:
 
 def encode(
     tokens: _tokens.Tokens,
-    sections: Sequence[Blob],
+    sections: Sequence[Blob | Sequence[Blob]],
     *,
     fingerprint: str,
     kind: str,
@@ -121,8 +121,10 @@ def encode(
     `fingerprint` names what the state belongs to (model, cache types, library
     versions); `kind` what the payload is (e.g. ``"llama.seq"``); `meta` holds
     small extra fields (str/int/float/bool/bytes values only); `roles` names
-    each section (e.g. ``["state", "logits"]``). With a `secret`, a MAC over
-    the whole frame is appended (keyed BLAKE2b; about 1 GB/s).
+    each section (e.g. ``["state", "logits"]``). A section may be given as a
+    list (or tuple) of buffers, one after the other: the frame is then the only
+    copy made of them (a chunk of a state, from views of it). With a `secret`,
+    a MAC over the whole frame is appended (keyed BLAKE2b; about 1 GB/s).
     """
     if not isinstance(fingerprint, str) or not isinstance(kind, str):
         raise TypeError("fingerprint and kind must be str")
@@ -134,9 +136,15 @@ def encode(
         raise TypeError("meta must map str to str, int, float, bool or bytes")
     payload_hash = xxhash.xxh3_64()
     sizes = []
+    flat: list[Blob] = []
     for section in sections:
-        payload_hash.update(section)
-        sizes.append(memoryview(section).nbytes)
+        pieces = section if isinstance(section, (list, tuple)) else [section]
+        size = 0
+        for piece in pieces:
+            payload_hash.update(piece)
+            size += memoryview(piece).nbytes
+        sizes.append(size)
+        flat += pieces
     fields: dict[str, Any] = {
         "tokens": _tokens.encode(tokens),
         "fingerprint": fingerprint,
@@ -153,7 +161,7 @@ def encode(
         fields["mac"] = MAC_BYTES
     header = msgpack.packb(fields, use_bin_type=True)
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), xxhash.xxh3_64_intdigest(header))
-    parts = [prefix, header, *sections]
+    parts = [prefix, header, *flat]
     if secret is not None:
         parts.append(_mac(secret, parts))
     return b"".join(parts)

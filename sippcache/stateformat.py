@@ -48,6 +48,7 @@ __all__ = [
     "SEQ_STATE_MAGIC",
     "VERSIONS",
     "Cache",
+    "Cut",
     "Joined",
     "Layer",
     "SeqState",
@@ -55,6 +56,7 @@ __all__ = [
     "Stream",
     "UnsupportedState",
     "chunkable_caches",
+    "cut",
     "join",
     "joined",
     "parse",
@@ -613,7 +615,8 @@ class Split(NamedTuple):
 
 
 def split(state: SeqState | Buffer, cuts: Sequence[int], *, chunked: int = 1) -> Split:
-    """Cut `state` at positions `cuts` (strictly increasing, each in 1..N-1).
+    """Cut `state` at positions `cuts` (strictly increasing, each in 1..N-1): `cut`, every chunk
+    joined.
 
     The first `chunked` caches are chunked (each must hold positions 0..N-1 of one
     sequence in order, in one stream); later ones go whole into the tail. The default
@@ -621,6 +624,13 @@ def split(state: SeqState | Buffer, cuts: Sequence[int], *, chunked: int = 1) ->
     its sliding-window cache (chunking the latter would give chunks that differ between
     a state within its window and a longer one). With no tail, `join(meta, chunks[:k])`
     is `prefix(state, cuts[k - 1])`."""
+    pieces = cut(state, cuts, chunked=chunked)
+    return Split(pieces.meta, [pieces.chunk(i) for i in range(len(pieces))], pieces.tail)
+
+
+def cut(state: SeqState | Buffer, cuts: Sequence[int], *, chunked: int = 1) -> Cut:
+    """`split` before any chunk is copied: its meta and tail, and each chunk as the views of
+    `state` it is made of (`Cut`). Raises as `split` does."""
     st = _as_state(state)
     total = st.n_positions
     if not 1 <= chunked <= len(st.caches):
@@ -656,18 +666,43 @@ def split(state: SeqState | Buffer, cuts: Sequence[int], *, chunked: int = 1) ->
                     meta.append(_VT_HEAD.pack(layer.v_type, layer.v_size, layer.v_dims))
                 else:
                     meta.append(_K_HEAD.pack(layer.v_type, layer.v_size))
-    chunks: list[bytes] = []
-    for begin, end in itertools.pairwise(bounds):
-        parts: list[Buffer] = []
-        for found in runs:
-            if found is not None:
-                parts.extend(_chunk_pieces(found[1], begin, end, st.cell_ext))
-        chunks.append(b"".join(parts))
     tail = b""
     if chunked < len(st.caches):
         rest = SeqState(st.caches[chunked:], st.version, st.cell_ext, None)
         tail = b"".join([_TAIL_HEAD.pack(total), *rest.pieces()])
-    return Split(b"".join(meta), chunks, tail)
+    streams = [found[1] for found in runs if found is not None]
+    return Cut(b"".join(meta), tail, streams, bounds, st.cell_ext)
+
+
+class Cut:
+    """A state cut into chunks, none of them copied yet (`cut`): a caller that stores only the
+    chunks a store lacks copies only those (a chat's next turn, its own tokens). Valid while the
+    state's buffer is."""
+
+    def __init__(self, meta: bytes, tail: bytes, streams: list[Stream], bounds: list[int], ext: bool) -> None:
+        #: As `Split.meta` and `Split.tail`.
+        self.meta, self.tail = meta, tail
+        self._streams, self._bounds, self._ext = streams, bounds, ext
+
+    def __len__(self) -> int:
+        """How many chunks: one per range of positions, as `Split.chunks`."""
+        return len(self._bounds) - 1
+
+    def pieces(self, index: int) -> list[Buffer]:
+        """Chunk `index` (negative: from the end) as the views it is made of, in order."""
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"chunk {index} of {len(self)}")
+        begin, end = self._bounds[index], self._bounds[index + 1]
+        out: list[Buffer] = []
+        for stream in self._streams:
+            out.extend(_chunk_pieces(stream, begin, end, self._ext))
+        return out
+
+    def chunk(self, index: int) -> bytes:
+        """Chunk `index`'s bytes (`Split.chunks[index]`): one copy of them."""
+        return b"".join(self.pieces(index))
 
 
 def _chunk_pieces(stream: Stream, begin: int, end: int, ext: bool) -> Iterator[Buffer]:

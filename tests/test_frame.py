@@ -28,6 +28,20 @@ def test_round_trip() -> None:
     assert decoded.created == 1700000000.5 and decoded.payload_size == 14
 
 
+@pytest.mark.parametrize("secret", [None, b"k" * 16])
+def test_a_section_given_in_pieces_is_the_same_frame(secret: bytes | None) -> None:
+    """A section may come as a list of buffers (a state's chunk, from views of it): the frame is
+    byte for byte the one of the joined section."""
+    state = bytes(range(256)) * 4
+    pieces = [memoryview(state)[:100], state[100:612], bytearray(state[612:])]
+    whole = frame.encode([1, 2], [state, b"tail"], created=1.0, secret=secret, **FIELDS)
+    assert frame.encode([1, 2], [pieces, b"tail"], created=1.0, secret=secret, **FIELDS) == whole
+    assert frame.encode([1, 2], [(), b"tail"], created=1.0, **FIELDS) == frame.encode(
+        [1, 2], [b"", b"tail"], created=1.0, **FIELDS
+    )
+    assert [bytes(s) for s in frame.decode(whole, secret=secret).sections] == [state, b"tail"]
+
+
 def test_sections_are_zero_copy_views() -> None:
     buf = bytearray(make())
     decoded = frame.decode(memoryview(buf))

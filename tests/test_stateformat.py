@@ -338,6 +338,24 @@ def test_split_then_join_gives_the_state_back(contexts: Callable[..., Context], 
         assert bare.chunks == pieces.chunks and sf.join(*bare) == data[8:]
 
 
+def test_cut_gives_the_chunks_as_views_until_asked(contexts: Callable[..., Context]) -> None:
+    """`cut` copies no chunk: each is the pieces of the state it is made of (views of it, but for
+    a transposed V's columns, gathered), joined on demand (`Cut.chunk`): `split`'s bytes."""
+    cuts = list(range(STEP, N, STEP))
+    for flash in (True, False):
+        context = contexts("tiny", flash=flash)
+        context.eval(TOKENS, ends=batch_ends(N))
+        data = context.state()
+        pieces, split = sf.cut(data, cuts), sf.split(data, cuts)
+        assert len(pieces) == len(split.chunks) and (pieces.meta, pieces.tail) == (split.meta, split.tail)
+        assert [pieces.chunk(i) for i in range(len(pieces))] == split.chunks
+        assert pieces.chunk(-1) == split.chunks[-1]
+        with pytest.raises(IndexError):
+            pieces.pieces(len(pieces))
+        if flash:
+            assert all(isinstance(p, memoryview) and p.obj is data for p in pieces.pieces(1))
+
+
 def test_the_chunks_of_a_prefix_are_the_first_chunks_of_a_longer_state(
     contexts: Callable[..., Context], config: tuple[str, dict[str, Any]]
 ) -> None:
