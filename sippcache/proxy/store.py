@@ -304,7 +304,8 @@ class SlotStore:
 
     def _store(self, snapshot: Snapshot, supersedes: Origin | None, scope: str) -> chunks.Stored:
         """A saved slot file into the store. The file is mapped, not read: a whole entry copies the
-        state once (into its frame); chunks copy it once (stateformat.split) and the new ones once more."""
+        state once (into its frame); in chunks, only the new chunks are copied, once each (into their
+        frames, from views of the mapping: stateformat.cut), and the tail."""
         with open(snapshot.path, "rb") as f:  # mapped copy-on-write: writing the header spoils no file
             mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         view = memoryview(mapped)
