@@ -175,6 +175,7 @@ class Assembled:
         state: sf.Joined | memoryview,
         chunks: int,
         matches: list[Match],
+        unchecked: list[tuple[Tokens, str, Blob]] | None = None,
     ) -> None:
         #: The tail's (or whole entry's) frame: its meta, and the caller's sections.
         self.entry = entry
@@ -186,6 +187,8 @@ class Assembled:
         self.chunks = chunks
         self._n_tokens = n_tokens
         self._matches = matches
+        #: The entries whose payload checks a deferred restore left: (key, namespace, blob).
+        self.unchecked = unchecked or []
         self._state: sf.Joined | memoryview | None = state
         self._joined: Blob | None = None
 
@@ -253,6 +256,7 @@ class Assembled:
         to be used after."""
         matches, self._matches = self._matches, []
         self._state = self._joined = None
+        self.unchecked = []
         for match in matches:
             match.release()
 
@@ -466,18 +470,25 @@ class ChunkedStates:
 
     # -- restoring -------------------------------------------------------------------------
 
-    def restore(self, tokens: Tokens, *, namespace: str = "", partial: bool = False) -> Assembled | None:
+    def restore(
+        self, tokens: Tokens, *, namespace: str = "", partial: bool = False, deferred: bool = False
+    ) -> Assembled | None:
         """The best stored state for `tokens`: the one of the entry with the longest stored
         prefix (with `partial`, the longest common prefix) that the store can still assemble;
         None if there is none. Where a state can be cut (chunks alone make one), only the chunks
         covering the match are read: the result may then hold a prefix of the entry's tokens
-        (`Assembled.tokens`), never tokens the store did not hold. Release it when done."""
+        (`Assembled.tokens`), never tokens the store did not hold. Release it when done.
+
+        `deferred` (without a secret: a MAC is checked before anything is read) leaves the
+        entries' payload checksums to `check`, which the caller runs before llama.cpp gets the
+        bytes, while it writes them out (xxhash lets go of the GIL)."""
         match = self.cache.lookup(tokens, namespace=namespace, partial=partial)
         if match is None:
             return None
         held = [match]
+        unchecked: list[tuple[Tokens, str, Blob]] | None = [] if deferred and self.secret is None else None
         try:
-            assembled = self._assemble(match, namespace, partial, held)
+            assembled = self._assemble(match, namespace, partial, held, unchecked)
         except BaseException:
             for m in held:
                 m.release()
@@ -487,10 +498,32 @@ class ChunkedStates:
                 m.release()
         return assembled
 
-    def _assemble(self, match: Match, namespace: str, partial: bool, held: list[Match]) -> Assembled | None:
+    def check(self, assembled: Assembled) -> bool:
+        """Check the payloads a deferred `restore` left unchecked: False, the damaged entry deleted
+        and counted, if one fails (then use none of the state). May run on another thread while the
+        state's bytes are written out."""
+        return self._check(assembled.unchecked)
+
+    def _check(self, unchecked: list[tuple[Tokens, str, Blob]]) -> bool:
+        for key, namespace, blob in unchecked:
+            try:
+                frame.decode(blob, secret=self.secret)
+            except (CorruptEntry, UnsupportedEntry) as exc:
+                self._drop(key, namespace, str(exc))
+                return False
+        return True
+
+    def _assemble(
+        self,
+        match: Match,
+        namespace: str,
+        partial: bool,
+        held: list[Match],
+        unchecked: list[tuple[Tokens, str, Blob]] | None,
+    ) -> Assembled | None:
         key = match.key
         try:
-            entry = frame.decode(match.blob, secret=self.secret)
+            entry = frame.decode(match.blob, secret=self.secret, check_payload=unchecked is None)
         except UnsupportedEntry as exc:  # a newer sippcache's: kept for it
             log.warning("sippcache: an entry of %d tokens is of a newer format (kept): %s", len(key), exc)
             return None
@@ -500,8 +533,10 @@ class ChunkedStates:
         if entry.fingerprint != self.fingerprint or entry.token_bytes != _tokens.encode(key):
             self._drop(key, namespace, "its header does not match its key and model")
             return None
+        if unchecked is not None:
+            unchecked.append((key, namespace, match.blob))
         if entry.kind == self.kind and entry.sections:
-            return Assembled(entry, key, match.length, len(key), entry.sections[0], 0, held)
+            return Assembled(entry, key, match.length, len(key), entry.sections[0], 0, held, unchecked)
         if entry.kind != self.tail_kind:
             self._drop(key, namespace, f"an entry of kind {entry.kind!r} among states of {self.kind!r}")
             return None
@@ -527,26 +562,40 @@ class ChunkedStates:
         want = match.length if partial else len(key)
         full = want > first or not alone
         need = first // size if full else -(-want // size)
-        chunks = self._chunks(key, need, size, per_cell, layout, chunk_namespace(namespace, size, layout), held)
+        at = chunk_namespace(namespace, size, layout)
+        chunks = self._chunks(key, need, size, per_cell, layout, at, held, unchecked)
         try:
             if full and len(chunks) == need:
                 state = sf.joined(meta, [*chunks, cells], caches)
-                return Assembled(entry, key, match.length, len(key), state, need, held)
+                return Assembled(entry, key, match.length, len(key), state, need, held, unchecked)
             if chunks and alone:  # a run short of the tail: the state of its tokens
                 run = len(chunks) * size
                 state = sf.joined(meta, chunks)
-                return Assembled(entry, key, min(match.length, run), run, state, len(chunks), held)
-        except sf.UnsupportedState as exc:  # checksums passed, yet the parts do not fit: not used
+                if unchecked is not None:  # the tail's own payload is not used
+                    unchecked.pop(0)
+                return Assembled(entry, key, min(match.length, run), run, state, len(chunks), held, unchecked)
+        except sf.UnsupportedState as exc:  # the parts do not fit: not used
+            if unchecked is not None and not self._check(unchecked):
+                return None  # a damaged payload, now deleted
             self.damaged += 1
             log.warning("sippcache: the chunks of an entry of %d tokens do not join (not used): %s", len(key), exc)
         return None
 
     def _chunks(
-        self, key: tuple[int, ...], need: int, size: int, per_cell: int, layout: str, namespace: str, held: list[Match]
+        self,
+        key: tuple[int, ...],
+        need: int,
+        size: int,
+        per_cell: int,
+        layout: str,
+        namespace: str,
+        held: list[Match],
+        unchecked: list[tuple[Tokens, str, Blob]] | None,
     ) -> list[memoryview]:
         """The cells of the first `need` chunks of `key`'s chain, in order, up to the first one
         missing or unusable: read with one `lookup_prefixes` (one snapshot, or one round trip),
-        their matches added to `held` (views of them are returned)."""
+        their matches added to `held` (views of them are returned), and to `unchecked` (when not
+        None) the chunks whose payloads are left to `check`."""
         ids = _ids(key)
         width = size * per_cell
         found = self.cache.lookup_prefixes(ids, [k * size for k in range(1, need + 1)], namespace=namespace)
@@ -556,7 +605,7 @@ class ChunkedStates:
         for match, digest in zip(found, chain, strict=True):
             end = match.length
             try:
-                chunk = frame.decode(match.blob, secret=self.secret)
+                chunk = frame.decode(match.blob, secret=self.secret, check_payload=unchecked is None)
             except UnsupportedEntry:
                 break
             except CorruptEntry as exc:
@@ -575,6 +624,8 @@ class ChunkedStates:
                 self._drop(ids[:end], namespace, "a chunk that does not match its key, model or layout")
                 break
             out.append(cells)
+            if unchecked is not None:
+                unchecked.append((ids[:end], namespace, match.blob))
         return out
 
     def _drop(self, key: Tokens, namespace: str, why: str) -> None:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, cast
 
 import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
 import xxhash
@@ -138,7 +138,7 @@ def encode(
     sizes = []
     flat: list[Blob] = []
     for section in sections:
-        pieces = section if isinstance(section, (list, tuple)) else [section]
+        pieces: Sequence[Blob] = section if isinstance(section, (list, tuple)) else (cast(Blob, section),)
         size = 0
         for piece in pieces:
             payload_hash.update(piece)
@@ -218,13 +218,16 @@ def _unpack_header(raw: memoryview) -> dict[str, Any]:
     return header
 
 
-def decode(buf: Blob, *, secret: Secret | None = None) -> Frame:
+def decode(buf: Blob, *, secret: Secret | None = None, check_payload: bool = True) -> Frame:
     """Parse and verify a framed entry; raise `CorruptEntry` on any damage
     (`UnsupportedEntry` for a format version this sippcache does not read).
 
     With a `secret`, a frame without a valid MAC made with it is refused. The
     returned sections are views of `buf`: keep `buf` alive (and, for an LMDB
-    match, the match unreleased) while you use them.
+    match, the match unreleased) while you use them. `check_payload` False
+    leaves the payload's checksum (or MAC) unchecked, the header's checked: for
+    a caller that checks it later with a full `decode` (on another thread, while
+    it writes the sections out) and uses nothing before.
     """
     view = memoryview(buf).cast("B")
     if len(view) < _PREFIX.size:
@@ -254,13 +257,13 @@ def decode(buf: Blob, *, secret: Secret | None = None) -> Frame:
     if sum(header["sizes"]) != len(payload):
         raise CorruptEntry(f"entry payload is {len(payload)} bytes, header says {sum(header['sizes'])}")
     authenticated = False
-    if secret is not None:
+    if check_payload and secret is not None:
         if not trailer:
             raise CorruptEntry("entry has no MAC, and a secret is set")
         if not hmac.compare_digest(_mac(secret, [view[: len(view) - trailer]]), view[len(view) - trailer :]):
             raise CorruptEntry("entry MAC does not match the secret")
         authenticated = True  # the MAC covers the payload: its xxh3 checksum adds nothing
-    elif xxhash.xxh3_64_intdigest(payload) != header["checksum"]:
+    elif check_payload and xxhash.xxh3_64_intdigest(payload) != header["checksum"]:
         raise CorruptEntry("entry payload checksum mismatch")
     sections = []
     offset = 0

@@ -321,6 +321,32 @@ def test_damaged_chunks_are_deleted_and_give_the_shorter_run(llm: Any, cache: si
     assert store.damaged == 2
 
 
+def test_a_deferred_restore_leaves_the_payload_checks_to_check(llm: Any, cache: sippcache.CacheBackend) -> None:
+    """`restore(deferred=True)` checks headers, not payloads: `check` does, on any thread, before
+    the bytes are used; a damaged payload fails it and its entry is deleted. With a secret nothing
+    is deferred (a MAC is checked before anything is read)."""
+    tokens = prompt(500)
+    data = state_of(llm, tokens)
+    store = states(cache)
+    store.store(tokens, data, namespace=NS)
+    with store.restore(tokens, namespace=NS, deferred=True) as intact:  # type: ignore[union-attr]
+        assert len(intact.unchecked) == 1 + (500 - 1) // C and store.check(intact)
+        assert intact.state == data
+    chunk_namespace = entries(cache)[0][0].namespace
+    with cache.lookup(tokens[: 3 * C], namespace=chunk_namespace) as match:  # type: ignore[union-attr]
+        damaged = bytearray(match.blob)
+    damaged[-5] ^= 0xFF  # a flipped K/V byte: the frame's checksum fails
+    cache.store(tokens[: 3 * C], damaged, namespace=chunk_namespace)
+    with store.restore(tokens, namespace=NS, deferred=True) as found:  # type: ignore[union-attr]
+        assert not store.check(found) and store.damaged == 1
+    assert cache.peek(tokens[: 3 * C], namespace=chunk_namespace).key_length == 2 * C  # type: ignore[union-attr]
+    assert restored(store, tokens) == (tuple(tokens[: 2 * C]), sf.prefix(data, 2 * C))  # the run before it
+    secret = states(cache, secret=b"s3cret")
+    secret.store(tokens, data, namespace="mac")
+    with secret.restore(tokens, namespace="mac", deferred=True) as checked:  # type: ignore[union-attr]
+        assert checked.unchecked == [] and secret.check(checked) and checked.state == data
+
+
 def test_with_a_secret_every_chunk_carries_a_mac(llm: Any, cache: sippcache.CacheBackend) -> None:
     tokens = prompt(300)
     data = state_of(llm, tokens)

@@ -207,6 +207,29 @@ def test_a_chunked_state_is_staged_as_the_slot_file_llama_server_wrote(chunked: 
     chunked.close()
 
 
+def test_a_damaged_chunk_found_while_staging_leaves_no_slot_file(chunked: SlotStore, tiny_llm: Any) -> None:
+    """The payloads' checksums run while the staging file is written: a damaged chunk makes the
+    restore a miss (no file for llama-server to load), the chunk is deleted, and the next restore
+    takes the run before it."""
+    tokens = (1, *tiny_tokens(499, 2))
+    state = real_state(tiny_llm, tokens)
+    keep_real(chunked, tiny_llm, tokens, len(tokens), None)
+    at = next(e.namespace for e in chunked.cache.entries() if chunks.is_chunk_namespace(e.namespace))
+    with chunked.cache.lookup(tokens[: 3 * CHUNK], namespace=at) as match:  # type: ignore[union-attr]
+        damaged = bytearray(match.blob)
+    damaged[-5] ^= 0xFF
+    chunked.cache.store(tokens[: 3 * CHUNK], damaged, namespace=at)
+    target = chunked.restore_file("http://127.0.0.1:1", 0)
+    errors = chunked.errors
+    assert chunked._stage((*tokens, 5), chunked.namespace(""), target) is None and not Path(target).exists()
+    assert chunked.errors == errors + 1 and chunked.states.damaged == 1
+    assert chunked.cache.peek(tokens[: 3 * CHUNK], namespace=at).key_length == 2 * CHUNK  # type: ignore[union-attr]
+    staged = chunked._stage((*tokens[:300], 1), chunked.namespace(""), target)  # a cut state: chunks alone
+    assert staged is not None and staged[2] == tokens[: 2 * CHUNK]
+    assert slotfile.parse(Path(target).read_bytes()).state == sf.prefix(state, 2 * CHUNK)
+    chunked.close()
+
+
 def test_conversations_over_one_system_prompt_write_it_once(chunked: SlotStore, tiny_llm: Any) -> None:
     system = (1, *tiny_tokens(599, 1))
     saved = [keep_real(chunked, tiny_llm, (*system, *tiny_tokens(100, 10 + i)), 620, None) for i in range(4)]

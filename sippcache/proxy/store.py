@@ -49,6 +49,7 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import xxhash
@@ -64,6 +65,8 @@ from .upstream import Upstream, UpstreamRefused
 __all__ = ["KIND", "Restored", "Saved", "SlotStore", "Snapshot"]
 
 log = logging.getLogger("sippcache.proxy")
+#: Where a restore's payload checksums run while its staging file is written.
+_checks = ThreadPoolExecutor(2, thread_name_prefix="sippcache-check")
 
 #: A slot's new state replaces the entry it grew from when it keeps all of that entry's prompt and
 #: all of the entry but at most its last this many tokens: the end of the last answer as the model
@@ -245,26 +248,34 @@ class SlotStore:
         """Write the best stored state for `tokens` as a slot file at `path`: (the entry it comes
         from, the state's bytes, the tokens it holds: the entry's, or a prefix of them), or None."""
         try:
-            assembled = self.states.restore(tokens, namespace=namespace, partial=self.can_cut)
+            assembled = self.states.restore(tokens, namespace=namespace, partial=self.can_cut, deferred=True)
         except SippcacheError as exc:
             self._failed("lookup", exc)
             return None
         if assembled is None:
             return None
         with assembled:
+            # The payloads' checksums run on another thread while the staging file is written:
+            # llama-server hears of the file only once they passed.
+            checked = _checks.submit(self.states.check, assembled) if assembled.unchecked else None
+            error: Exception | None = None
             try:
                 version = int(assembled.entry.meta.get("slot_version", 0))
                 prompt = int(assembled.entry.meta.get("prompt", 0))
                 state = slotfile.state_parts(assembled.parts)
-            except (TypeError, ValueError) as exc:  # damaged (SlotFileError is a ValueError): dropped
-                self._failed("decode", exc)
-                self._drop(assembled.key, namespace)
-                return None
-            held = assembled.tokens
-            try:
+                held = assembled.tokens
                 _rewrite(path, slotfile.build(version, held, *state))
-            except OSError as exc:
-                self._failed("staging write", exc)
+            except (TypeError, ValueError, OSError) as exc:  # SlotFileError is a ValueError
+                error = exc
+            finally:  # (before the views it reads are released)
+                passed = checked is None or checked.result()
+            if not passed:  # a miss: the damaged entry is deleted, and counted (`errors`)
+                _remove(path)
+                return None
+            if error is not None:
+                self._failed("staging write" if isinstance(error, OSError) else "decode", error)
+                if not isinstance(error, OSError):  # damaged: dropped
+                    self._drop(assembled.key, namespace)
                 _remove(path)
                 return None
             return Origin(assembled.key, prompt), sum(len(part) for part in state), held
