@@ -52,12 +52,13 @@ import mmap
 import struct
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
-from . import frame
+from . import frame, helpers
 from . import stateformat as sf
 from . import tokens as _tokens
 from .errors import CorruptEntry, UnsupportedEntry
@@ -503,6 +504,12 @@ class ChunkedStates:
         and counted, if one fails (then use none of the state). May run on another thread while the
         state's bytes are written out."""
         return self._check(assembled.unchecked)
+
+    def check_meanwhile(self, assembled: Assembled) -> Future[bool]:
+        """`check` on a helper thread (xxhash lets go of the GIL): the caller writes the state out
+        meanwhile, and waits for the result, before anything uses the bytes and before releasing
+        `assembled`."""
+        return helpers.pool("check", 2).submit(self.check, assembled)
 
     def _check(self, unchecked: list[tuple[Tokens, str, Blob]]) -> bool:
         for key, namespace, blob in unchecked:

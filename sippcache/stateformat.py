@@ -30,13 +30,14 @@ import itertools
 import os
 import struct
 import sys
-import threading
 from array import array
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeAlias
+
+from . import helpers
 
 try:  # optional: gathers transposed V in one copy per layer (llama-cpp-python installs it; the proxy may not)
     import numpy as _np
@@ -884,31 +885,13 @@ def joined(meta: Buffer, chunks: Sequence[Buffer], tail: Buffer = b"") -> Joined
 
 #: A state's transposed V of at least this many bytes is gathered on helper threads too.
 PARALLEL_GATHER_BYTES = 4 << 20
-_helpers: ThreadPoolExecutor | None = None
-_helpers_lock = threading.Lock()
 
 
 def _gather_helpers() -> ThreadPoolExecutor | None:
     """The threads that help gather a transposed V: one per core past the first, up to 3
     (None on one core, or without numpy, whose copies are what let go of the GIL)."""
-    global _helpers
     count = min(3, (os.cpu_count() or 1) - 1)
-    if _np is None or count < 1:
-        return None
-    with _helpers_lock:
-        if _helpers is None:
-            _helpers = ThreadPoolExecutor(count, thread_name_prefix="sippcache-gather")
-        return _helpers
-
-
-def _forget_helpers() -> None:
-    """In a forked child the parent's threads are gone: start new ones when needed."""
-    global _helpers, _helpers_lock
-    _helpers, _helpers_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_helpers)
+    return helpers.pool("gather", count) if _np is not None and count >= 1 else None
 
 
 def _drain(columns: deque[tuple[_Columns, memoryview]]) -> None:

@@ -180,6 +180,31 @@ def test_corrupt_entry_is_a_miss_and_dropped(make_llama, tiny_model, caplog) -> 
     assert decoded.kind == "llama.seq.tail"  # 299 tokens: four chunks of 64 and this tail
 
 
+def test_a_damaged_chunk_found_while_joining_is_a_miss_and_dropped(make_llama, tiny_model) -> None:
+    """A chunk's payload is checked on another thread while the state is joined: a damaged one
+    makes the restore a miss (llama.cpp never gets the bytes) and is deleted; the prompt's state,
+    stored again, writes it afresh."""
+    tokens = prompt(300)
+    cache = sippcache.open("ram://")
+    with PrefixCache(make_llama(tiny_model), cache) as pc:
+        pc.prefill(tokens)
+        pc.flush()
+    at = next(e.namespace for e in cache.entries() if chunks.is_chunk_namespace(e.namespace))
+    match = cache.lookup(tokens[:128], namespace=at)
+    damaged = bytearray(match.blob)
+    match.release()
+    damaged[-5] ^= 0xFF
+    cache.store(tokens[:128], damaged, namespace=at)
+    llm = make_llama(tiny_model)
+    whole, _ = reference_logits(make_llama, tiny_model, tokens)
+    with PrefixCache(llm, cache) as pc:
+        assert pc.prefill(tokens) == 0
+        assert pc.stats()["corrupt_entries"] == 1
+        assert_close(last_logits(llm), whole)
+    with cache.lookup(tokens[:128], namespace=at) as again:  # type: ignore[union-attr]
+        assert frame.decode(again.blob).kind == "llama.seq.chunk"
+
+
 def test_a_well_formed_entry_for_other_positions_is_dropped(make_llama, tiny_model) -> None:
     """A forged entry (valid checksums, but a state of 299 tokens under a 300-token key)
     is never used: the restored positions must be exactly the key's."""

@@ -311,11 +311,14 @@ class SequenceCache:
         """What a lookup would find (no blob read, not a use)."""
         return self._safely("peek", lambda: self.cache.peek(key, namespace=self.namespace, partial=partial), None)
 
-    def lookup(self, key: list[int], *, partial: bool) -> Assembled | None:
-        """The best stored state for `key` (as `ChunkedStates.restore`), or None."""
+    def lookup(self, key: list[int], *, partial: bool, deferred: bool = False) -> Assembled | None:
+        """The best stored state for `key` (as `ChunkedStates.restore`; `deferred`: its payload
+        checks left to `restore`, which runs them while it joins the state), or None."""
         damaged = self.states.damaged
         found = self._safely(
-            "lookup", lambda: self.states.restore(key, namespace=self.namespace, partial=partial), None
+            "lookup",
+            lambda: self.states.restore(key, namespace=self.namespace, partial=partial, deferred=deferred),
+            None,
         )
         self.stats.corrupt_entries += self.states.damaged - damaged
         return found
@@ -472,7 +475,7 @@ class SequenceCache:
         """Look `query` up and restore the match into `seq`: with `with_logits`, only an
         entry for all of `query` with its logits; None if nothing usable was restored."""
         started = time.perf_counter()
-        found = self.lookup(query, partial=partial)
+        found = self.lookup(query, partial=partial, deferred=True)
         if found is None:
             return None
         with found:
@@ -509,7 +512,19 @@ class SequenceCache:
         del logits_bytes
         nbytes = found.nbytes
         self.clear(ctx, seq)
-        refused = self._restore_state(ctx, seq, memoryview(found.state_in(self._join_buffer(nbytes))), len(held))
+        # A deferred lookup's payload checks run while the state is joined (a whole entry has
+        # nothing to join: checked first); llama.cpp gets the bytes only once they passed.
+        damaged = self.states.damaged
+        checked = self.states.check_meanwhile(found) if found.unchecked and not found.whole else None
+        passed = checked is not None or self.states.check(found)
+        try:
+            state = memoryview(found.state_in(self._join_buffer(nbytes))) if passed else None
+        finally:  # (before the views it reads are released)
+            passed = passed and (checked is None or checked.result())
+        if not passed or state is None:
+            self.stats.corrupt_entries += self.states.damaged - damaged
+            return None
+        refused = self._restore_state(ctx, seq, state, len(held))
         if refused is None and length < len(held) and not self.truncate(ctx, seq, length):
             refused = states.REFUSED_CUT
         if refused is not None:

@@ -49,7 +49,6 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import xxhash
@@ -65,8 +64,6 @@ from .upstream import Upstream, UpstreamRefused
 __all__ = ["KIND", "Restored", "Saved", "SlotStore", "Snapshot"]
 
 log = logging.getLogger("sippcache.proxy")
-#: Where a restore's payload checksums run while its staging file is written.
-_checks = ThreadPoolExecutor(2, thread_name_prefix="sippcache-check")
 
 #: A slot's new state replaces the entry it grew from when it keeps all of that entry's prompt and
 #: all of the entry but at most its last this many tokens: the end of the last answer as the model
@@ -257,7 +254,7 @@ class SlotStore:
         with assembled:
             # The payloads' checksums run on another thread while the staging file is written:
             # llama-server hears of the file only once they passed.
-            checked = _checks.submit(self.states.check, assembled) if assembled.unchecked else None
+            checked = self.states.check_meanwhile(assembled) if assembled.unchecked else None
             error: Exception | None = None
             try:
                 version = int(assembled.entry.meta.get("slot_version", 0))
