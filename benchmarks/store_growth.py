@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
@@ -205,12 +206,13 @@ def model_path(name: str, folder: Path) -> tuple[Path, dict[str, Any]]:
     return gemma_model_path(), {}
 
 
-def system_prompt(url: str, target: int) -> str:
-    """A system prompt of about `target` tokens on this model."""
+def system_prompt(count: Callable[[str], int], target: int) -> str:
+    """A system prompt of about `target` tokens, as `count` counts a text's (each path tokenizes
+    its own way: llama-server's chat template, the model's tokenizer with a BOS)."""
     words = target
     for _ in range(6):
         system = "You are the keeper's archivist. Answer in one short sentence. The log so far: " + text(words)
-        n = len(prompt_tokens(url, [{"role": "system", "content": system}]))
+        n = count(system)
         if abs(n - target) <= 20:
             break
         words = max(10, int(words * target / n))
@@ -240,7 +242,9 @@ def run(
     ]
     proxy = ProxyServer(args, folder / f"proxy-{chunk_tokens}.log").wait_ready()
     try:
-        system = system_prompt(proxy.url, target)
+        system = system_prompt(
+            lambda text_: len(prompt_tokens(proxy.url, [{"role": "system", "content": text_}])), target
+        )
         chats = [[{"role": "system", "content": system}] for _ in range(conversations)]
         answers: list[str] = []
         finals: list[list[int]] = []
@@ -318,14 +322,7 @@ def run_llama(
     def tokens_of(text_: str, bos: bool = False) -> list[int]:
         return [int(t) for t in llm.tokenize(text_.encode(), add_bos=bos, special=False)]
 
-    words = target
-    for _ in range(6):
-        system = tokens_of(
-            "You are the keeper's archivist. Answer in one short sentence. The log so far: " + text(words), True
-        )
-        if abs(len(system) - target) <= 20:
-            break
-        words = max(10, int(words * target / len(system)))
+    system = tokens_of(system_prompt(lambda text_: len(tokens_of(text_, True)), target), True)
     chats = [list(system) for _ in range(conversations)]
     pool: SessionPool | None = None
     cache: LlamaCache | None = None
@@ -371,28 +368,8 @@ def run_llama(
             cache.close()
     finally:
         llm.close()
-    with sippcache.open(url) as store:
-        kept = store.stats()
-        kv, window = kv_per_token(store)
     finals = [chat[: len(chat) - n] for chat, n in zip(chats, last_answer, strict=True)]
-    return Run(
-        chunk_tokens,
-        float(stats["bytes_written"]),
-        kept.bytes,
-        kept.entries,
-        float(stats["entries_written"]),
-        0.0,
-        int(stats["tokens_reused"]) + int(stats["context_tokens_reused"]),
-        int(stats["tokens_evaluated"]),
-        seconds,
-        answers,
-        [],
-        ttft,
-        [],
-        trie_size(finals) + sum(last_answer),
-        kv,
-        window,
-    )
+    return llama_layer_run(url, chunk_tokens, stats, seconds, answers, ttft, trie_size(finals) + sum(last_answer))
 
 
 def run_serve(model: Path, folder: Path, chunk_tokens: int, conversations: int, turns: int, target: int) -> Run:
@@ -410,13 +387,7 @@ def run_serve(model: Path, folder: Path, chunk_tokens: int, conversations: int, 
     def tokens_of(text_: str, bos: bool = False) -> list[int]:
         return [int(t) for t in vocab.tokenize(text_.encode(), add_bos=bos, special=False)]
 
-    words = target
-    for _ in range(6):
-        system = "You are the keeper's archivist. Answer in one short sentence. The log so far: " + text(words)
-        n = len(tokens_of(system, True))
-        if abs(n - target) <= 20:
-            break
-        words = max(10, int(words * target / n))
+    system = system_prompt(lambda text_: len(tokens_of(text_, True)), target)
     args = ["--model", str(model), "--model_alias", "m", "--cache", url, "--n_ctx", "4096", "--parallel", "2"]
     args += ["--save_idle", "0", "--chunk_tokens", str(chunk_tokens)]
     server = Server(args, folder / f"serve-{chunk_tokens}.log").wait_ready()
@@ -441,11 +412,25 @@ def run_serve(model: Path, folder: Path, chunk_tokens: int, conversations: int, 
         stats = server.model_stats()
     finally:
         server.stop()
+    finals = [tokens_of(chat, True) for chat in chats]
+    finals = [tokens[: len(tokens) - n] for tokens, n in zip(finals, last_answer, strict=True)]
+    return llama_layer_run(url, chunk_tokens, stats, seconds, answers, ttft, trie_size(finals) + sum(last_answer))
+
+
+def llama_layer_run(
+    url: str,
+    chunk_tokens: int,
+    stats: dict[str, Any],
+    seconds: float,
+    answers: list[str],
+    ttft: list[float],
+    distinct: int,
+) -> Run:
+    """A `Run` of the llama-cpp-python layer (drop-in, pool, server): from its counters (`PrefixStats`'
+    names) and the store at `url` as the run left it (no logprobs, no llama-server timings)."""
     with sippcache.open(url) as store:
         kept = store.stats()
         kv, window = kv_per_token(store)
-    finals = [tokens_of(chat, True) for chat in chats]
-    finals = [tokens[: len(tokens) - n] for tokens, n in zip(finals, last_answer, strict=True)]
     return Run(
         chunk_tokens,
         float(stats["bytes_written"]),
@@ -460,7 +445,7 @@ def run_serve(model: Path, folder: Path, chunk_tokens: int, conversations: int, 
         [],
         ttft,
         [],
-        trie_size(finals) + sum(last_answer),
+        distinct,
         kv,
         window,
     )
@@ -483,11 +468,11 @@ def kv_per_token(store: sippcache.CacheBackend) -> tuple[int, int]:
     with match:
         entry = frame.decode(match.blob)
         if entry.kind.endswith(chunks.TAIL_SUFFIX):
-            cells, window = entry.section("cells"), entry.section("caches")
+            cells, unchunked = entry.section("cells"), entry.section("caches")
             size = int(entry.meta["chunk_tokens"])
             tail = len(entry.tokens) - (len(entry.tokens) - 1) // size * size
             assert cells is not None
-            return len(cells) // tail, len(window or b"")
+            return len(cells) // tail, len(unchunked or b"")
         state = sf.parse(entry.sections[0], header=True)
         per_token = max(1, sf.chunkable_caches(state))  # the caches holding every position (what chunks hold)
         held = [cache.active() for cache in state.caches]
