@@ -158,6 +158,25 @@ def test_scopes_are_isolated(make_llama, tiny_model, url) -> None:
         assert pc.prefill(tokens) == 299
 
 
+def flip_a_byte(cache: sippcache.CacheBackend, tokens: list[int], namespace: str, at: int) -> None:
+    """Store the entry under `tokens` again with its byte `at` flipped: its checksum fails."""
+    with cache.lookup(tokens, namespace=namespace) as match:  # type: ignore[union-attr]
+        damaged = bytearray(match.blob)
+    damaged[at] ^= 0xFF
+    cache.store(tokens, damaged, namespace=namespace)
+
+
+def assert_a_miss_that_drops_one(make_llama, tiny_model, cache: sippcache.CacheBackend, tokens: list[int]) -> None:
+    """A new PrefixCache on `cache` restores nothing for `tokens`, counts one corrupt entry, and
+    computes the never-cached logits."""
+    llm = make_llama(tiny_model)
+    whole, _ = reference_logits(make_llama, tiny_model, tokens)
+    with PrefixCache(llm, cache) as pc:
+        assert pc.prefill(tokens) == 0
+        assert pc.stats()["corrupt_entries"] == 1
+        assert_close(last_logits(llm), whole)
+
+
 def test_corrupt_entry_is_a_miss_and_dropped(make_llama, tiny_model, caplog) -> None:
     tokens = prompt(300)
     cache = sippcache.open("ram://")
@@ -165,16 +184,9 @@ def test_corrupt_entry_is_a_miss_and_dropped(make_llama, tiny_model, caplog) -> 
         pc.prefill(tokens)
         pc.flush()
         namespace = pc.namespace
-    match = cache.lookup(tokens[:-1], namespace=namespace)
-    damaged = bytearray(match.blob)
-    damaged[-100] ^= 0xFF  # one bit pattern inside the KV payload
-    cache.store(tokens[:-1], damaged, namespace=namespace)
-    llm = make_llama(tiny_model)
-    whole, _ = reference_logits(make_llama, tiny_model, tokens)
-    with caplog.at_level(logging.WARNING, logger="sippcache"), PrefixCache(llm, cache) as pc:
-        assert pc.prefill(tokens) == 0
-        assert pc.stats()["corrupt_entries"] == 1
-        assert_close(last_logits(llm), whole)
+    flip_a_byte(cache, tokens[:-1], namespace, -100)  # one bit pattern inside the KV payload
+    with caplog.at_level(logging.WARNING, logger="sippcache"):
+        assert_a_miss_that_drops_one(make_llama, tiny_model, cache, tokens)
     assert "corrupt" in caplog.text
     decoded = frame.decode(cache.lookup(tokens[:-1], namespace=namespace).blob)  # dropped, then stored afresh
     assert decoded.kind == "llama.seq.tail"  # 299 tokens: four chunks of 64 and this tail
@@ -190,17 +202,8 @@ def test_a_damaged_chunk_found_while_joining_is_a_miss_and_dropped(make_llama, t
         pc.prefill(tokens)
         pc.flush()
     at = next(e.namespace for e in cache.entries() if chunks.is_chunk_namespace(e.namespace))
-    match = cache.lookup(tokens[:128], namespace=at)
-    damaged = bytearray(match.blob)
-    match.release()
-    damaged[-5] ^= 0xFF
-    cache.store(tokens[:128], damaged, namespace=at)
-    llm = make_llama(tiny_model)
-    whole, _ = reference_logits(make_llama, tiny_model, tokens)
-    with PrefixCache(llm, cache) as pc:
-        assert pc.prefill(tokens) == 0
-        assert pc.stats()["corrupt_entries"] == 1
-        assert_close(last_logits(llm), whole)
+    flip_a_byte(cache, tokens[:128], at, -5)
+    assert_a_miss_that_drops_one(make_llama, tiny_model, cache, tokens)
     with cache.lookup(tokens[:128], namespace=at) as again:  # type: ignore[union-attr]
         assert frame.decode(again.blob).kind == "llama.seq.chunk"
 
