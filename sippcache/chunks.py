@@ -238,6 +238,13 @@ class Assembled:
         state.write_into(out)
         return out
 
+    def write_into(self, out: memoryview) -> None:
+        """Write the state into the first `nbytes` of `out` (a writable byte buffer: a mapped slot
+        file, say), each byte copied once, a large state's on helper threads too
+        (`stateformat.Joined.write_into`)."""
+        state = self._held()
+        (state if isinstance(state, sf.Joined) else sf.Joined([state])).write_into(out)
+
     @property
     def whole(self) -> bool:
         """A whole entry (not chunked, or stored before chunks)."""

@@ -32,9 +32,9 @@ import struct
 import sys
 from array import array
 from collections import deque
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple, TypeAlias
 
 from . import helpers
@@ -778,42 +778,47 @@ def join(meta: Buffer, chunks: Sequence[Buffer], tail: Buffer = b"") -> bytes:
 
 class Joined:
     """`join`'s state before any byte of it is copied: the pieces it is made of, views of the
-    chunks and tail and a few small new buffers (a transposed V is put together as it is
-    written). Write it out piece by piece (`parts`: a slot file), or into one buffer
-    (`write_into`: what llama.cpp loads), and each byte is copied once. Valid while the
-    chunks and tail are."""
+    chunks and tail and a few small new buffers. Write it out piece by piece (`parts`: a slot
+    file), or into one buffer (`write_into`: what llama.cpp loads, or a mapped slot file), and
+    each byte is copied once. Valid while the chunks and tail are."""
 
-    def __init__(self, pieces: list[Buffer | _Columns]) -> None:
+    def __init__(self, pieces: list[Buffer | _Rows | _Columns]) -> None:
         self._pieces = pieces
         #: The state's size in bytes.
-        self.nbytes = sum(p.nbytes if isinstance(p, _Columns) else memoryview(p).nbytes for p in pieces)
+        self.nbytes = sum(p.nbytes if isinstance(p, _Rows | _Columns) else memoryview(p).nbytes for p in pieces)
 
     def parts(self) -> list[Buffer]:
         """The state as buffers to write back to back (a transposed V joined into one first)."""
         return [
-            part for piece in self._pieces for part in (piece.buffers() if isinstance(piece, _Columns) else [piece])
+            part
+            for piece in self._pieces
+            for part in (piece.buffers() if isinstance(piece, _Rows | _Columns) else [piece])
         ]
 
     def write_into(self, out: memoryview) -> None:
-        """Write the state into the first `nbytes` of `out` (a writable byte buffer). A large
-        transposed V is gathered by helper threads too, where there are cores for them, while
-        this one copies the rest: numpy gathers its short runs (a chunk's cells of one
-        dimension) at about a quarter of a plain copy's speed, and lets go of the GIL meanwhile."""
+        """Write the state into the first `nbytes` of `out` (a writable byte buffer). With numpy,
+        each run of layers is one table copy per chunk (not one per layer and chunk), each
+        transposed V one gather, and a large piece is copied in bands; a large state's copies
+        are shared with helper threads, where there are cores for them (numpy lets go of the
+        GIL while it copies)."""
         at = 0
         plain: list[tuple[memoryview, Buffer]] = []
-        columns: deque[tuple[_Columns, memoryview]] = deque()
+        tables: list[tuple[_Rows | _Columns | _Span, memoryview]] = []
         for piece in self._pieces:
-            size = piece.nbytes if isinstance(piece, _Columns) else memoryview(piece).nbytes
-            if isinstance(piece, _Columns):
-                columns.append((piece, out[at : at + size]))
+            size = piece.nbytes if isinstance(piece, _Rows | _Columns) else memoryview(piece).nbytes
+            if isinstance(piece, _Rows | _Columns):
+                tables.append((piece, out[at : at + size]))
+            elif size >= PARALLEL_GATHER_BYTES and _np is not None:  # a whole state, a large tail
+                tables.append((_Span(memoryview(piece).cast("B")), out[at : at + size]))
             else:
                 plain.append((out[at : at + size], piece))
             at += size
-        helpers = _gather_helpers() if sum(c.nbytes for c, _ in columns) >= PARALLEL_GATHER_BYTES else None
-        started = [helpers.submit(_drain, columns) for _ in range(helpers._max_workers)] if helpers else []
+        workers = _gather_workers() if sum(piece.nbytes for piece, _ in tables) >= PARALLEL_GATHER_BYTES else 0
+        jobs = deque(job for piece, place in tables for job in piece.jobs(place, workers + 1))
+        started = [helpers.pool("gather", workers).submit(_drain, jobs) for _ in range(workers)]
         for place, piece in plain:
             place[:] = piece
-        _drain(columns)
+        _drain(jobs)
         for future in started:
             future.result()
 
@@ -846,7 +851,7 @@ def joined(meta: Buffer, chunks: Sequence[Buffer], tail: Buffer = b"") -> Joined
     elif len(rest):
         raise UnsupportedState("a tail given for a state whose caches are all chunked")
     views = [memoryview(chunk).cast("B") for chunk in chunks]
-    pieces: list[Buffer | _Columns] = []
+    pieces: list[Buffer | _Rows | _Columns] = []
     if flags & _FLAG_HEADER:
         pieces.append(_SEQ_HEAD.pack(SEQ_STATE_MAGIC, header_seq_id))
     offsets = [0] * len(views)  # where each chunk's part of the next cache starts
@@ -862,46 +867,110 @@ def joined(meta: Buffer, chunks: Sequence[Buffer], tail: Buffer = b"") -> Joined
             if cache.rotation is not None:
                 pieces.append(_PAIR.pack(*cache.rotation))
             at = [offset + (CELL_EXT_SIZE * n if ext else 0) for offset, n in zip(offsets, counts, strict=True)]
-            for k_type, k_row in cache.k:
-                pieces.append(_K_HEAD.pack(k_type, k_row))
-                for i, (view, n) in enumerate(zip(views, counts, strict=True)):
-                    pieces.append(view[at[i] : at[i] + n * k_row])
-                    at[i] += n * k_row
-            for v_type, v_size, v_dims in cache.v:
-                if v_dims:
+            rows = [(k_type, k_row, 0) for k_type, k_row in cache.k] + list(cache.v)
+            for (row, transposed), group in itertools.groupby(rows, key=lambda layer: (layer[1], bool(layer[2]))):
+                if not transposed:  # K rows, or V rows: layers of one row size, written as one table
+                    heads = [_K_HEAD.pack(type_id, row) for type_id, _, _ in group]
+                    pieces.append(_Rows(views, at, counts, heads, row))
+                    for i, n in enumerate(counts):
+                        at[i] += len(heads) * n * row
+                    continue
+                for v_type, v_size, v_dims in group:
                     pieces.append(_VT_HEAD.pack(v_type, v_size, v_dims))
                     pieces.append(_Columns(views, at, counts, v_size, v_dims))
                     for i, n in enumerate(counts):
                         at[i] += v_dims * n * v_size
-                else:
-                    pieces.append(_K_HEAD.pack(v_type, v_size))
-                    for i, (view, n) in enumerate(zip(views, counts, strict=True)):
-                        pieces.append(view[at[i] : at[i] + n * v_size])
-                        at[i] += n * v_size
             offsets = at
     pieces.append(rest)
     return Joined(pieces)
 
 
-#: A state's transposed V of at least this many bytes is gathered on helper threads too.
+#: A state's tables of at least this many bytes are copied on helper threads too.
 PARALLEL_GATHER_BYTES = 4 << 20
 
 
-def _gather_helpers() -> ThreadPoolExecutor | None:
-    """The threads that help gather a transposed V: one per core past the first, up to 3
-    (None on one core, or without numpy, whose copies are what let go of the GIL)."""
-    count = min(3, (os.cpu_count() or 1) - 1)
-    return helpers.pool("gather", count) if _np is not None and count >= 1 else None
+def _gather_workers() -> int:
+    """Helper threads that copy a state's tables: one per core past the first, up to 3 (none on
+    one core, or without numpy, whose copies are what let go of the GIL)."""
+    return min(3, (os.cpu_count() or 1) - 1) if _np is not None else 0
 
 
-def _drain(columns: deque[tuple[_Columns, memoryview]]) -> None:
-    """Gather transposed Vs from `columns` until there are none left (several threads at once)."""
+def _drain(jobs: deque[Callable[[], None]]) -> None:
+    """Run `jobs` until there are none left (several threads at once)."""
     while True:
         try:
-            piece, place = columns.popleft()
+            job = jobs.popleft()
         except IndexError:
             return
-        piece.write(place)
+        job()
+
+
+def _table(out: memoryview, rows: int) -> Any:
+    """`out` as a numpy table of `rows` rows of bytes."""
+    return _np.frombuffer(out, dtype=_np.uint8, count=len(out)).reshape(rows, -1)
+
+
+class _Rows:
+    """Layers of rows of one size from the chunks' parts (chunk i's at `at[i]`: each layer's
+    counts[i] rows of `row` bytes, layer after layer): each layer's head, then its rows of every
+    chunk. In a buffer, that is one table (a line per layer) that each chunk fills a column
+    band of."""
+
+    __slots__ = ("at", "counts", "heads", "nbytes", "row", "views")
+
+    def __init__(self, views: list[memoryview], at: list[int], counts: list[int], heads: list[bytes], row: int) -> None:
+        self.views, self.at, self.counts, self.heads, self.row = views, list(at), counts, heads, row
+        self.nbytes = sum(map(len, heads)) + len(heads) * sum(counts) * row
+
+    def buffers(self) -> list[Buffer]:
+        """As buffers to write back to back: each layer's head and its rows in every chunk."""
+        out: list[Buffer] = []
+        for j, head in enumerate(self.heads):
+            out.append(head)
+            for view, start, n in zip(self.views, self.at, self.counts, strict=True):
+                out.append(view[start + j * n * self.row : start + (j + 1) * n * self.row])
+        return out
+
+    def jobs(self, out: memoryview, ways: int) -> list[Callable[[], None]]:
+        """Copies that write this into `out` (`nbytes` long) together, about `ways` of them: the
+        heads now, then each job a run of the chunks, one table copy each."""
+        if _np is None:
+            return [lambda: _write_back_to_back(out, self.buffers())]
+        layers, head = len(self.heads), len(self.heads[0])
+        table = _table(out, layers)
+        for j, head_bytes in enumerate(self.heads):
+            table[j, :head] = _np.frombuffer(head_bytes, dtype=_np.uint8)
+        bands, begin = [], head
+        for view, start, n in zip(self.views, self.at, self.counts, strict=True):
+            bands.append((view, start, n, begin))
+            begin += n * self.row
+        per_job = -(-len(bands) // max(1, ways))
+        return [partial(self._fill, table, bands[i : i + per_job]) for i in range(0, len(bands), per_job)]
+
+    def _fill(self, table: Any, bands: list[tuple[memoryview, int, int, int]]) -> None:
+        layers = table.shape[0]
+        for view, start, n, begin in bands:
+            width = n * self.row
+            part = _np.frombuffer(view, dtype=_np.uint8, count=layers * width, offset=start).reshape(layers, width)
+            _np.copyto(table[:, begin : begin + width], part)
+
+
+class _Span:
+    """One large piece (a whole state, a window's tail), copied in bands."""
+
+    __slots__ = ("nbytes", "view")
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.nbytes = view, view.nbytes
+
+    def jobs(self, out: memoryview, ways: int) -> list[Callable[[], None]]:
+        """About `ways` copies of a band each, in 64 KiB steps."""
+        band = max(1, -(-self.nbytes // max(1, ways) // 65536)) * 65536
+        return [partial(_copy, out[i : i + band], self.view[i : i + band]) for i in range(0, self.nbytes, band)]
+
+
+def _copy(out: memoryview, data: memoryview) -> None:
+    _np.copyto(_np.frombuffer(out, dtype=_np.uint8), _np.frombuffer(data, dtype=_np.uint8))
 
 
 class _Columns:
@@ -924,17 +993,17 @@ class _Columns:
         """Into `out`, `nbytes` long: with numpy, one concatenation of the chunks' (dims, cells)
         tables."""
         if _np is None:
-            at = 0
-            for run in self._runs():
-                out[at : at + len(run)] = run
-                at += len(run)
+            _write_back_to_back(out, self._runs())
             return
-        table = _np.frombuffer(out, dtype=_np.uint8, count=self.nbytes).reshape(self.dims, -1)
         parts = [
             _np.frombuffer(view, dtype=_np.uint8, count=self.dims * n * self.size, offset=start).reshape(self.dims, -1)
             for view, start, n in zip(self.views, self.at, self.counts, strict=True)
         ]
-        _np.concatenate(parts, axis=1, out=table)
+        _np.concatenate(parts, axis=1, out=_table(out, self.dims))
+
+    def jobs(self, out: memoryview, ways: int) -> list[Callable[[], None]]:
+        """One job: the gather (a state has a transposed V per layer: jobs enough)."""
+        return [partial(self.write, out)]
 
     def buffers(self) -> list[Buffer]:
         """As buffers to write back to back: one new one with numpy (and several chunks), else the runs."""
@@ -943,6 +1012,14 @@ class _Columns:
         out = bytearray(self.nbytes)
         self.write(memoryview(out))
         return [out]
+
+
+def _write_back_to_back(out: memoryview, parts: Iterable[Buffer]) -> None:
+    at = 0
+    for part in parts:
+        size = memoryview(part).nbytes
+        out[at : at + size] = part
+        at += size
 
 
 def _cell_records(

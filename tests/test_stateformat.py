@@ -383,23 +383,29 @@ def test_without_numpy_the_same_bytes(contexts: Callable[..., Context], monkeypa
     assert sf.join(*slow) == data and sf.join(slow.meta, slow.chunks[:2]) == sf.prefix(data, 128)
 
 
-def test_write_into_gathers_on_helper_threads_the_same_bytes(
-    contexts: Callable[..., Context], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("flash", [True, False], ids=["V rows", "V transposed"])
+@pytest.mark.parametrize("numpy", [True, False], ids=["numpy", "no numpy"])
+def test_write_into_on_helper_threads_the_same_bytes(
+    contexts: Callable[..., Context], monkeypatch: pytest.MonkeyPatch, flash: bool, numpy: bool
 ) -> None:
-    """A large transposed V is gathered by helper threads too (`PARALLEL_GATHER_BYTES`): layer by
-    layer, each in one place, whichever thread takes it."""
-    context = contexts("tiny", flash=False)
+    """A large state's tables are written by helper threads too (`PARALLEL_GATHER_BYTES`): each
+    run of row layers a band of chunks per job, each transposed V a layer per job, each in its own
+    place whichever thread takes it; without numpy, piece by piece on the calling thread."""
+    context = contexts("tiny", flash=flash)
     context.eval(TOKENS, ends=batch_ends(N))
     data = context.state()
     pieces = sf.split(data, list(range(STEP, N, STEP)))
     monkeypatch.setattr(sf, "PARALLEL_GATHER_BYTES", 0)
     monkeypatch.setattr(sf.os, "cpu_count", lambda: 4)
-    assert sf._gather_helpers() is not None
+    if not numpy:
+        monkeypatch.setattr(sf, "_np", None)
+    assert sf._gather_workers() == (3 if numpy else 0)
     for chunks, expected in ((pieces.chunks, data), (pieces.chunks[:2], sf.prefix(data, 2 * STEP))):
         joined = sf.joined(pieces.meta, chunks)
-        out = bytearray(joined.nbytes + 3)
+        out = bytearray(b"\xff" * (joined.nbytes + 3))
         joined.write_into(memoryview(out))
-        assert bytes(out[: joined.nbytes]) == expected and out[joined.nbytes :] == bytes(3)
+        assert bytes(out[: joined.nbytes]) == expected and out[joined.nbytes :] == b"\xff" * 3
+        assert b"".join(joined.parts()) == expected
 
 
 def test_split_checks_its_cuts(contexts: Callable[..., Context]) -> None:
