@@ -38,7 +38,7 @@ class Match:
 
     __slots__ = ("__weakref__", "_key", "blob", "length", "namespace")
 
-    def __init__(self, length: int, key: tuple[int, ...] | bytes, blob: Blob, namespace: str = "") -> None:
+    def __init__(self, length: int, key: tuple[int, ...] | bytes | memoryview, blob: Blob, namespace: str = "") -> None:
         self.length = length
         self._key = key  # token ids, or their `sippcache.tokens.encode` bytes (decoded when read)
         self.blob = blob
@@ -47,7 +47,7 @@ class Match:
     @property
     def key(self) -> tuple[int, ...]:
         """The stored token sequence."""
-        if isinstance(self._key, bytes):
+        if isinstance(self._key, bytes | memoryview):
             self._key = _tokens.decode(self._key)
         return tuple(self._key)
 

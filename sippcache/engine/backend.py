@@ -207,10 +207,11 @@ class KVBackend(BaseBackend):
             counters["misses"] += len(found) < len(lengths)
             if touch and not self.read_only:
                 self._replica.uses.record(self._replica.catalog, *(eid for eid, _, _ in found))
+            keys = memoryview(key)  # a view of it per match, not a copy: a chain's would be quadratic
             matches = [
-                SnapshotMatch(n, key[: 4 * n], blob, namespace, next(ends))
+                SnapshotMatch(n, keys[: 4 * n], blob, namespace, next(ends))
                 if isinstance(blob, memoryview) and ends is not None
-                else Match(n, key[: 4 * n], blob, namespace)
+                else Match(n, keys[: 4 * n], blob, namespace)
                 for _, n, blob in found
             ]
             self._flush_touches_if_due()

@@ -123,7 +123,9 @@ class SnapshotMatch(Match):
 
     __slots__ = ("_end",)
 
-    def __init__(self, length: int, key: tuple[int, ...] | bytes, blob: memoryview, namespace: str, end: End) -> None:
+    def __init__(
+        self, length: int, key: tuple[int, ...] | bytes | memoryview, blob: memoryview, namespace: str, end: End
+    ) -> None:
         super().__init__(length, key, blob, namespace)
         self._end: End | None = end
         with _lock:
