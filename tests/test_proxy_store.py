@@ -98,7 +98,17 @@ def test_a_saved_state_is_stored_byte_for_byte_in_the_sequence_form(store: SlotS
         assert bytes(entry.sections[0]) == struct.pack("<Ii", slotfile.SEQ_STATE_MAGIC, 0) + state
 
 
-def test_restores_rewrite_one_staging_file_per_slot_in_place(store: SlotStore) -> None:
+@pytest.fixture(params=["one thread", "helper threads"])
+def copies(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How a staged state's bytes are copied: on the calling thread (a small state), or in bands
+    and tables on helper threads too (`stateformat.PARALLEL_GATHER_BYTES`, 4 MiB, made 0)."""
+    if request.param == "helper threads":
+        monkeypatch.setattr(sf, "PARALLEL_GATHER_BYTES", 0)
+        monkeypatch.setattr(sf.os, "cpu_count", lambda: 4)
+    return str(request.param)
+
+
+def test_restores_rewrite_one_staging_file_per_slot_in_place(store: SlotStore, copies: str) -> None:
     """Each restore into a slot goes through the same file, rewritten over its own pages and cut to
     the new state's length; `close` removes it."""
     long_state, short_state = b"L" * 40_000, b"s" * 1_000
@@ -116,6 +126,30 @@ def test_restores_rewrite_one_staging_file_per_slot_in_place(store: SlotStore) -
     assert staged is not None and staged[0].tokens == (*SYSTEM, 2)
     assert os.stat(target).st_ino == inode
     assert slotfile.parse(Path(target).read_bytes()) == slotfile.SlotFile(4, (*SYSTEM, 2), memoryview(short_state))
+    store.close()
+    assert not Path(target).exists()
+
+
+def test_a_staging_file_kept_mapped_is_always_the_file_llama_server_reads(store: SlotStore) -> None:
+    """A slot's staging file stays mapped between restores (`StagingFile`): a state shorter than
+    the last, then longer again within the mapping, then longer than it (mapped again), and after
+    the file was removed by someone else (the new file mapped, not the removed one), each time the
+    file holds exactly the staged state."""
+    states = {n: bytes([n % 251]) * n for n in (40_000, 1_000, 30_000, 90_000)}
+    for n, state in states.items():
+        path = Path(store.staging) / "in.slot"
+        path.write_bytes(b"".join(slotfile.build(4, (*SYSTEM, n), state)))
+        assert store.keep(Snapshot(str(path), (*SYSTEM, n), len(SYSTEM) + 1, time.perf_counter()), None, "")
+    target = store.restore_file("http://127.0.0.1:1", 0)
+
+    def staged(n: int) -> bytes:
+        assert store._stage((*SYSTEM, n, 7), store.namespace(""), target) is not None
+        return bytes(slotfile.parse(Path(target).read_bytes()).state)
+
+    for n in (40_000, 1_000, 30_000, 90_000):
+        assert staged(n) == states[n]
+    os.unlink(target)
+    assert staged(1_000) == states[1_000] and staged(40_000) == states[40_000]
     store.close()
     assert not Path(target).exists()
 
@@ -186,7 +220,9 @@ def tiny_tokens(n: int, seed: int) -> tuple[int, ...]:
     return tuple(rng.randrange(3, 259) for _ in range(n))
 
 
-def test_a_chunked_state_is_staged_as_the_slot_file_llama_server_wrote(chunked: SlotStore, tiny_llm: Any) -> None:
+def test_a_chunked_state_is_staged_as_the_slot_file_llama_server_wrote(
+    chunked: SlotStore, tiny_llm: Any, copies: str
+) -> None:
     tokens = (1, *tiny_tokens(499, 0))
     state = real_state(tiny_llm, tokens)
     saved = keep_real(chunked, tiny_llm, tokens, len(tokens), None)

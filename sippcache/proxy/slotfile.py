@@ -26,7 +26,6 @@ llama.cpp loads only a file of its own version.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..protocol import Blob
@@ -127,15 +126,6 @@ def seq_state_in_place(data: memoryview, parsed: SlotFile, seq_id: int = 0) -> m
         raise SlotFileError("no room for the sequence header before the state")
     _SEQ_HEAD.pack_into(view, end - _SEQ_HEAD.size, SEQ_STATE_MAGIC, seq_id)
     return view[end - _SEQ_HEAD.size :]
-
-
-def state_parts(parts: Sequence[Blob]) -> list[memoryview]:
-    """`state_of` a sequence state given as parts (`sippcache.chunks.Assembled.parts`: the
-    first holds at least its 8-byte header): the parts of the state bytes inside it."""
-    views = [memoryview(part).cast("B") for part in parts]
-    if not views:
-        raise SlotFileError("not a llama.cpp sequence state (no bytes)")
-    return [state_of(views[0]), *views[1:]]
 
 
 def state_of(seq: Blob) -> memoryview:

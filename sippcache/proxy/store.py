@@ -56,12 +56,15 @@ import xxhash
 from .. import chunks
 from ..errors import SippcacheError
 from ..modelfile import MemoryKind
-from ..protocol import Blob, CacheBackend, Peek
+from ..protocol import CacheBackend, Peek
 from . import slotfile
 from .slots import Origin, common_prefix, reusable
 from .upstream import Upstream, UpstreamRefused
 
-__all__ = ["KIND", "Restored", "Saved", "SlotStore", "Snapshot"]
+__all__ = ["KIND", "Restored", "Saved", "SlotStore", "Snapshot", "StagingFile"]
+
+#: The bytes of `llama_state_seq_get_data`'s own header, which an entry's state starts with.
+_SEQ_HEADER = 8
 
 log = logging.getLogger("sippcache.proxy")
 
@@ -155,7 +158,7 @@ class SlotStore:
             secret=secret,
             versions={"llama_server": facts.get("build_info", "")},
         )
-        self._restore_files: set[str] = set()
+        self._staging_files: dict[str, StagingFile] = {}
         self._errors = 0
         self.refused = 0  # entries llama-server would not load (kept: another configuration may)
 
@@ -232,14 +235,14 @@ class SlotStore:
         slot and process, rewritten in place by each restore, removed by `close`."""
         name = f"sippcache-restore-{os.getpid()}-{xxhash.xxh64_hexdigest(url.encode())}-{slot}.slot"
         path = os.path.join(self.staging, name)
-        self._restore_files.add(path)
+        self._staging_files.setdefault(path, StagingFile(path))
         return path
 
     def close(self) -> None:
         """Remove the staging files this store's restores used."""
-        for path in self._restore_files:
-            _remove(path)
-        self._restore_files.clear()
+        for staging in self._staging_files.values():
+            staging.close()
+        self._staging_files.clear()
 
     def _stage(self, tokens: Sequence[int], namespace: str, path: str) -> tuple[Origin, int, tuple[int, ...]] | None:
         """Write the best stored state for `tokens` as a slot file at `path`: (the entry it comes
@@ -259,9 +262,9 @@ class SlotStore:
             try:
                 version = int(assembled.entry.meta.get("slot_version", 0))
                 prompt = int(assembled.entry.meta.get("prompt", 0))
-                state = slotfile.state_parts(assembled.parts)
                 held = assembled.tokens
-                _rewrite(path, slotfile.build(version, held, *state))
+                staging = self._staging_files.setdefault(path, StagingFile(path))
+                nbytes = staging.write(b"".join(slotfile.build(version, held)), assembled)
             except (TypeError, ValueError, OSError) as exc:  # SlotFileError is a ValueError
                 error = exc
             finally:  # (before the views it reads are released)
@@ -275,7 +278,7 @@ class SlotStore:
                     self._drop(assembled.key, namespace)
                 _remove(path)
                 return None
-            return Origin(assembled.key, prompt), sum(len(part) for part in state), held
+            return Origin(assembled.key, prompt), nbytes, held
 
     # -- save --------------------------------------------------------------------
 
@@ -347,13 +350,62 @@ class SlotStore:
         log.warning("sippcache proxy: %s failed (a miss): %s", what, exc)
 
 
-def _rewrite(path: str, parts: Sequence[Blob]) -> None:
-    """Write `parts` back to back as the whole content of `path`, over the pages it already has
-    (created if missing, cut to the new length)."""
-    with os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "r+b") as f:
-        for part in parts:
-            f.write(part)
-        f.truncate()
+class StagingFile:
+    """A slot's staging file, kept mapped between restores: each restore writes its state into
+    pages that are already there and mapped (mapping a gigabyte afresh, faulting its pages in and
+    unmapping it cost about half as much as the copy; docs/proxy.md has the figures). The
+    mapping is made again when the file must grow past it or is another file now (removed and
+    made again by someone else)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._mapped: mmap.mmap | None = None
+        self._file: tuple[int, int] = (0, 0)  # the mapped file's (device, inode)
+
+    def write(self, head: bytes, assembled: chunks.Assembled) -> int:
+        """Make the file `head` (`slotfile.build`'s header and tokens) and then the assembled
+        state without its 8-byte sequence header: the state is written into the mapping once
+        (joined there, from chunks), its 8-byte header then overwritten by the end of `head`.
+        Returns the state's bytes in the file."""
+        start = len(head) - _SEQ_HEADER
+        size = start + assembled.nbytes
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            stat = os.fstat(fd)
+            if stat.st_size != size:
+                os.ftruncate(fd, size)
+            if self._mapped is None or len(self._mapped) < size or self._file != (stat.st_dev, stat.st_ino):
+                self._unmap()
+                self._mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+                self._file = (stat.st_dev, stat.st_ino)
+        finally:
+            os.close(fd)
+        view = memoryview(self._mapped)
+        try:
+            assembled.write_into(view[start:size])
+            slotfile.state_of(bytes(view[start : start + _SEQ_HEADER]))  # it was a sequence state
+            view[: len(head)] = head
+        finally:
+            view.release()
+        return assembled.nbytes - _SEQ_HEADER
+
+    def close(self) -> None:
+        """Unmap and remove the file."""
+        self._unmap()
+        _remove(self.path)
+
+    def _unmap(self) -> None:
+        mapped, self._mapped = self._mapped, None
+        if mapped is not None:
+            try:
+                mapped.close()
+            except BufferError:  # views of it in a traceback: unmapped when they go
+                pass
+
+
+#: A new mapping's pages are made present at once (Linux): a fault per page as a copy reaches it
+#: costs more than the copy.
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _remove(path: str) -> None:
