@@ -68,6 +68,18 @@ def test_common_prefix_bytes(a: bytes, b: bytes) -> None:
     assert common_prefix_bytes(a, b) == n
 
 
+@given(st.binary(min_size=1, max_size=5000), st.integers(min_value=0), st.integers(0, 7), st.integers(0, 5000))
+def test_common_prefix_bytes_of_long_keys(a: bytes, at: int, bit: int, cut: int) -> None:
+    """Long keys (past the halving's 64-byte window), one bit apart anywhere or not at all, one
+    cut shorter, given as bytes or as memoryviews (how the index passes the rest of a key)."""
+    at %= len(a)
+    other = bytearray(a)
+    other[at] ^= 1 << bit
+    for b, expected in ((bytes(other), at), (a, len(a)), (bytes(other)[:cut], min(at, cut))):
+        assert common_prefix_bytes(a, b) == expected
+        assert common_prefix_bytes(memoryview(b), memoryview(a)) == expected
+
+
 def _lcp(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
