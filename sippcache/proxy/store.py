@@ -232,7 +232,7 @@ class SlotStore:
 
     def restore_file(self, url: str, slot: int) -> str:
         """The staging file restores into `slot` of the llama-server at `url` go through: one per
-        slot and process, rewritten in place by each restore, removed by `close`."""
+        slot and process, kept mapped and written in place by each restore, removed by `close`."""
         name = f"sippcache-restore-{os.getpid()}-{xxhash.xxh64_hexdigest(url.encode())}-{slot}.slot"
         path = os.path.join(self.staging, name)
         self._staging_files.setdefault(path, StagingFile(path))
@@ -254,6 +254,7 @@ class SlotStore:
             return None
         if assembled is None:
             return None
+        staging = self._staging_files.setdefault(path, StagingFile(path))
         with assembled:
             # The payloads' checksums run on another thread while the staging file is written:
             # llama-server hears of the file only once they passed.
@@ -263,20 +264,19 @@ class SlotStore:
                 version = int(assembled.entry.meta.get("slot_version", 0))
                 prompt = int(assembled.entry.meta.get("prompt", 0))
                 held = assembled.tokens
-                staging = self._staging_files.setdefault(path, StagingFile(path))
                 nbytes = staging.write(b"".join(slotfile.build(version, held)), assembled)
             except (TypeError, ValueError, OSError) as exc:  # SlotFileError is a ValueError
                 error = exc
             finally:  # (before the views it reads are released)
                 passed = checked is None or checked.result()
             if not passed:  # a miss: the damaged entry is deleted, and counted (`errors`)
-                _remove(path)
+                staging.close()
                 return None
             if error is not None:
                 self._failed("staging write" if isinstance(error, OSError) else "decode", error)
                 if not isinstance(error, OSError):  # damaged: dropped
                     self._drop(assembled.key, namespace)
-                _remove(path)
+                staging.close()
                 return None
             return Origin(assembled.key, prompt), nbytes, held
 
@@ -390,7 +390,7 @@ class StagingFile:
         return assembled.nbytes - _SEQ_HEADER
 
     def close(self) -> None:
-        """Unmap and remove the file."""
+        """Unmap and remove the file (a later `write` makes it again)."""
         self._unmap()
         _remove(self.path)
 
