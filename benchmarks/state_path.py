@@ -55,7 +55,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from typing import Any
 
 import xxhash
@@ -157,13 +157,20 @@ class Clock:
 
 
 class StoreTimer:
-    """Sums the seconds spent in a cache's `store` (the backend's own write, which the issue
-    reports apart from sippcache's part of a save)."""
+    """Sums the seconds spent in a cache's `store` while it is entered (the backend's own write,
+    which the issue reports apart from sippcache's part of a save)."""
 
     def __init__(self, cache: sippcache.CacheBackend) -> None:
         self.seconds = 0.0
+        self._cache = cache
         self._store = cache.store
-        cache.store = self._timed  # type: ignore[method-assign]
+
+    def __enter__(self) -> StoreTimer:
+        self._cache.store = self._timed  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self._cache.store  # the class's method again (and no cycle keeping the store alive)
 
     def _timed(self, *args: Any, **kwargs: Any) -> bool:
         start = time.perf_counter()
@@ -256,12 +263,14 @@ def proxy(clock: Clock, name: str, url: str, state: bytes, keys: list[tuple[int,
     """`SlotStore.keep` of a llama-server slot file, then `SlotStore._stage` of the entry back to one."""
     repeat, last = len(keys), keys[-1]
     os.makedirs(staging)
-    with sippcache.open(url) as cache:
-        slots = SlotStore(
-            cache, fingerprint="bench", facts={}, kind="full", staging=staging, min_tokens=16, chunk_tokens=0
-        )
+    with (
+        sippcache.open(url) as cache,
+        StoreTimer(cache) as stores,
+        closing(
+            SlotStore(cache, fingerprint="bench", facts={}, kind="full", staging=staging, min_tokens=16, chunk_tokens=0)
+        ) as slots,  # closed: its staging file, kept mapped, is freed
+    ):
         namespace = slots.namespace("bench")
-        stores = StoreTimer(cache)
         for i in range(repeat):
             path = os.path.join(staging, f"save-{i}.slot")
             with open(path, "wb") as f:  # what llama-server's slot save writes (untimed)
@@ -306,18 +315,22 @@ def proxy_chunked(
     each time, into an empty store (every chunk is written); then the last one restored, joined
     from its chunks."""
     os.makedirs(staging)
-    with sippcache.open(url) as cache:
-        slots = SlotStore(
-            cache,
-            fingerprint="bench",
-            facts={},
-            kind="full",
-            staging=staging,
-            min_tokens=16,
-            chunk_tokens=chunk_tokens,
-        )
+    with (
+        sippcache.open(url) as cache,
+        StoreTimer(cache) as stores,
+        closing(
+            SlotStore(
+                cache,
+                fingerprint="bench",
+                facts={},
+                kind="full",
+                staging=staging,
+                min_tokens=16,
+                chunk_tokens=chunk_tokens,
+            )
+        ) as slots,
+    ):
         namespace = slots.namespace("bench")
-        stores = StoreTimer(cache)
         for i, key in enumerate(keys):
             if i:
                 cache.clear()  # untimed

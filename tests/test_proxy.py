@@ -5,8 +5,10 @@ restored. No timed assertions."""
 
 from __future__ import annotations
 
+import glob
 import http.client
 import json
+import os
 import threading
 import time
 import urllib.request
@@ -18,6 +20,7 @@ import pytest
 
 import sippcache
 from sippcache import chunks, frame
+from sippcache.proxy.cli import STAGING_PREFIX, _staging_base
 from sippcache.testing.bounded import join_all
 from tests.proxy_tools import LlamaServer, ProxyServer, metric, settle
 
@@ -524,9 +527,13 @@ def test_a_slot_grown_past_the_bound_is_saved_and_kill_9_loses_no_more(procs: An
     done = turns("A", ["which ship passed first?", "and then, which one came?"], proxy.url)
     settle(proxy)
     assert metric(proxy, "sippcache_proxy_slot_saves_total", reason="grown") == 1
+    killed = proxy.process.pid
     proxy.process.kill()
     proxy.process.wait(60)
+    left = glob.glob(os.path.join(_staging_base(), f"{STAGING_PREFIX}{killed}-*"))
+    assert left  # SIGKILL: its staging directory (slot files in RAM) is left behind
     proxy = procs(managed(model, cache))
+    assert not [path for path in left if os.path.exists(path)]  # the next proxy removed it
     follow = [*done[-1][0], {"role": "assistant", "content": done[-1][1][0]}, {"role": "user", "content": "A: why?"}]
     _, reused, timings = chat(proxy.url, follow)
     assert reused == timings["cache_n"] >= prompt_length(done[-1][1][2]), timings

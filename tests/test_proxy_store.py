@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +22,7 @@ from sippcache import chunks
 from sippcache import stateformat as sf
 from sippcache.proxy import slotfile
 from sippcache.proxy.slots import Origin
-from sippcache.proxy.store import SUPERSEDE_SLACK, Saved, SlotStore, Snapshot
+from sippcache.proxy.store import SUPERSEDE_SLACK, Saved, SlotStore, Snapshot, remove_stale_files
 
 SYSTEM = tuple(range(1000, 1400))  # a 400-token system prompt
 
@@ -152,6 +154,33 @@ def test_a_staging_file_kept_mapped_is_always_the_file_llama_server_reads(store:
     assert staged(1_000) == states[1_000] and staged(40_000) == states[40_000]
     store.close()
     assert not Path(target).exists()
+
+
+def test_slot_files_a_proxy_killed_outright_left_are_removed(tmp_path: Path) -> None:
+    """A proxy killed outright (SIGKILL) leaves its save and restore files (gigabytes in RAM, kept
+    until a reboot); the next store on the directory removes those whose process is gone, and
+    keeps a live process's (another proxy's sharing the directory), older names without a pid,
+    and everything else. The managed proxies' staging directories are cleaned the same way."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
+    gone, live = int(done.stdout), os.getpid()
+    removed = [f"sippcache-save-{gone}-0a1b.slot", f"sippcache-restore-{gone}-5f3e-0.slot"]
+    kept = [
+        f"sippcache-save-{live}-0a1b.slot",
+        f"sippcache-restore-{live}-5f3e-0.slot",
+        "sippcache-save-0a1b2c3d.slot",  # named before the pid was in the name
+        f"model-{gone}-x.slot",
+    ]
+    for name in removed + kept:
+        (tmp_path / name).write_bytes(b"slot")
+    SlotStore(sippcache.open("ram://"), fingerprint="f", facts={}, kind="full", staging=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+    for name in (f"sippcache-proxy-{gone}-x1", f"sippcache-proxy-{live}-x2", "sippcache-proxy-ab_12"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "llama-server.log").write_bytes(b"log")
+    assert remove_stale_files(str(tmp_path), ("sippcache-proxy-",)) == 1
+    assert not (tmp_path / f"sippcache-proxy-{gone}-x1").exists()
+    assert (tmp_path / f"sippcache-proxy-{live}-x2" / "llama-server.log").exists()
+    assert (tmp_path / "sippcache-proxy-ab_12").exists()
 
 
 # -- chunked states (sippcache.chunks), on real llama.cpp states --------------------------------------------

@@ -40,7 +40,7 @@ from ..rates import MODES, RestoreRates, mode_from_environment
 from .app import SAVE_EVERY, SAVE_IDLE, Proxy
 from .metrics import ProxyMetrics
 from .slots import SlotTable
-from .store import SlotStore
+from .store import SlotStore, remove_stale_files
 from .upstream import Upstream, UpstreamError, UpstreamInfo
 
 __all__ = ["ProxyError", "build_parser", "main"]
@@ -142,10 +142,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: The private staging directories of managed proxies: this, the proxy's pid, "-", a random part.
+STAGING_PREFIX = "sippcache-proxy-"
+
+
+def _staging_base() -> str:
+    """Where managed proxies make their staging directories: in RAM where the machine has a tmpfs."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
 def _staging_dir() -> str:
-    """A private directory for slot files, in RAM where the machine has a tmpfs for it."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix="sippcache-proxy-", dir=base)
+    """A private directory for slot files (those that proxies killed outright left are removed first)."""
+    base = _staging_base()
+    remove_stale_files(base, (STAGING_PREFIX,))
+    return tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=base)
 
 
 def start_llama_server(binary: str, model: str, parallel: int, staging: str, extra: Sequence[str]) -> _Managed:

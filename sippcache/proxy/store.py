@@ -46,6 +46,7 @@ import asyncio
 import logging
 import mmap
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Sequence
@@ -61,7 +62,17 @@ from . import slotfile
 from .slots import Origin, common_prefix, reusable
 from .upstream import Upstream, UpstreamRefused
 
-__all__ = ["KIND", "Restored", "Saved", "SlotStore", "Snapshot", "StagingFile"]
+__all__ = [
+    "KIND",
+    "RESTORE_PREFIX",
+    "SAVE_PREFIX",
+    "Restored",
+    "Saved",
+    "SlotStore",
+    "Snapshot",
+    "StagingFile",
+    "remove_stale_files",
+]
 
 #: The bytes of `llama_state_seq_get_data`'s own header, which an entry's state starts with.
 _SEQ_HEADER = 8
@@ -73,6 +84,9 @@ log = logging.getLogger("sippcache.proxy")
 #: generated it, which the next turn's template writes back its own way (an end-of-turn token, a
 #: word tokenized otherwise).
 SUPERSEDE_SLACK = 32
+#: The names of the slot files a proxy process makes in a staging directory, its pid after them:
+#: a save's (removed once stored) and each slot's restore file (removed when the proxy exits).
+SAVE_PREFIX, RESTORE_PREFIX = "sippcache-save-", "sippcache-restore-"
 #: What a proxy entry's payload is: one llama.cpp sequence state (`llama_state_seq_get_data`'s form).
 #: Its chunks and tails are of kinds ``llama-server.seq.chunk`` and ``llama-server.seq.tail``.
 KIND = "llama-server.seq"
@@ -159,6 +173,7 @@ class SlotStore:
             versions={"llama_server": facts.get("build_info", "")},
         )
         self._staging_files: dict[str, StagingFile] = {}
+        remove_stale_files(staging, (SAVE_PREFIX, RESTORE_PREFIX))
         self._errors = 0
         self.refused = 0  # entries llama-server would not load (kept: another configuration may)
 
@@ -233,7 +248,7 @@ class SlotStore:
     def restore_file(self, url: str, slot: int) -> str:
         """The staging file restores into `slot` of the llama-server at `url` go through: one per
         slot and process, kept mapped and written in place by each restore, removed by `close`."""
-        name = f"sippcache-restore-{os.getpid()}-{xxhash.xxh64_hexdigest(url.encode())}-{slot}.slot"
+        name = f"{RESTORE_PREFIX}{os.getpid()}-{xxhash.xxh64_hexdigest(url.encode())}-{slot}.slot"
         path = os.path.join(self.staging, name)
         self._staging_files.setdefault(path, StagingFile(path))
         return path
@@ -287,7 +302,7 @@ class SlotStore:
         removes the file). The tokens are read from the file's header at once: the caller knows what
         the slot holds before the store write is done. `prompt`: the last request's prompt length."""
         started = time.perf_counter()
-        path = os.path.join(self.staging, f"sippcache-save-{uuid.uuid4().hex}.slot")
+        path = os.path.join(self.staging, f"{SAVE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.slot")
         try:
             await upstream.slot_action(slot, "save", os.path.basename(path))
             tokens = await asyncio.to_thread(slotfile.read_tokens, path)
@@ -406,6 +421,48 @@ class StagingFile:
 #: A new mapping's pages are made present at once (Linux): a fault per page as a copy reaches it
 #: costs more than the copy.
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def remove_stale_files(directory: str, prefixes: Sequence[str]) -> int:
+    """Remove the entries of `directory` named a prefix, a pid and "-" whose process is gone, and
+    that this user owns: what a proxy killed outright (SIGKILL, a crash) left, slot files of up
+    to gigabytes in RAM otherwise kept until a reboot. A live process's are kept, another
+    proxy's sharing the directory included. Returns how many were removed."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        pid, dash, _ = name[len(prefix) :].partition("-") if prefix else ("", "", "")
+        if not (pid.isdigit() and dash) or _alive(int(pid)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except OSError as exc:
+            log.warning("sippcache proxy: could not remove %s, left by a process that is gone: %s", path, exc)
+            continue
+        removed += 1
+    if removed:
+        log.info("sippcache proxy: removed %d file(s) in %s left by proxies that are gone", removed, directory)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _remove(path: str) -> None:
