@@ -29,7 +29,6 @@ import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, cast
 
 import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
@@ -69,10 +68,16 @@ class Frame:
     roles: tuple[str, ...] = ()  # one name per section ("" where the writer gave none)
     authenticated: bool = False  # its MAC was checked against a secret
 
-    @cached_property
+    @property
     def tokens(self) -> tuple[int, ...]:
-        """The key's token ids."""
-        return _tokens.decode(self.token_bytes)
+        """The key's token ids (decoded once). Not a `functools.cached_property`: before Python
+        3.12 that holds one lock for every instance, and a child forked while another thread
+        held it would wait for it forever."""
+        ids: tuple[int, ...] | None = self.__dict__.get("_token_ids")
+        if ids is None:
+            ids = _tokens.decode(self.token_bytes)
+            object.__setattr__(self, "_token_ids", ids)  # a frozen dataclass: its own cache
+        return ids
 
     @property
     def payload_size(self) -> int:
