@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,10 @@ import pytest
 
 import sippcache
 from sippcache.backends.diskcache import BytesOnlyDisk
+from sippcache.backends.ram import RAMBackend
+from sippcache.engine import KVTxn
+from sippcache.engine.layout import PREFIX_BLOB
+from sippcache.testing.bounded import join_all
 from tests.reliability_tools import (
     DEADLOCK_SECONDS,
     ITERATIONS,
@@ -171,3 +178,51 @@ def test_a_diskcache_value_folder_removed_by_another_process_is_made_again(tmp_p
         assert cache.get(b"key") == value
     finally:
         cache.close()
+
+
+class _SlowWrites(RAMBackend):
+    """A RAM store whose writes of an entry's bytes wait for `go` once `hold` is set: a large
+    state's copy into LMDB, stretched for as long as the test needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold, self.writing, self.go = threading.Event(), threading.Event(), threading.Event()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[KVTxn]:
+        with super()._transaction() as txn:
+            put = txn.put
+
+            def put_slowly(key: bytes, value: Any) -> None:
+                if key.startswith(PREFIX_BLOB) and self.hold.is_set():
+                    self.writing.set()
+                    assert self.go.wait(120), "the test never let the write go on"
+                put(key, value)
+
+            txn.put = put_slowly  # type: ignore[method-assign]
+            yield txn
+
+
+def test_a_peek_is_answered_while_another_thread_writes_an_entry() -> None:
+    """`peek` (the proxy's routing and restore decisions) reads memory while another thread's
+    store copies an entry's bytes (seconds for a whole state of a gigabyte in LMDB), rather
+    than waiting for it; it answers as of before that write, which it sees once committed."""
+    cache = _SlowWrites()
+    cache.store((1, 2, 3), b"stored before", namespace="n")
+    cache.hold.set()
+    writer = threading.Thread(
+        target=cache.store, args=((1, 2, 3, 4, 5), b"a large state"), kwargs={"namespace": "n"}, daemon=True
+    )
+    writer.start()
+    assert cache.writing.wait(120)
+    answers: list[Any] = []
+    reader = threading.Thread(target=lambda: answers.append(cache.peek((1, 2, 3, 4, 5, 6), namespace="n")), daemon=True)
+    reader.start()
+    try:
+        join_all([reader], "a peek while another thread writes an entry", 60)  # fails if peeks wait for it
+    finally:
+        cache.go.set()
+    join_all([writer], "the store", 60)
+    assert answers[0] is not None and answers[0].length == 3  # the write was not committed yet
+    peek = cache.peek((1, 2, 3, 4, 5, 6), namespace="n")
+    assert peek is not None and peek.length == 5

@@ -71,6 +71,11 @@ class KVBackend(BaseBackend):
         check_limits(max_bytes, max_entries)
         self.location = location
         self._lock = threading.RLock()
+        # Nonzero (a new number each time) while a write holding `_lock` copies an entry's bytes
+        # or commits: stretches that change nothing in memory, so `peek` may read the catalog
+        # without waiting for them (a whole state of a gigabyte takes seconds to write to LMDB).
+        self._bulk = 0
+        self._bulks = 0
         self._replica = Replica(
             location,
             max_bytes=max_bytes,
@@ -131,7 +136,11 @@ class KVBackend(BaseBackend):
             plan = replica.plan_store(eid, key, namespace, size, options)
             plans[:] = [plan]  # a retried transaction plans again
             if plan.state is not None:
-                txn.put(PREFIX_BLOB + eid, blob)
+                try:
+                    self._start_bulk()
+                    txn.put(PREFIX_BLOB + eid, blob)
+                finally:
+                    self._bulk = 0
             return plan.changes
 
         with self._lock:
@@ -228,9 +237,25 @@ class KVBackend(BaseBackend):
             return len(eids)
 
     def _peek(self, key: bytes, namespace: str, partial: bool) -> Peek | None:
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            # Another thread holds the store. If it is copying an entry's bytes or committing,
+            # nothing in memory changes meanwhile (and no other process can commit): answer from
+            # memory, if that stretch did not end while we read.
+            bulk = self._bulk
+            if bulk:
+                try:
+                    peek = self._replica.catalog.peek(namespace, key, partial)
+                except Exception:  # the stretch ended and memory changed under the walk
+                    pass
+                else:
+                    if self._bulk == bulk:
+                        return peek
+            self._lock.acquire()
+        try:
             self._refresh()
             return self._replica.catalog.peek(namespace, key, partial)
+        finally:
+            self._lock.release()
 
     def _touch_entry(self, key: bytes, namespace: str) -> bool:
         eid = entry_id(namespace, key)
@@ -359,29 +384,39 @@ class KVBackend(BaseBackend):
 
     def _write_once(self, write: Write) -> None:
         replica = self._replica
-        with self._transaction() as txn:
-            replica.sync(txn)
-            changes: list[Change] = [Remove(eid) for eid in replica.damaged]
-            for pending in (replica.uses.batch(), replica.budget_claim()):
-                if pending is not None:
-                    changes.append(pending)
-            changes.extend(write(txn))
-            clock = replica.catalog.clock_after(changes)
-            if clock != replica.catalog.clock:
-                txn.put(KEY_CLOCK, pack_f64(clock))
-            seq = replica.seq
-            for change in changes:
-                record = replica.write(txn, change)
-                if record is not None:
-                    seq += 1
-                    txn.put(log_key(seq), pack_record(record))
-            if seq != replica.seq:
-                txn.put(KEY_NEWEST, pack_u64(seq))
-                self._trim_log(txn, seq)
+        try:
+            with self._transaction() as txn:
+                replica.sync(txn)
+                changes: list[Change] = [Remove(eid) for eid in replica.damaged]
+                for pending in (replica.uses.batch(), replica.budget_claim()):
+                    if pending is not None:
+                        changes.append(pending)
+                changes.extend(write(txn))
+                clock = replica.catalog.clock_after(changes)
+                if clock != replica.catalog.clock:
+                    txn.put(KEY_CLOCK, pack_f64(clock))
+                seq = replica.seq
+                for change in changes:
+                    record = replica.write(txn, change)
+                    if record is not None:
+                        seq += 1
+                        txn.put(log_key(seq), pack_record(record))
+                if seq != replica.seq:
+                    txn.put(KEY_NEWEST, pack_u64(seq))
+                    self._trim_log(txn, seq)
+                self._start_bulk()  # the commit, as the block ends: memory changes only after it
+        finally:
+            self._bulk = 0
         # Committed: bring memory to the state after our records (uses are in memory already).
         replica.uses.items.clear()
         replica.damaged.clear()
         replica.committed(changes, seq)
+
+    def _start_bulk(self) -> None:
+        """Mark the start of a stretch of a write that changes nothing in memory (see `_peek`);
+        the caller sets `_bulk` to 0 when it ends."""
+        self._bulks += 1
+        self._bulk = self._bulks
 
     def _trim_log(self, txn: KVTxn, seq: int) -> None:
         trimmed = read_u64(txn.get(KEY_TRIMMED))
