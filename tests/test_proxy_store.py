@@ -163,7 +163,12 @@ def test_slot_files_a_proxy_killed_outright_left_are_removed(tmp_path: Path) -> 
     and everything else. The managed proxies' staging directories are cleaned the same way."""
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
     gone, live = int(done.stdout), os.getpid()
-    removed = [f"sippcache-save-{gone}-0a1b.slot", f"sippcache-restore-{gone}-5f3e-0.slot"]
+    removed = [
+        f"sippcache-save-{gone}-0a1b.slot",
+        f"sippcache-restore-{gone}-5f3e-0.slot",
+        "sippcache-save-0-0a1b.slot",  # no process is 0
+        f"sippcache-save-{10**30}-0a1b.slot",  # nor a number no pid can be
+    ]
     kept = [
         f"sippcache-save-{live}-0a1b.slot",
         f"sippcache-restore-{live}-5f3e-0.slot",

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import MissingDependency
+from ..processes import process_exists
 
 GEMMA_FILE_NAME = "gemma-3-270m-q4_k_m.gguf"
 SMOLLM2_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -146,17 +147,5 @@ def remove_stale_partials(target: Path) -> None:
     """Remove the partial files of `target` left by processes that no longer exist."""
     for path in target.parent.glob(target.with_suffix(".partial-*").name):
         match = _PARTIAL_PID.fullmatch(path.suffix)
-        if match is not None and not _process_exists(int(match.group(1))):
+        if match is not None and not process_exists(int(match.group(1))):
             path.unlink(missing_ok=True)
-
-
-def _process_exists(pid: int) -> bool:
-    if pid <= 0:  # not a process: kill(0, ...) would signal our own process group
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # OverflowError: a number no pid can be
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True

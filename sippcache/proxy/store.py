@@ -57,6 +57,7 @@ import xxhash
 from .. import chunks
 from ..errors import SippcacheError
 from ..modelfile import MemoryKind
+from ..processes import process_exists
 from ..protocol import CacheBackend, Peek
 from . import slotfile
 from .slots import Origin, common_prefix, reusable
@@ -436,7 +437,7 @@ def remove_stale_files(directory: str, prefixes: Sequence[str]) -> int:
     for name in names:
         prefix = next((p for p in prefixes if name.startswith(p)), None)
         pid, dash, _ = name[len(prefix) :].partition("-") if prefix else ("", "", "")
-        if not (pid.isdigit() and dash) or _alive(int(pid)):
+        if not (pid.isdigit() and dash) or process_exists(int(pid)):
             continue
         path = os.path.join(directory, name)
         try:
@@ -453,16 +454,6 @@ def remove_stale_files(directory: str, prefixes: Sequence[str]) -> int:
     if removed:
         log.info("sippcache proxy: removed %d file(s) in %s left by proxies that are gone", removed, directory)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _remove(path: str) -> None:
