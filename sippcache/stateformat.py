@@ -785,7 +785,7 @@ class Joined:
     def __init__(self, pieces: list[Buffer | _Rows | _Columns]) -> None:
         self._pieces = pieces
         #: The state's size in bytes.
-        self.nbytes = sum(p.nbytes if isinstance(p, _Rows | _Columns) else memoryview(p).nbytes for p in pieces)
+        self.nbytes = sum(map(_piece_size, pieces))
 
     def parts(self) -> list[Buffer]:
         """The state as buffers to write back to back (a transposed V joined into one first)."""
@@ -805,7 +805,7 @@ class Joined:
         plain: list[tuple[memoryview, Buffer]] = []
         tables: list[tuple[_Rows | _Columns | _Span, memoryview]] = []
         for piece in self._pieces:
-            size = piece.nbytes if isinstance(piece, _Rows | _Columns) else memoryview(piece).nbytes
+            size = _piece_size(piece)
             if isinstance(piece, _Rows | _Columns):
                 tables.append((piece, out[at : at + size]))
             elif size >= PARALLEL_GATHER_BYTES and _np is not None:  # a whole state, a large tail
@@ -824,6 +824,10 @@ class Joined:
 
     def to_bytes(self) -> bytes:
         return b"".join(self.parts())
+
+
+def _piece_size(piece: Buffer | _Rows | _Columns) -> int:
+    return piece.nbytes if isinstance(piece, _Rows | _Columns) else memoryview(piece).nbytes
 
 
 def joined(meta: Buffer, chunks: Sequence[Buffer], tail: Buffer = b"") -> Joined:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from ..protocol import Blob
 
 __all__ = [
+    "SEQ_HEADER_BYTES",
     "SEQ_STATE_MAGIC",
     "SLOT_FILE_MAGIC",
     "SlotFile",
@@ -50,6 +51,8 @@ SEQ_STATE_MAGIC = 0xAF143CD8
 PACKED_MARKER, PACKED_VERSION = -1, 1
 _HEAD = struct.Struct("<III")
 _SEQ_HEAD = struct.Struct("<Ii")
+#: The size of `llama_state_seq_get_data`'s own header (u32 magic, i32 sequence id).
+SEQ_HEADER_BYTES = _SEQ_HEAD.size
 
 
 class SlotFileError(ValueError):

@@ -75,9 +75,6 @@ __all__ = [
     "remove_stale_files",
 ]
 
-#: The bytes of `llama_state_seq_get_data`'s own header, which an entry's state starts with.
-_SEQ_HEADER = 8
-
 log = logging.getLogger("sippcache.proxy")
 
 #: A slot's new state replaces the entry it grew from when it keeps all of that entry's prompt and
@@ -383,7 +380,7 @@ class StagingFile:
         state without its 8-byte sequence header: the state is written into the mapping once
         (joined there, from chunks), its 8-byte header then overwritten by the end of `head`.
         Returns the state's bytes in the file."""
-        start = len(head) - _SEQ_HEADER
+        start = len(head) - slotfile.SEQ_HEADER_BYTES
         size = start + assembled.nbytes
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -399,11 +396,11 @@ class StagingFile:
         view = memoryview(self._mapped)
         try:
             assembled.write_into(view[start:size])
-            slotfile.state_of(bytes(view[start : start + _SEQ_HEADER]))  # it was a sequence state
+            slotfile.state_of(bytes(view[start : start + slotfile.SEQ_HEADER_BYTES]))  # it was a sequence state
             view[: len(head)] = head
         finally:
             view.release()
-        return assembled.nbytes - _SEQ_HEADER
+        return assembled.nbytes - slotfile.SEQ_HEADER_BYTES
 
     def close(self) -> None:
         """Unmap and remove the file (a later `write` makes it again)."""
