@@ -123,6 +123,27 @@ def test_another_process_growing_the_map_while_a_match_is_unreleased(tmp_path: P
         kept.close()
 
 
+def test_a_chain_of_matches_held_when_another_process_grows_the_map(tmp_path: Path) -> None:
+    """The matches of one `lookup_prefixes` (a restore's chunks) share one read snapshot: held
+    unreleased while a writer process grows the map past this one's, they are detached together,
+    each keeping its bytes, and this process goes on (it raised MDB_MAP_RESIZED on every call)."""
+    url = f"lmdb://{tmp_path}/store?max_bytes=64MiB&map_size=1MiB"
+    kept = sippcache.open(url)
+    try:
+        stored = {tuple(range(1, n + 1)): _state(n) for n in (2, 3, 4)}
+        for tokens, blob in stored.items():
+            assert kept.store(list(tokens), blob)
+        chain = kept.lookup_prefixes([1, 2, 3, 4], [2, 3, 4])
+        assert [match.length for match in chain] == [2, 3, 4]
+
+        _grow_in_another_process(url, _map_size(kept))
+
+        _still_works(kept, stored, tag=0)
+        assert [bytes(match.blob) for match in chain] == list(stored.values())
+    finally:
+        kept.close()
+
+
 def test_a_blob_outliving_its_match_when_another_process_grows_the_map(tmp_path: Path) -> None:
     """`blob = cache.lookup(k).blob`: a blob still referenced after its match was collected
     cannot be copied. After the remap it fails alone, with ValueError (a released view)."""

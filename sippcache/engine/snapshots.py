@@ -16,7 +16,6 @@ its bytes and stays valid; a blob that outlived its match cannot be copied
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import threading
@@ -80,16 +79,15 @@ def detach_snapshots(ends: Collection[End], *, outliving: bool = True) -> None:
     """
     wanted = set(ends)
     with _lock:
-        for end in wanted:
-            ref = _open_matches.get(end)
-            match = ref() if ref is not None else None
+        for end, ref in list(_open_matches.items()):
+            match = ref() if _snapshot_of(end) in wanted else None
             if match is not None:
                 match._detach()
         if not outliving:
             return
         keep = []
         for blob, end in _outliving_blobs:
-            if end in wanted:
+            if _snapshot_of(end) in wanted:
                 try:
                     blob.release()
                 except BufferError:
@@ -104,18 +102,34 @@ def detach_snapshots(ends: Collection[End], *, outliving: bool = True) -> None:
 def shared_end(end: End, count: int) -> list[End]:
     """`count` functions ending one snapshot that `count` matches share (a chain read in one
     transaction, `lookup_prefixes`): each match gets its own (the registry above keys matches
-    by theirs), and the snapshot ends when the last of them is called."""
+    by theirs), and the snapshot ends when the last of them is called. One match gets `end`."""
+    if count == 1:
+        return [end]
     left = [count]
     guard = threading.Lock()
+    return [_SharedEnd(end, left, guard) for _ in range(count)]
 
-    def one() -> None:
-        with guard:
-            left[0] -= 1
-            last = left[0] == 0
+
+class _SharedEnd:
+    """One match's end of a snapshot it shares with others (`shared_end`); `detach_snapshots`
+    finds the matches of a snapshot by it."""
+
+    __slots__ = ("_guard", "_left", "snapshot")
+
+    def __init__(self, snapshot: End, left: list[int], guard: threading.Lock) -> None:
+        self.snapshot, self._left, self._guard = snapshot, left, guard
+
+    def __call__(self) -> None:
+        with self._guard:
+            self._left[0] -= 1
+            last = self._left[0] == 0
         if last:
-            end()
+            self.snapshot()
 
-    return [functools.partial(one) for _ in range(count)]
+
+def _snapshot_of(end: End) -> End:
+    """The function that ends the snapshot behind a match's `end`."""
+    return end.snapshot if isinstance(end, _SharedEnd) else end
 
 
 class SnapshotMatch(Match):
