@@ -33,9 +33,10 @@ import diskcache
 import pytest
 
 import sippcache
-from sippcache.backends.diskcache import BytesOnlyDisk
+from sippcache.backends.diskcache import BytesOnlyDisk, DiskCacheBackend
+from sippcache.backends.lmdb import LMDBBackend
 from sippcache.backends.ram import RAMBackend
-from sippcache.engine import KVTxn
+from sippcache.engine import KVBackend, KVTxn
 from sippcache.engine.layout import PREFIX_BLOB
 from sippcache.testing.bounded import join_all
 from tests.reliability_tools import (
@@ -180,12 +181,12 @@ def test_a_diskcache_value_folder_removed_by_another_process_is_made_again(tmp_p
         cache.close()
 
 
-class _SlowWrites(RAMBackend):
-    """A RAM store whose writes of an entry's bytes wait for `go` once `hold` is set: a large
+class _HeldWrites(KVBackend):
+    """A store whose writes of an entry's bytes wait for `go` once `hold` is set: a large
     state's copy into LMDB, stretched for as long as the test needs."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.hold, self.writing, self.go = threading.Event(), threading.Event(), threading.Event()
 
     @contextmanager
@@ -201,6 +202,24 @@ class _SlowWrites(RAMBackend):
 
             txn.put = put_slowly  # type: ignore[method-assign]
             yield txn
+
+
+class _SlowWrites(_HeldWrites, RAMBackend):
+    pass
+
+
+class _SlowLMDB(_HeldWrites, LMDBBackend):
+    pass
+
+
+class _SlowDiskCache(_HeldWrites, DiskCacheBackend):
+    pass
+
+
+def _held_store(backend: str, tmp_path: Path) -> _HeldWrites:
+    if backend == "ram":
+        return _SlowWrites()
+    return (_SlowLMDB if backend == "lmdb" else _SlowDiskCache)(str(tmp_path / "store"))
 
 
 def test_a_peek_is_answered_while_another_thread_writes_an_entry() -> None:
@@ -226,3 +245,69 @@ def test_a_peek_is_answered_while_another_thread_writes_an_entry() -> None:
     assert answers[0] is not None and answers[0].length == 3  # the write was not committed yet
     peek = cache.peek((1, 2, 3, 4, 5, 6), namespace="n")
     assert peek is not None and peek.length == 5
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "diskcache"])
+def test_a_lookup_is_answered_while_another_thread_writes_an_entry(backend: str, tmp_path: Path) -> None:
+    """On a store whose readers see only committed data (LMDB, SQLite's WAL), a lookup (the
+    proxy's restore, another request's prefix) is answered while another thread's store copies
+    an entry's bytes, as of before that write, with its hit and use counted; it sees the new
+    entry once committed."""
+    cache = _held_store(backend, tmp_path)
+    try:
+        cache.store((1, 2, 3), b"stored before", namespace="n")
+        cache.store((1, 2, 3, 9), b"another", namespace="n")
+        cache.hold.set()
+        writer = threading.Thread(
+            target=cache.store, args=((1, 2, 3, 4, 5), b"a large state"), kwargs={"namespace": "n"}, daemon=True
+        )
+        writer.start()
+        assert cache.writing.wait(120)
+        answers: list[Any] = []
+
+        def read() -> None:
+            match = cache.lookup((1, 2, 3, 4, 5, 6), namespace="n")
+            answers.append(None if match is None else (match.length, bytes(match.blob)))
+            chain = cache.lookup_prefixes((1, 2, 3, 9), [3, 4], namespace="n")
+            answers.append([(m.length, bytes(m.blob)) for m in chain])
+            answers.append(cache.lookup((7, 7), namespace="n"))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            join_all([reader], "lookups while another thread writes an entry", 60)  # fails if lookups wait for it
+        finally:
+            cache.go.set()
+        join_all([writer], "the store", 60)
+        assert answers == [(3, b"stored before"), [(3, b"stored before"), (4, b"another")], None]
+        match = cache.lookup((1, 2, 3, 4, 5, 6), namespace="n")
+        assert match is not None and (match.length, bytes(match.blob)) == (5, b"a large state")
+        stats = cache.stats()
+        assert (stats.hits, stats.misses) == (4, 1)
+    finally:
+        cache.close()
+
+
+def test_a_lookup_waits_for_a_write_on_a_store_that_reads_uncommitted_bytes() -> None:
+    """The RAM store's reads see a write's bytes before its commit: a lookup during a write
+    waits for it (and then sees what it wrote), so it never returns bytes the catalog does
+    not yet hold."""
+    cache = _SlowWrites()
+    cache.store((1, 2, 3), b"stored before", namespace="n")
+    cache.hold.set()
+    writer = threading.Thread(
+        target=cache.store, args=((1, 2, 3, 4, 5), b"a large state"), kwargs={"namespace": "n"}, daemon=True
+    )
+    writer.start()
+    assert cache.writing.wait(120)
+    answers: list[Any] = []
+    reader = threading.Thread(
+        target=lambda: answers.append(cache.lookup((1, 2, 3, 4, 5, 6), namespace="n")), daemon=True
+    )
+    reader.start()
+    reader.join(0.5)
+    waited = reader.is_alive()
+    cache.go.set()
+    join_all([writer, reader], "the store and the lookup", 60)
+    assert waited, "the lookup did not wait for the write"
+    assert answers[0] is not None and (answers[0].length, answers[0].blob) == (5, b"a large state")

@@ -223,6 +223,7 @@ class DiskCacheBackend(KVBackend):
     """A persistent, multi-process cache in a diskcache directory at `location`."""
 
     persistent: ClassVar[bool] = True
+    reads_during_writes: ClassVar[bool] = True  # WAL: a reader (its thread's connection) sees the last commit
     damage_errors = (sqlite3.DatabaseError,)
     library_errors = (sqlite3.Error,)
     options: ClassVar[dict[str, type]] = {"max_bytes": Size, "max_entries": int, "timeout": float}

@@ -287,6 +287,7 @@ class LMDBBackend(KVBackend):
     """A persistent, multi-process cache in an LMDB environment at `location` (a directory)."""
 
     persistent: ClassVar[bool] = True
+    reads_during_writes: ClassVar[bool] = True  # MVCC: a reader sees the last commit
     damage_errors = (
         lmdb.CorruptedError,
         lmdb.PageNotFoundError,

@@ -11,9 +11,11 @@ from __future__ import annotations
 import logging
 import threading
 from abc import abstractmethod
+from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from typing import ClassVar
+from functools import partial
+from typing import ClassVar, NamedTuple, cast
 
 from ..base import BaseBackend
 from ..catalog import Budget, Change, Clear, Remove, StorePlan
@@ -25,7 +27,7 @@ from . import forking
 from .layout import KEY_CLOCK, KEY_NEWEST, KEY_TRIMMED, LOG_KEEP, PREFIX_BLOB, PREFIX_META, entry_id, log_key
 from .records import pack_f64, pack_record, pack_u64, read_u64
 from .replica import Replica
-from .snapshots import SnapshotMatch, release_unreferenced_blobs, shared_end
+from .snapshots import End, SnapshotMatch, release_unreferenced_blobs, shared_end
 from .storage import KVTxn
 
 log = logging.getLogger("sippcache")
@@ -33,6 +35,29 @@ log = logging.getLogger("sippcache")
 #: A write: given the write transaction (in sync with the store), it writes what no
 #: change stands for (a blob) and returns its changes, which the engine writes and logs.
 Write = Callable[[KVTxn], Iterable[Change]]
+
+
+#: Whether a found entry may be returned (`Replica.confirm`, which may change memory).
+Confirm = Callable[[KVTxn, bytes], bool]
+
+#: `_lock_or_answer`'s answers: the caller holds the lock; no answer without it.
+_HELD, _WAIT = object(), object()
+
+#: How often a call waiting for another thread's write looks whether it can be answered without it.
+_POLL_SECONDS = 0.002
+
+
+class _Found(NamedTuple):
+    """An entry a lookup found: its id, its length in tokens, its key and its blob."""
+
+    eid: bytes
+    length: int
+    key: bytes | memoryview
+    blob: Blob
+
+
+class _Unconfirmed(Exception):
+    """A read without `_lock` found an entry that must first be confirmed against its records."""
 
 
 def _nothing(txn: KVTxn) -> tuple[Change, ...]:
@@ -58,6 +83,12 @@ class KVBackend(BaseBackend):
     #: The byte budget of a handle given none, on a store that saves none.
     default_max_bytes: ClassVar[int | None] = 8 * 1024**3
 
+    #: Whether a read transaction (`_reader`) may begin and read in one thread while another
+    #: thread's write transaction is open, and sees only committed data (MVCC: LMDB, SQLite in
+    #: WAL mode). Then lookups are answered during another thread's long write of an entry's
+    #: bytes rather than after it.
+    reads_during_writes: ClassVar[bool] = False
+
     def __init__(
         self,
         *,
@@ -72,10 +103,16 @@ class KVBackend(BaseBackend):
         self.location = location
         self._lock = threading.RLock()
         # Nonzero (a new number each time) while a write holding `_lock` copies an entry's bytes
-        # or commits: stretches that change nothing in memory, so `peek` may read the catalog
-        # without waiting for them (a whole state of a gigabyte takes seconds to write to LMDB).
+        # or commits: stretches that change nothing in memory, so peeks and lookups may read the
+        # catalog without waiting for them (a whole state of a gigabyte takes seconds to write
+        # to LMDB). See `_lock_or_answer`.
         self._bulk = 0
         self._bulks = 0
+        # Held by a lookup reading the store during such a stretch (so a fork, which takes it
+        # after `_lock`, never copies an open read transaction), and the hits, misses and uses
+        # of those lookups, which change memory: settled once `_lock` is held.
+        self._through = threading.Lock()
+        self._late: deque[tuple[int, int, tuple[bytes, ...]]] = deque()
         self._replica = Replica(
             location,
             max_bytes=max_bytes,
@@ -116,12 +153,15 @@ class KVBackend(BaseBackend):
 
     def _hold_for_fork(self) -> None:
         self._lock.acquire()
+        self._through.acquire()
 
     def _resume_after_fork(self) -> None:
+        self._through.release()
         self._lock.release()
 
     def _renew_after_fork(self) -> None:
         self._lock = threading.RLock()
+        self._through = threading.Lock()
         self._replica.invalidate()
 
     # -- BaseBackend hooks -------------------------------------------------------
@@ -152,79 +192,109 @@ class KVBackend(BaseBackend):
             return replica.settle_store(plans[0], size, len(key) // 4, options.pinned)
 
     def _lookup(self, key: bytes, namespace: str, partial: bool, touch: bool) -> Match | None:
-        with self._lock:
-            if self._replica.seq < 0:
-                self._refresh()  # the first use: in step with the store, this handle's budget saved
-            txn, end = self._reader()
-            try:
-                self._replica.sync(txn)
-                index = self._replica.catalog.index
-                find = index.longest_common if partial else index.longest_prefix
-                hit = find(namespace, key)
-                while hit is not None and not self._replica.confirm(txn, hit.entry_id):
-                    hit = find(namespace, key)
-                blob = txn.get(PREFIX_BLOB + hit.entry_id) if hit is not None else None
-            except BaseException:
-                end()
-                raise
+        def find(txn: KVTxn, confirm: Confirm) -> list[_Found]:
+            index = self._replica.catalog.index
+            longest = index.longest_common if partial else index.longest_prefix
+            hit = longest(namespace, key)
+            while hit is not None and not confirm(txn, hit.entry_id):
+                hit = longest(namespace, key)
+            blob = txn.get(PREFIX_BLOB + hit.entry_id) if hit is not None else None
             if hit is None or blob is None:
-                end()
-                self._replica.counters["misses"] += 1
-                self._flush_touches_if_due()
-                return None
-            if not isinstance(blob, memoryview):
-                end()
-            if touch and not self.read_only:
-                self._replica.uses.record(self._replica.catalog, hit.entry_id)
-            self._replica.counters["hits"] += 1
-            stored_key = index.key_of(hit.entry_id)
-            # The match exists before the flush's write: a backend that must end the
-            # snapshot to make room (LMDB growing its map) can detach it.
-            match = (
-                SnapshotMatch(hit.length, stored_key, blob, namespace, end)
-                if isinstance(blob, memoryview)
-                else Match(hit.length, stored_key, blob, namespace)
-            )
-            self._flush_touches_if_due()
-        return match
+                return []
+            return [_Found(hit.entry_id, hit.length, index.key_of(hit.entry_id), blob)]
+
+        matches = self._read(find, namespace, 1, touch)
+        return matches[0] if matches else None
 
     def _lookup_prefixes(self, key: bytes, lengths: list[int], namespace: str, touch: bool) -> list[Match]:
         """One walk down the index and one read transaction for the whole chain: its matches
         share the snapshot, which ends when the last of them is released."""
-        with self._lock:
-            if self._replica.seq < 0:
-                self._refresh()
-            txn, end = self._reader()
-            found: list[tuple[bytes, int, Blob]] = []
-            try:
-                self._replica.sync(txn)
-                eids = self._replica.catalog.index.entries_along(namespace, key, [4 * n for n in lengths])
-                for eid, n in zip(eids, lengths, strict=False):
-                    blob = txn.get(PREFIX_BLOB + eid) if self._replica.confirm(txn, eid) else None
-                    if blob is None:
-                        break
-                    found.append((eid, n, blob))
-            except BaseException:
-                end()
-                raise
-            views = sum(isinstance(blob, memoryview) for _, _, blob in found)
+
+        keys = memoryview(key)  # a view of it per match, not a copy: a chain's would be quadratic
+
+        def find(txn: KVTxn, confirm: Confirm) -> list[_Found]:
+            found: list[_Found] = []
+            eids = self._replica.catalog.index.entries_along(namespace, key, [4 * n for n in lengths])
+            for eid, n in zip(eids, lengths, strict=False):
+                blob = txn.get(PREFIX_BLOB + eid) if confirm(txn, eid) else None
+                if blob is None:
+                    break
+                found.append(_Found(eid, n, keys[: 4 * n], blob))
+            return found
+
+        return self._read(find, namespace, len(lengths), touch)
+
+    def _read(
+        self, find: Callable[[KVTxn, Confirm], list[_Found]], namespace: str, wanted: int, touch: bool
+    ) -> list[Match]:
+        """The matches of the entries `find` gives, found in one read transaction, in step
+        with the store; their hits, the misses of the `wanted` less those found, and their uses
+        (with `touch`) counted. Read under `_lock`, or without it while another thread's write
+        is in a stretch that changes nothing in memory (`_read_during_write`)."""
+        read = self._lock_or_answer(partial(self._read_during_write, find) if self.reads_during_writes else None)
+        held = read is _HELD
+        try:
+            if held:
+                if self._replica.seq < 0:
+                    self._refresh()  # the first use: in step with the store, this handle's budget saved
+                txn, end = self._reader()
+                try:
+                    self._replica.sync(txn)
+                    found = find(txn, self._replica.confirm)
+                except BaseException:
+                    end()
+                    raise
+            else:
+                found, end = cast(tuple[list[_Found], End], read)
+            views = sum(isinstance(entry.blob, memoryview) for entry in found)
             ends = iter(shared_end(end, views)) if views else None
             if ends is None:
                 end()
-            counters = self._replica.counters
-            counters["hits"] += len(found)
-            counters["misses"] += len(found) < len(lengths)
-            if touch and not self.read_only:
-                self._replica.uses.record(self._replica.catalog, *(eid for eid, _, _ in found))
-            keys = memoryview(key)  # a view of it per match, not a copy: a chain's would be quadratic
+            # The matches exist before the flush's write: a backend that must end the
+            # snapshot to make room (LMDB growing its map) can detach it.
             matches = [
-                SnapshotMatch(n, keys[: 4 * n], blob, namespace, next(ends))
-                if isinstance(blob, memoryview) and ends is not None
-                else Match(n, keys[: 4 * n], blob, namespace)
-                for _, n, blob in found
+                SnapshotMatch(entry.length, entry.key, entry.blob, namespace, next(ends))
+                if isinstance(entry.blob, memoryview) and ends is not None
+                else Match(entry.length, entry.key, entry.blob, namespace)
+                for entry in found
             ]
-            self._flush_touches_if_due()
-        return matches
+            self._late.append((len(found), len(found) < wanted, tuple(entry.eid for entry in found) if touch else ()))
+            if held:
+                self._settle_late()
+                self._flush_touches_if_due()
+            return matches
+        finally:
+            if held:
+                self._lock.release()
+
+    def _read_during_write(self, find: Callable[[KVTxn, Confirm], list[_Found]]) -> object:
+        """`find`'s answer and the end of its read transaction, without `_lock`, while another
+        thread's write copies an entry's bytes or commits; `_WAIT` where it cannot be had so.
+        The transaction must see the records memory is in step with (the writer excludes every
+        other, and its own are not committed yet), and memory must not change during the walk;
+        an entry that would have to be confirmed against its records (one loaded from an index
+        snapshot) waits."""
+        with self._through:
+            bulk = self._bulk
+            if not bulk:
+                return _WAIT
+            replica = self._replica
+            try:
+                txn, end = self._reader()
+            except Exception:  # answered under the lock, raised there if it still fails
+                return _WAIT
+            try:
+                if read_u64(txn.get(KEY_NEWEST)) != replica.seq:
+                    end()
+                    return _WAIT
+                found = find(txn, self._confirmed_without_lock)
+            except Exception:  # memory changed under the walk, or an unconfirmed entry
+                end()
+                return _WAIT
+            if self._bulk != bulk:
+                end()
+                return _WAIT
+            return found, end
 
     def _touch_prefixes(self, key: bytes, lengths: list[int], namespace: str) -> int:
         """One walk down the index; the chain's uses recorded as one change."""
@@ -236,26 +306,47 @@ class KVBackend(BaseBackend):
                 self._flush_touches_if_due()
             return len(eids)
 
+    def _confirmed_without_lock(self, txn: KVTxn, eid: bytes) -> bool:
+        """`Confirm` for a read without `_lock`, which must not change memory."""
+        if eid in self._replica.unconfirmed:
+            raise _Unconfirmed
+        return True
+
     def _peek(self, key: bytes, namespace: str, partial: bool) -> Peek | None:
-        if not self._lock.acquire(blocking=False):
-            # Another thread holds the store. If it is copying an entry's bytes or committing,
-            # nothing in memory changes meanwhile (and no other process can commit): answer from
-            # memory, if that stretch did not end while we read.
+        def during_write() -> object:
             bulk = self._bulk
-            if bulk:
-                try:
-                    peek = self._replica.catalog.peek(namespace, key, partial)
-                except Exception:  # the stretch ended and memory changed under the walk
-                    pass
-                else:
-                    if self._bulk == bulk:
-                        return peek
-            self._lock.acquire()
+            try:
+                peek = self._replica.catalog.peek(namespace, key, partial)
+            except Exception:  # the stretch ended and memory changed under the walk
+                return _WAIT
+            return peek if bulk and self._bulk == bulk else _WAIT
+
+        answer = self._lock_or_answer(during_write)
+        if answer is not _HELD:
+            return cast(Peek | None, answer)
         try:
             self._refresh()
             return self._replica.catalog.peek(namespace, key, partial)
         finally:
             self._lock.release()
+
+    def _lock_or_answer(self, during_write: Callable[[], object] | None) -> object:
+        """Take `_lock` (`_HELD`: the caller releases it), or, while another thread holds it
+        in a stretch of a write that changes nothing in memory (`_start_bulk`), what
+        `during_write` answers without it (other than `_WAIT`): no other process can commit
+        then, so memory is in step with the store. Polls, so that a write that reaches such a
+        stretch after the call began is read through too."""
+        if during_write is None:
+            self._lock.acquire()
+            return _HELD
+        while not self._lock.acquire(blocking=False):
+            if self._bulk:
+                answer = during_write()
+                if answer is not _WAIT:
+                    return answer
+            if self._lock.acquire(timeout=_POLL_SECONDS):
+                break
+        return _HELD
 
     def _touch_entry(self, key: bytes, namespace: str) -> bool:
         eid = entry_id(namespace, key)
@@ -309,6 +400,7 @@ class KVBackend(BaseBackend):
     def _stats(self) -> Stats:
         with self._lock:
             self._refresh()
+            self._settle_late()
             replica = self._replica
             return replica.catalog.stats(
                 backend=type(self).__name__,
@@ -387,6 +479,7 @@ class KVBackend(BaseBackend):
         try:
             with self._transaction() as txn:
                 replica.sync(txn)
+                self._settle_late()
                 changes: list[Change] = [Remove(eid) for eid in replica.damaged]
                 for pending in (replica.uses.batch(), replica.budget_claim()):
                     if pending is not None:
@@ -411,6 +504,17 @@ class KVBackend(BaseBackend):
         replica.uses.items.clear()
         replica.damaged.clear()
         replica.committed(changes, seq)
+
+    def _settle_late(self) -> None:
+        """(With `_lock` held.) Count the hits and misses, and record the uses, of the lookups
+        answered during a write."""
+        counters, replica = self._replica.counters, self._replica
+        while self._late:
+            hits, misses, used = self._late.popleft()
+            counters["hits"] += hits
+            counters["misses"] += misses
+            if used and not self.read_only:
+                replica.uses.record(replica.catalog, *used)
 
     def _start_bulk(self) -> None:
         """Mark the start of a stretch of a write that changes nothing in memory (see `_peek`);
