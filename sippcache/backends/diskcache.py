@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import sqlite3
 import stat
@@ -30,7 +31,7 @@ from urllib.parse import quote
 import diskcache  # type: ignore[import-untyped]  # diskcache ships no type information
 
 from ..catalog import UNSET
-from ..engine import KVBackend, KVTxn, directory_path, owned_bytes, prepare_directory
+from ..engine import KVBackend, KVTxn, directory_path, prepare_directory
 from ..engine.directory import check_store_files, missing_store
 from ..errors import CacheFull, CorruptStore, NoStore, ReadOnlyStore, SippcacheError, StoreError
 from ..mirror import Limit
@@ -38,6 +39,11 @@ from ..options import Size
 from ..protocol import Blob
 
 DEFAULT_MAX_BYTES = 8 * 1024**3
+#: Value files at least this large are read as read-only mappings, not into new memory: a
+#: restore then copies a state from the page cache once (0.5x memcpy, against 0.14x for a read).
+MAP_FROM_BYTES = 1 << 20
+#: A value file is written from the caller's memory in slices of this many bytes.
+WRITE_SLICE = 8 << 20
 #: The database diskcache keeps its index (and small values) in, and SQLite's files beside it.
 DATABASE = "cache.db"
 STORE_FILES = (DATABASE, "cache.db-wal", "cache.db-shm")
@@ -114,17 +120,27 @@ class BytesOnlyDisk(diskcache.Disk):  # type: ignore[misc]  # diskcache is untyp
         return super().get(key, raw)
 
     def store(self, value: Any, read: bool, key: Any = diskcache.core.UNKNOWN) -> Any:
-        """The database fields of `value`, which must be bytes."""
-        if type(value) is not bytes:
+        """The database fields of `value`: bytes, or a view of bytes. A value file is written
+        straight from the caller's memory in slices (diskcache's own writer takes bytes, a copy
+        of a whole state, and writes them a line at a time)."""
+        if type(value) is not bytes and not isinstance(value, memoryview):
             raise TypeError("sippcache stores only bytes values in diskcache")
-        return super().store(value, read, key)
+        view = memoryview(value).cast("B")
+        if view.nbytes < self.min_file_size:
+            return super().store(bytes(view), read, key)
+        filename, full_path = self.filename(key, value)
+        slices = (view[at : at + WRITE_SLICE] for at in range(0, view.nbytes, WRITE_SLICE))
+        return self._write(full_path, slices, "xb"), diskcache.core.MODE_BINARY, filename, None
 
     def fetch(self, mode: int, filename: Any, value: Any, read: bool) -> Any:
-        """A stored value, read only in the raw or binary modes and only inside the store."""
+        """A stored value, read only in the raw or binary modes and only inside the store; a
+        large value file as a read-only mapping (see `MAP_FROM_BYTES`)."""
         if mode not in (diskcache.core.MODE_RAW, diskcache.core.MODE_BINARY):
             raise CorruptStore(f"refusing to decode a diskcache value stored in mode {mode}")
         if filename is not None:
-            self._inside(filename)
+            full = self._inside(filename)
+            if mode == diskcache.core.MODE_BINARY and not read:
+                return _read_value_file(full)
         return super().fetch(mode, filename, value, read)
 
     #: Value files to delete once the open transaction commits (None: no transaction).
@@ -143,24 +159,39 @@ class BytesOnlyDisk(diskcache.Disk):  # type: ignore[misc]  # diskcache is untyp
             super().remove(file_path)
 
 
+def _read_value_file(path: str) -> Blob:
+    """A value file's bytes: a view of a read-only mapping of it if it is large, else read.
+    The mapping holds its own memory (it outlives the read transaction, and the file's removal:
+    value files are only ever created whole, then removed)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        if size >= MAP_FROM_BYTES:
+            return memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ))
+        with os.fdopen(os.dup(fd), "rb") as reader:
+            return reader.read()
+    finally:
+        os.close(fd)
+
+
 class _DiskCacheTxn:
     def __init__(self, cache: diskcache.Cache) -> None:
         self._cache = cache
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes) -> Blob | None:
         try:
-            return cast(bytes | None, self._cache.get(key, retry=True))
+            return cast(Blob | None, self._cache.get(key, retry=True))
         except CorruptStore as exc:  # a tampered row: its value is not read
             log.warning("sippcache: %s", exc)
             return None
 
     def put(self, key: bytes, value: Blob) -> None:
-        self._cache.set(key, owned_bytes(value), retry=True)
+        self._cache.set(key, value if isinstance(value, bytes | memoryview) else bytes(value), retry=True)
 
     def delete(self, key: bytes) -> None:
         self._cache.delete(key, retry=True)
 
-    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, Blob]]:
         for key in list(self._cache.iterkeys()):
             if isinstance(key, bytes) and key.startswith(prefix):
                 value = self.get(key)
@@ -179,25 +210,25 @@ class _ReadOnlyTxn:
         self._disk = disk
         self.pid = os.getpid()  # a SQLite connection must not be used across fork
 
-    def get(self, key: bytes) -> bytes | None:
+    def get(self, key: bytes) -> Blob | None:
         rows = self.con.execute(self._SELECT + " AND key = ?", (time.time(), key)).fetchall()
         return self._value(rows[0]) if rows else None
 
-    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    def scan(self, prefix: bytes) -> Iterator[tuple[bytes, Blob]]:
         for row in self.con.execute(self._SELECT, (time.time(),)).fetchall():
             if isinstance(row[0], bytes) and row[0].startswith(prefix):
                 value = self._value(row)
                 if value is not None:
                     yield row[0], value
 
-    def _value(self, row: tuple[Any, ...]) -> bytes | None:
+    def _value(self, row: tuple[Any, ...]) -> Blob | None:
         _, mode, filename, value = row
         try:
             fetched = self._disk.fetch(mode, filename, value, False)
         except (CorruptStore, OSError) as exc:  # a tampered row, a value file gone: not read
             log.warning("sippcache: %s", exc)
             return None
-        return fetched if isinstance(fetched, bytes) else None
+        return fetched if isinstance(fetched, bytes | memoryview) else None
 
     def put(self, key: bytes, value: Blob) -> None:
         raise ReadOnlyStore("this diskcache store is open read-only")
@@ -224,6 +255,7 @@ class DiskCacheBackend(KVBackend):
 
     persistent: ClassVar[bool] = True
     reads_during_writes: ClassVar[bool] = True  # WAL: a reader (its thread's connection) sees the last commit
+    views_need_their_reader: ClassVar[bool] = False  # a mapped value file holds its own memory
     damage_errors = (sqlite3.DatabaseError,)
     library_errors = (sqlite3.Error,)
     options: ClassVar[dict[str, type]] = {"max_bytes": Size, "max_entries": int, "timeout": float}

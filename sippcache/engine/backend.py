@@ -89,6 +89,12 @@ class KVBackend(BaseBackend):
     #: bytes rather than after it.
     reads_during_writes: ClassVar[bool] = False
 
+    #: Whether a memoryview that a read transaction's `get` returns views the store's memory,
+    #: valid only while the transaction is open (LMDB's map): its match then keeps the
+    #: transaction open until released (`SnapshotMatch`). False for views that hold their own
+    #: memory (diskcache's mapped value files).
+    views_need_their_reader: ClassVar[bool] = True
+
     def __init__(
         self,
         *,
@@ -246,7 +252,7 @@ class KVBackend(BaseBackend):
                     raise
             else:
                 found, end = cast(tuple[list[_Found], End], read)
-            views = sum(isinstance(entry.blob, memoryview) for entry in found)
+            views = sum(isinstance(entry.blob, memoryview) for entry in found) if self.views_need_their_reader else 0
             ends = iter(shared_end(end, views)) if views else None
             if ends is None:
                 end()
