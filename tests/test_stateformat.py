@@ -408,6 +408,28 @@ def test_write_into_on_helper_threads_the_same_bytes(
         assert b"".join(joined.parts()) == expected
 
 
+@pytest.mark.parametrize("group_bytes", [1, 3 * 1024, 1 << 30], ids=["no groups", "groups of a few", "one group"])
+def test_a_transposed_v_of_short_runs_gathered_in_groups_the_same_bytes(
+    contexts: Callable[..., Context], monkeypatch: pytest.MonkeyPatch, group_bytes: int
+) -> None:
+    """Chunks whose transposed V holds short runs are gathered a group at a time through a
+    scratch table (`GATHER_GROUP_BYTES`): groups cut anywhere, a last chunk shorter than the
+    others (its own group), and chunks of long runs (concatenated) beside them, byte for byte."""
+    context = contexts("tiny", flash=False)
+    context.eval(TOKENS, ends=batch_ends(N))
+    data = context.state()
+    monkeypatch.setattr(sf, "GATHER_GROUP_BYTES", group_bytes)
+    for size in (7, STEP):
+        pieces = sf.split(data, list(range(size, N, size)))
+        assert len(pieces.chunks[-1]) < len(pieces.chunks[0])  # the last one is shorter
+        monkeypatch.setattr(sf, "SHORT_RUN_BYTES", 2 * size * 2 + 1)  # f16 runs of `size` cells are short
+        for chunks, expected in ((pieces.chunks, data), (pieces.chunks[:3], sf.prefix(data, 3 * size))):
+            joined = sf.joined(pieces.meta, chunks)
+            out = bytearray(b"\xff" * (joined.nbytes + 3))
+            joined.write_into(memoryview(out))
+            assert bytes(out[: joined.nbytes]) == expected and out[joined.nbytes :] == b"\xff" * 3
+
+
 def test_split_checks_its_cuts(contexts: Callable[..., Context]) -> None:
     context = contexts("tiny")
     context.eval(TOKENS[:50])
