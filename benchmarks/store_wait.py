@@ -94,7 +94,7 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix="sippcache-store-wait-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
     print(f"a {len(state) / 2**20:,.0f} MiB state ({n_tokens:,} tokens); store in {root}")
     print(
-        f"{'store':<6} {'stored as':<14} {'call':<7} {'write ms':>9} {'calls':>6} {'longest ms':>11} {'median ms':>10}"
+        f"{'store':<9} {'stored as':<14} {'call':<7} {'write ms':>9} {'calls':>6} {'longest ms':>11} {'median ms':>10}"
     )
     missed = []
     try:
@@ -107,7 +107,7 @@ def main() -> int:
                     longest = max(waits) if waits else 0.0
                     shape = "whole" if not chunk_tokens else f"chunks of {chunk_tokens}"
                     print(
-                        f"{name:<6} {shape:<14} {call:<7} {took * 1e3:>9,.0f} {len(waits):>6} "
+                        f"{name:<9} {shape:<14} {call:<7} {took * 1e3:>9,.0f} {len(waits):>6} "
                         f"{longest * 1e3:>11,.1f} {statistics.median(waits) * 1e3 if waits else 0:>10,.2f}"
                     )
                     if goal and not chunk_tokens and longest > GOAL * took:

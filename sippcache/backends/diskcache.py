@@ -2,9 +2,9 @@
 
 sippcache does its own LRU accounting, so diskcache's eviction is switched off
 (its default 1 GB `size_limit` silently dropped large states in
-llama-cpp-python). Only bytes go in and only bytes come out: the `Disk`
-subclass below refuses to unpickle anything, so a tampered cache file cannot
-run code.
+llama-cpp-python). Only bytes go in and only bytes come out (a large value
+as a view of its value file, mapped read-only): the `Disk` subclass below
+refuses to unpickle anything, so a tampered cache file cannot run code.
 
 A read-only open does not use `diskcache.Cache`, which writes its settings
 whenever it opens: it reads the ``Cache`` table through its own SQLite
