@@ -183,14 +183,19 @@ def test_a_diskcache_value_folder_removed_by_another_process_is_made_again(tmp_p
 
 class _HeldWrites(KVBackend):
     """A store whose writes of an entry's bytes wait for `go` once `hold` is set: a large
-    state's copy into LMDB, stretched for as long as the test needs."""
+    state's copy into LMDB, stretched for as long as the test needs. With `hold_start` set, a
+    write transaction first waits for `start` (the handle's lock held, memory about to change)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.hold, self.writing, self.go = threading.Event(), threading.Event(), threading.Event()
+        self.hold_start, self.starting, self.start = threading.Event(), threading.Event(), threading.Event()
 
     @contextmanager
     def _transaction(self) -> Iterator[KVTxn]:
+        if self.hold_start.is_set():
+            self.starting.set()
+            assert self.start.wait(120), "the test never let the write start"
         with super()._transaction() as txn:
             put = txn.put
 
@@ -311,3 +316,41 @@ def test_a_lookup_waits_for_a_write_on_a_store_that_reads_uncommitted_bytes() ->
     join_all([writer, reader], "the store and the lookup", 60)
     assert waited, "the lookup did not wait for the write"
     assert answers[0] is not None and (answers[0].length, answers[0].blob) == (5, b"a large state")
+
+
+def test_a_lookup_that_began_before_a_writes_long_stretch_is_answered_during_it(tmp_path: Path) -> None:
+    """A peek or lookup that finds the lock held while a write may still change memory waits;
+    once the write reaches its entry's bytes it is answered (the waiting call polls), not after
+    the write."""
+    cache = _held_store("lmdb", tmp_path)
+    try:
+        cache.store((1, 2, 3), b"stored before", namespace="n")
+        cache.hold.set()
+        cache.hold_start.set()
+        writer = threading.Thread(
+            target=cache.store, args=((1, 2, 3, 4, 5), b"a large state"), kwargs={"namespace": "n"}, daemon=True
+        )
+        writer.start()
+        assert cache.starting.wait(120)
+        answers: list[Any] = []
+
+        def read() -> None:
+            peek = cache.peek((1, 2, 3, 4, 5, 6), namespace="n")
+            match = cache.lookup((1, 2, 3, 4, 5, 6), namespace="n")
+            answers.append((peek and peek.length, match and (match.length, bytes(match.blob))))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(0.5)
+        waited = reader.is_alive()  # memory may be changing: no answer yet
+        cache.start.set()
+        assert cache.writing.wait(120)
+        try:
+            join_all([reader], "a peek and a lookup once the write copies its bytes", 60)
+        finally:
+            cache.go.set()
+        join_all([writer], "the store", 60)
+        assert waited, "the calls were answered while the write could still change memory"
+        assert answers == [(3, (3, b"stored before"))]
+    finally:
+        cache.close()
