@@ -1025,10 +1025,10 @@ class _Columns:
                 scratch = _np.empty(per * dims * width, dtype=_np.uint8)
             for i in range(0, len(run), per):
                 group = run[i : i + per]
-                stacked = scratch[: len(group) * dims * width].reshape(len(group), dims, width)
-                _np.stack(group, out=stacked)
+                stacked = scratch[: len(group) * dims * width]
+                _np.concatenate(group, axis=0, out=stacked.reshape(len(group) * dims, width))
                 across = table[:, begin : begin + len(group) * width].reshape(dims, len(group), width)
-                _np.copyto(across, stacked.transpose(1, 0, 2))
+                _np.copyto(across, stacked.reshape(len(group), dims, width).transpose(1, 0, 2))
                 begin += len(group) * width
 
     def jobs(self, out: memoryview, ways: int) -> list[Callable[[], None]]:
