@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -184,12 +186,14 @@ def test_a_diskcache_value_folder_removed_by_another_process_is_made_again(tmp_p
 class _HeldWrites(KVBackend):
     """A store whose writes of an entry's bytes wait for `go` once `hold` is set: a large
     state's copy into LMDB, stretched for as long as the test needs. With `hold_start` set, a
-    write transaction first waits for `start` (the handle's lock held, memory about to change)."""
+    write transaction first waits for `start` (the handle's lock held, memory about to change);
+    with `hold_commit`, it waits for `resume` once committed (memory not yet in step)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.hold, self.writing, self.go = threading.Event(), threading.Event(), threading.Event()
         self.hold_start, self.starting, self.start = threading.Event(), threading.Event(), threading.Event()
+        self.hold_commit, self.committed, self.resume = threading.Event(), threading.Event(), threading.Event()
 
     @contextmanager
     def _transaction(self) -> Iterator[KVTxn]:
@@ -207,6 +211,9 @@ class _HeldWrites(KVBackend):
 
             txn.put = put_slowly  # type: ignore[method-assign]
             yield txn
+        if self.hold_commit.is_set():
+            self.committed.set()
+            assert self.resume.wait(120), "the test never let the write finish"
 
 
 class _SlowWrites(_HeldWrites, RAMBackend):
@@ -352,5 +359,118 @@ def test_a_lookup_that_began_before_a_writes_long_stretch_is_answered_during_it(
         join_all([writer], "the store", 60)
         assert waited, "the calls were answered while the write could still change memory"
         assert answers == [(3, (3, b"stored before"))]
+    finally:
+        cache.close()
+
+
+def _large_blob(key: tuple[int, ...], version: int) -> bytes:
+    """A blob that names its key and version, then 2 MiB that follow from them."""
+    head = json.dumps({"key": list(key), "version": version}).encode().ljust(256)
+    return head + bytes([(sum(key) + version) % 251]) * (2 * 1024**2)
+
+
+def _check_large(match: Any) -> None:
+    """A match's blob is the blob of the key it says it is (some version of it), whole."""
+    blob = bytes(match.blob)
+    head = json.loads(blob[:256])
+    assert tuple(head["key"]) == tuple(match.key), f"a match for {tuple(match.key)} holds {head['key']}'s bytes"
+    assert blob[256:] == bytes([(sum(head["key"]) + head["version"]) % 251]) * (2 * 1024**2), "a torn blob"
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "diskcache"])
+def test_lookups_read_through_writes_evictions_and_deletes_without_a_wrong_byte(backend: str, tmp_path: Path) -> None:
+    """Stress for lookups answered during another thread's write: two threads store 2 MiB
+    entries under a small budget (every few stores evict) and delete some, three look up and
+    look up chains; every match must hold its own key's bytes, whole. Runs until the readers
+    have been answered during writes 50 times (checked by counting those answers), or 60 s."""
+    url = f"{backend}://{tmp_path}/store?max_bytes=24MiB"
+    cache = sippcache.open(url)
+    through = [0]
+    read_during_write = cache._read_during_write  # type: ignore[attr-defined]
+
+    def counted(find: Any) -> Any:
+        answer = read_during_write(find)
+        if isinstance(answer, tuple):
+            through[0] += 1
+        return answer
+
+    cache._read_during_write = counted  # type: ignore[attr-defined]
+    stop, errors = threading.Event(), []
+
+    def write(seed: int) -> None:
+        rng = random.Random(seed)
+        version = 0
+        try:
+            while not stop.is_set():
+                key = tuple(range(1, rng.randrange(2, 12)))
+                version += 1
+                if rng.random() < 0.2:
+                    cache.delete(key)
+                else:
+                    cache.store(key, _large_blob(key, version * 10 + seed))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def read(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            while not stop.is_set():
+                query = tuple(range(1, rng.randrange(2, 14)))
+                if rng.random() < 0.5:
+                    match = cache.lookup(query)
+                    if match is not None:
+                        with match:
+                            _check_large(match)
+                else:
+                    for match in cache.lookup_prefixes(query, list(range(1, len(query) + 1))):
+                        with match:
+                            _check_large(match)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(i,), daemon=True) for i in (1, 2)]
+    threads += [threading.Thread(target=read, args=(i,), daemon=True) for i in (3, 4, 5)]
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while through[0] < 50 and not errors and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        join_all(threads, "the writers and readers", 120)
+        cache.close()
+    assert not errors, f"{errors[0]!r}"
+    assert through[0] >= 1, "no lookup was answered during a write: the stress did not reach its path"
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "diskcache"])
+def test_a_lookup_never_answers_from_memory_older_than_the_store_it_reads(backend: str, tmp_path: Path) -> None:
+    """Between a write's commit and memory catching up, a lookup's own reader would see the new
+    entry while memory does not: it waits, and answers with the new entry (a lookup that read
+    memory alone there would give the shorter, older match)."""
+    cache = _held_store(backend, tmp_path)
+    try:
+        cache.store((1, 2, 3), b"stored before", namespace="n")
+        cache.hold_commit.set()
+        writer = threading.Thread(
+            target=cache.store, args=((1, 2, 3, 4, 5), b"a large state"), kwargs={"namespace": "n"}, daemon=True
+        )
+        writer.start()
+        assert cache.committed.wait(120)
+        answers: list[Any] = []
+
+        def read() -> None:
+            match = cache.lookup((1, 2, 3, 4, 5, 6), namespace="n")
+            answers.append(match and (match.length, bytes(match.blob)))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(0.5)
+        waited = reader.is_alive()
+        cache.resume.set()
+        join_all([writer, reader], "the store and the lookup", 60)
+        assert answers == [(5, b"a large state")]
+        assert waited, "the lookup answered while memory was behind the store"
     finally:
         cache.close()
