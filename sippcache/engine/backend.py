@@ -523,7 +523,7 @@ class KVBackend(BaseBackend):
                 replica.uses.record(replica.catalog, *used)
 
     def _start_bulk(self) -> None:
-        """Mark the start of a stretch of a write that changes nothing in memory (see `_peek`);
+        """Mark the start of a stretch of a write that changes nothing in memory (see `_lock_or_answer`);
         the caller sets `_bulk` to 0 when it ends."""
         self._bulks += 1
         self._bulk = self._bulks
