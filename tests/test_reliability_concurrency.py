@@ -234,6 +234,16 @@ def _held_store(backend: str, tmp_path: Path) -> _HeldWrites:
     return (_SlowLMDB if backend == "lmdb" else _SlowDiskCache)(str(tmp_path / "store"))
 
 
+def _write_in_background(cache: _HeldWrites) -> threading.Thread:
+    """Store b"a large state" under (1, 2, 3, 4, 5) in namespace "n" on another thread (held
+    where the test set `cache`'s holds), started."""
+    writer = threading.Thread(
+        target=cache.store, args=((1, 2, 3, 4, 5), b"a large state"), kwargs={"namespace": "n"}, daemon=True
+    )
+    writer.start()
+    return writer
+
+
 def test_a_peek_is_answered_while_another_thread_writes_an_entry() -> None:
     """`peek` (the proxy's routing and restore decisions) reads memory while another thread's
     store copies an entry's bytes (seconds for a whole state of a gigabyte in LMDB), rather
@@ -241,10 +251,7 @@ def test_a_peek_is_answered_while_another_thread_writes_an_entry() -> None:
     cache = _SlowWrites()
     cache.store((1, 2, 3), b"stored before", namespace="n")
     cache.hold.set()
-    writer = threading.Thread(
-        target=cache.store, args=((1, 2, 3, 4, 5), b"a large state"), kwargs={"namespace": "n"}, daemon=True
-    )
-    writer.start()
+    writer = _write_in_background(cache)
     assert cache.writing.wait(120)
     answers: list[Any] = []
     reader = threading.Thread(target=lambda: answers.append(cache.peek((1, 2, 3, 4, 5, 6), namespace="n")), daemon=True)
@@ -270,10 +277,7 @@ def test_a_lookup_is_answered_while_another_thread_writes_an_entry(backend: str,
         cache.store((1, 2, 3), b"stored before", namespace="n")
         cache.store((1, 2, 3, 9), b"another", namespace="n")
         cache.hold.set()
-        writer = threading.Thread(
-            target=cache.store, args=((1, 2, 3, 4, 5), b"a large state"), kwargs={"namespace": "n"}, daemon=True
-        )
-        writer.start()
+        writer = _write_in_background(cache)
         assert cache.writing.wait(120)
         answers: list[Any] = []
 
@@ -307,10 +311,7 @@ def test_a_lookup_waits_for_a_write_on_a_store_that_reads_uncommitted_bytes() ->
     cache = _SlowWrites()
     cache.store((1, 2, 3), b"stored before", namespace="n")
     cache.hold.set()
-    writer = threading.Thread(
-        target=cache.store, args=((1, 2, 3, 4, 5), b"a large state"), kwargs={"namespace": "n"}, daemon=True
-    )
-    writer.start()
+    writer = _write_in_background(cache)
     assert cache.writing.wait(120)
     answers: list[Any] = []
     reader = threading.Thread(
@@ -334,10 +335,7 @@ def test_a_lookup_that_began_before_a_writes_long_stretch_is_answered_during_it(
         cache.store((1, 2, 3), b"stored before", namespace="n")
         cache.hold.set()
         cache.hold_start.set()
-        writer = threading.Thread(
-            target=cache.store, args=((1, 2, 3, 4, 5), b"a large state"), kwargs={"namespace": "n"}, daemon=True
-        )
-        writer.start()
+        writer = _write_in_background(cache)
         assert cache.starting.wait(120)
         answers: list[Any] = []
 
@@ -453,10 +451,7 @@ def test_a_lookup_never_answers_from_memory_older_than_the_store_it_reads(backen
     try:
         cache.store((1, 2, 3), b"stored before", namespace="n")
         cache.hold_commit.set()
-        writer = threading.Thread(
-            target=cache.store, args=((1, 2, 3, 4, 5), b"a large state"), kwargs={"namespace": "n"}, daemon=True
-        )
-        writer.start()
+        writer = _write_in_background(cache)
         assert cache.committed.wait(120)
         answers: list[Any] = []
 
