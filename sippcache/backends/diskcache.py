@@ -168,7 +168,7 @@ def _read_value_file(path: str) -> Blob:
         size = os.fstat(fd).st_size
         if size >= MAP_FROM_BYTES:
             return memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ))
-        with os.fdopen(os.dup(fd), "rb") as reader:
+        with open(fd, "rb", closefd=False) as reader:
             return reader.read()
     finally:
         os.close(fd)
