@@ -44,17 +44,28 @@ the behaviour before the rule), ``never`` (never restore; states are still
 stored, for the places where restores win). Where the caller gives none,
 ``SIPPCACHE_RESTORE`` names it (default ``auto``).
 
-Nothing here blocks or does I/O; one instance belongs to one event loop or
-thread (it takes no locks).
+Rates outlive a process where the caller keeps them (`RestoreRates.keep`): a
+proxy restarted on the same host and model starts from what the last one
+measured, instead of restoring blindly until it has measured again (on an
+H200, a proxy that forgot its rates at each restart restored every
+follow-up, up to 5x slower than computing it). A kept place's samples are
+written back to its small JSON file by `RestoreRates.flush`, at most every
+`KEEP_EVERY` seconds; nothing else here does I/O, and nothing blocks. One
+instance belongs to one event loop or thread (it takes no locks).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import math
 import os
+import tempfile
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 __all__ = [
     "ALWAYS",
@@ -74,6 +85,8 @@ __all__ = [
     "RestoreRates",
     "mode_from_environment",
 ]
+
+log = logging.getLogger(__name__)
 
 Mode = Literal["auto", "always", "never"]
 #: The modes, for a command line's choices.
@@ -95,6 +108,10 @@ MARGIN = 1.0
 INEFFECTIVE_SHARE = 0.5
 #: After this many wasted restores in a row at a place, its restores are declined (until a probe).
 WASTED_IN_A_ROW = 2
+#: A kept place's file is written at most this often (seconds) by `RestoreRates.flush`.
+KEEP_EVERY = 10.0
+#: The version of a kept place's file; a file of another version is not read.
+KEPT_VERSION = 1
 
 # Why a restore is done.
 ALWAYS: Final = "always"
@@ -152,6 +169,20 @@ class _Samples:
     def __len__(self) -> int:
         return sum(len(b) for b in self._buckets.values())
 
+    def dump(self) -> dict[str, list[list[float]]]:
+        """The samples as JSON data: {bucket: [[work, cost], ...]}, oldest first."""
+        return {str(b): [[w, c] for w, c in samples] for b, samples in sorted(self._buckets.items())}
+
+    def load(self, data: dict[str, list[list[float]]]) -> int:
+        """Add samples `dump` wrote (checked by `_kept_samples`), older than any added since; how many."""
+        for key, pairs in data.items():
+            bucket = int(key)
+            newer = list(self._buckets.get(bucket, ()))
+            samples = self._buckets[bucket] = deque(maxlen=WINDOW)
+            samples.extend((float(w), float(c)) for w, c in pairs)
+            samples.extend(newer)
+        return sum(len(pairs) for pairs in data.values())
+
     def per_unit(self, size: float | None = None) -> float | None:
         """Cost per unit of work for work of `size` (None: over every sample): from the bucket of
         that size, else the nearest one with samples (the larger of two as near: its fixed costs
@@ -194,6 +225,29 @@ def mode_from_environment() -> Mode:
     raise ValueError(f"{MODE_ENVIRONMENT_VARIABLE}={value!r}: the restore mode must be one of {', '.join(MODES)}")
 
 
+def _kept_samples(data: Any) -> dict[str, dict[str, list[list[float]]]] | None:
+    """The three sample sets of a kept place's file, checked; None where anything is off."""
+    if not isinstance(data, dict) or data.get("version") != KEPT_VERSION:
+        return None
+    kept = {}
+    for kind in ("prefill", "restore", "sizes"):
+        buckets = data.get(kind)
+        if not isinstance(buckets, dict):
+            return None
+        for key, pairs in buckets.items():
+            if not (isinstance(key, str) and key.isdigit() and 1 <= int(key) <= 128 and isinstance(pairs, list)):
+                return None
+            for pair in pairs:
+                if not (
+                    isinstance(pair, list)
+                    and len(pair) == 2
+                    and all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in pair)
+                ):
+                    return None
+        kept[kind] = buckets
+    return kept
+
+
 class RestoreRates:
     """Measured prefill and restore rates per place (for the proxy: per upstream URL), and the
     decision whether a restore beats computing its tokens again (see the module's docstring)."""
@@ -209,12 +263,76 @@ class RestoreRates:
         self.margin = margin
         self.probe_every = probe_every
         self._places: dict[str, _Place] = {}
+        self._kept: dict[str, str] = {}  # place: its file
+        self._changed: set[str] = set()  # kept places with samples not yet written
+        self._flushed = time.monotonic()
 
     def _place(self, place: str) -> _Place:
         found = self._places.get(place)
         if found is None:
             found = self._places[place] = _Place()
         return found
+
+    def _sampled(self, place: str) -> None:
+        if place in self._kept:
+            self._changed.add(place)
+
+    # -- kept across processes ------------------------------------------------------------
+
+    def keep(self, place: str, path: str | os.PathLike[str]) -> int:
+        """Keep `place`'s samples in the JSON file `path`, for the next process at the same place
+        (the same host, server and model: the caller names the file so). The samples a former
+        process wrote there are loaded now, as older than any taken since; `flush` writes them
+        back. Returns how many were loaded: 0 for a missing file, and for one that cannot be read
+        or is not such a file (logged: rates are measured again, nothing fails)."""
+        path = os.fspath(path)
+        self._kept[place] = path
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return 0
+        except (OSError, ValueError) as exc:
+            log.warning("sippcache: the restore rates kept in %s cannot be read (%s): measured again", path, exc)
+            return 0
+        kept = _kept_samples(data)
+        if kept is None:
+            log.warning("sippcache: %s is not a restore-rates file of version %d: measured again", path, KEPT_VERSION)
+            return 0
+        entry = self._place(place)
+        loaded = entry.prefill.load(kept["prefill"]) + entry.restore.load(kept["restore"])
+        return loaded + entry.sizes.load(kept["sizes"])
+
+    def flush(self, *, force: bool = False) -> None:
+        """Write each kept place whose samples changed to its file, if `KEEP_EVERY` seconds have
+        passed since the last write (`force`: now; at shutdown). A write that fails is logged, not
+        raised: the rates stay in memory and are written at the next flush."""
+        if not self._changed or (not force and time.monotonic() - self._flushed < KEEP_EVERY):
+            return
+        self._flushed = time.monotonic()
+        for place in sorted(self._changed):
+            entry, path = self._places[place], self._kept[place]
+            data = {
+                "version": KEPT_VERSION,
+                "prefill": entry.prefill.dump(),
+                "restore": entry.restore.dump(),
+                "sizes": entry.sizes.dump(),
+            }
+            try:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".rates-", suffix=".tmp")
+                try:
+                    with os.fdopen(fd, "w", encoding="utf-8") as f:
+                        json.dump(data, f)
+                    os.replace(tmp, path)  # whole or not at all: a reader never sees half a file
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    raise
+            except OSError as exc:
+                log.warning("sippcache: cannot write the restore rates to %s: %s", path, exc)
+                continue
+            self._changed.discard(place)
 
     # -- samples -------------------------------------------------------------------
 
@@ -224,6 +342,7 @@ class RestoreRates:
         if tokens < MIN_PREFILL_TOKENS or not (math.isfinite(seconds) and seconds > 0):
             return False
         self._place(place).prefill.add(tokens, tokens, seconds)
+        self._sampled(place)
         return True
 
     def record_restore(self, place: str, *, nbytes: int, seconds: float, tokens: int, useful: float = 1.0) -> bool:
@@ -239,12 +358,14 @@ class RestoreRates:
         entry.wasted = entry.wasted + 1 if useful < INEFFECTIVE_SHARE else 0
         if tokens > 0:
             entry.sizes.add(tokens, tokens, nbytes)
+        self._sampled(place)
         return True
 
     def record_size(self, place: str, tokens: int, nbytes: int) -> None:
         """A state of `tokens` tokens took `nbytes` bytes at `place` (a save, say)."""
         if tokens > 0 and nbytes > 0:
             self._place(place).sizes.add(tokens, tokens, nbytes)
+            self._sampled(place)
 
     # -- what the samples say -----------------------------------------------------------
 

@@ -45,6 +45,8 @@ class ProxyServer(Server):
 
     def arguments(self, args: Sequence[str]) -> list[str]:
         before, dashes, after = _split(args)
+        if "--rates-dir" not in before:  # not the user cache's: rates one test measured never decide another's
+            before += ["--rates-dir", str(self.log_path.with_suffix(".rates"))]
         return [*before, "--host", "127.0.0.1", "--port", str(self.port), *dashes, *after]
 
     def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:

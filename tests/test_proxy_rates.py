@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from sippcache.proxy.metrics import ProxyMetrics
 from sippcache.proxy.slots import Origin, SlotTable
 from sippcache.proxy.store import Restored, SlotStore
 from sippcache.proxy.upstream import Upstream
-from sippcache.rates import MIN_PREFILL_TOKENS, RestoreRates
+from sippcache.rates import KEEP_EVERY, MIN_PREFILL_TOKENS, WINDOW, RestoreRates
 from tests.proxy_tools import LlamaServer, ProxyServer, llama_server_binary, metric, settle
 from tests.servers import parse_metrics
 
@@ -157,6 +158,140 @@ def test_the_size_of_a_state_is_learned_per_token() -> None:
     rates.record_restore(HERE, nbytes=9_600_000, seconds=0.01, tokens=300)
     assert rates.size_of(HERE, 1000) == 32_000_000
     assert rates.size_of(THERE, 1000) is None
+
+
+# -- rates kept across processes --------------------------------------------------------------------
+
+# Measured on an H200 (2026-11-27, `benchmarks/gpu/run.sh`; docs/proxy.md's table), 8 of Llama-3-8B's
+# layers, f16 KV, through the proxy: the cold prefills of its first run (llama-server's prompt_n,
+# prompt_ms), the states it saved (tokens, bytes), the first request after a restart (512 tokens,
+# with the new process's one-time costs), and the first restore after the restart (2,048 tokens,
+# store read to llama-server loaded). Forced restores lost at 8K (262 ms against 113 ms cold) and 32K
+# (1,221 ms against 673 ms): the restarted proxy, which had forgotten the prefills, restored them.
+H200_PREFILLS = [(2046, 0.0284), (8190, 0.1082), (32766, 0.6084)]
+H200_STATES = [(2048, 67_141_876), (8192, 268_566_772), (32768, 1_074_266_356)]
+H200_WARMUP = (512, 0.1027)
+H200_FIRST_RESTORE = {"nbytes": 67_142_291, "seconds": 0.0847, "tokens": 2048}
+
+
+def _h200_first_run(path: Path) -> None:
+    first = RestoreRates()
+    assert first.keep(HERE, path) == 0  # nothing there yet
+    first.record_prefill(HERE, *H200_WARMUP)
+    for tokens, seconds in H200_PREFILLS:
+        first.record_prefill(HERE, tokens, seconds)
+    for tokens, nbytes in H200_STATES:
+        first.record_size(HERE, tokens, nbytes)
+    first.flush(force=True)  # the proxy's shutdown
+
+
+def test_rates_kept_across_a_restart_decline_the_restores_a_gpu_lost(tmp_path: Path) -> None:
+    path = tmp_path / "rates" / "here.json"  # its folder is made by the first write
+    _h200_first_run(path)
+    restarted = RestoreRates()
+    assert restarted.keep(HERE, path) == 1 + len(H200_PREFILLS) + len(H200_STATES)
+    restarted.record_prefill(HERE, *H200_WARMUP)
+    first = restarted.decide(HERE, tokens=2048, nbytes=restarted.size_of(HERE, 2048))
+    assert first and first.reason == "unmeasured"  # no restore measured on this host yet: one is done
+    restarted.record_restore(HERE, **H200_FIRST_RESTORE)
+    for tokens in (8192, 32768):
+        decision = restarted.decide(HERE, tokens=tokens, nbytes=restarted.size_of(HERE, tokens))
+        assert not decision and decision.reason == "slower_than_prefill", (tokens, decision)
+        assert decision.prefill_seconds is not None and decision.restore_seconds is not None
+        assert decision.restore_seconds > 2 * decision.prefill_seconds
+
+    # What the restarted proxy did without them: from the warm-up alone, a prefill looks 4x slower a
+    # token than it is at 8K, and both restores that lost were done.
+    forgot = RestoreRates()
+    forgot.record_prefill(HERE, *H200_WARMUP)
+    forgot.record_restore(HERE, **H200_FIRST_RESTORE)
+    for tokens, nbytes in H200_STATES:
+        assert forgot.decide(HERE, tokens=tokens, nbytes=nbytes).reason == "faster_than_prefill"
+
+
+def test_kept_samples_are_older_than_new_ones_and_a_place_keeps_its_own(tmp_path: Path) -> None:
+    here, there = tmp_path / "here.json", tmp_path / "there.json"
+    first = RestoreRates()
+    first.keep(HERE, here)
+    first.keep(THERE, there)
+    for _ in range(WINDOW):
+        first.record_prefill(HERE, 1000, 1.0)  # a thousand tokens a second
+    first.record_prefill(THERE, 1000, 0.001)
+    first.flush(force=True)
+    second = RestoreRates()
+    assert second.keep(HERE, here) == WINDOW
+    assert second.measured(HERE).prefill_tokens_per_second == pytest.approx(1000)
+    assert second.measured(THERE).prefill_samples == 0  # not kept for this one yet
+    for _ in range(WINDOW // 2):
+        second.record_prefill(HERE, 1000, 0.1)  # faster now: the oldest kept samples make way
+    assert second.measured(HERE).prefill_samples == WINDOW
+    assert second.measured(HERE).prefill_tokens_per_second == pytest.approx(1000 * WINDOW / (WINDOW // 2 * 1.1))
+    assert second.keep(THERE, there) == 1
+
+
+def test_kept_rates_are_written_every_few_seconds_and_at_shutdown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "here.json"
+    clock = [1000.0]
+    monkeypatch.setattr("sippcache.rates.time.monotonic", lambda: clock[0])
+    rates = RestoreRates()
+    rates.keep(HERE, path)
+    rates.flush(force=True)
+    assert not path.exists()  # nothing measured: nothing written
+    rates.record_prefill(HERE, 1000, 1.0)
+    rates.flush()
+    assert not path.exists()  # the last flush was under KEEP_EVERY seconds ago
+    clock[0] += KEEP_EVERY
+    rates.flush()
+    assert json.loads(path.read_text())["prefill"]
+    rates.record_restore(HERE, nbytes=10**6, seconds=0.01, tokens=100)
+    rates.flush()
+    assert not json.loads(path.read_text())["restore"]  # written again no sooner than KEEP_EVERY later
+    rates.flush(force=True)
+    assert json.loads(path.read_text())["restore"]
+    assert [p.name for p in tmp_path.iterdir()] == ["here.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        '{"version": 2, "prefill": {}, "restore": {}, "sizes": {}}',
+        '{"version": 1, "prefill": {"11": [[1000, -1]]}, "restore": {}, "sizes": {}}',
+        '{"version": 1, "prefill": {"eleven": [[1000, 1]]}, "restore": {}, "sizes": {}}',
+        '{"version": 1, "prefill": {"11": [[1000, 1, 2]]}, "restore": {}, "sizes": {}}',
+        '{"version": 1, "prefill": {"11": [[1000, "1"]]}, "restore": {}, "sizes": {}}',
+        '{"version": 1, "prefill": {}, "restore": {}}',
+        "[]",
+    ],
+)
+def test_a_kept_file_that_is_not_right_is_measured_again(tmp_path: Path, content: str, caplog: Any) -> None:
+    path = tmp_path / "here.json"
+    path.write_text(content)
+    rates = RestoreRates()
+    with caplog.at_level(logging.WARNING, logger="sippcache.rates"):
+        assert rates.keep(HERE, path) == 0
+    assert str(path) in caplog.text
+    assert rates.measured(HERE).prefill_samples == 0
+    rates.record_prefill(HERE, 1000, 1.0)
+    rates.flush(force=True)  # replaced by a good one
+    assert RestoreRates().keep(HERE, path) == 1
+
+
+def test_a_kept_file_that_cannot_be_written_is_logged_and_the_rates_stay(tmp_path: Path, caplog: Any) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the folder should be")
+    rates = RestoreRates()
+    rates.keep(HERE, blocker / "here.json")
+    rates.record_prefill(HERE, 1000, 1.0)
+    with caplog.at_level(logging.WARNING, logger="sippcache.rates"):
+        rates.flush(force=True)
+    assert "cannot write the restore rates" in caplog.text
+    assert rates.measured(HERE).prefill_samples == 1
+    blocker.unlink()
+    rates.flush(force=True)  # still to be written: it is, once it can be
+    assert RestoreRates().keep(HERE, blocker / "here.json") == 1
 
 
 # -- the proxy's judgement of a restore ------------------------------------------------------------
@@ -385,3 +520,46 @@ def test_restore_never_on_the_command_line(tiny_model: Path, tmp_path: Path) -> 
     finally:
         for proxy in started:
             proxy.stop()
+
+
+def test_a_restarted_proxy_decides_from_the_rates_kept_before(tiny_model: Path, tmp_path: Path) -> None:
+    """`sippcache proxy` keeps each upstream's rates in --rates-dir for the next one at the same place.
+    The first proxy stores the first turn and keeps its prefill rate; that file then says restores are
+    slow there (as they are on a fast GPU), and the restarted proxy computes the follow-up instead of
+    restoring it, with the answer plain llama-server gives."""
+    cache, rates_dir = f"lmdb://{tmp_path}/store", tmp_path / "rates"
+    managed = ["--llama-server", str(llama_server_binary()), "--model", str(tiny_model), "--cache", cache]
+    managed += ["--rates-dir", str(rates_dir), "--restore", "auto", "--", "-c", "4096"]  # the suite's default: always
+    first = ProxyServer(managed, tmp_path / "proxy-1.log")
+    try:
+        first.wait_ready()
+        status, _, answer = first.post("/v1/chat/completions", {"messages": FIRST, **GREEDY})
+        assert status == 200, answer
+        settle(first)
+    finally:
+        first.stop()
+    [kept] = rates_dir.iterdir()
+    assert "(0 samples from before)" in first.log_tail(20_000)
+    rates = RestoreRates()
+    assert rates.keep("there", kept) >= 2  # the answer's prefill and its state's size, written at shutdown
+    rates.record_restore("there", nbytes=1000, seconds=10.0, tokens=10)  # 100 bytes a second
+    rates.flush(force=True)
+
+    second = ProxyServer(managed, tmp_path / "proxy-2.log")
+    plain = None
+    try:
+        second.wait_ready()
+        status, headers, answer = second.post("/v1/chat/completions", {"messages": FOLLOW, **GREEDY})
+        assert status == 200, answer
+        settle(second)
+        assert headers[REUSED_HEADER.lower()] == "0" and answer["timings"]["cache_n"] == 0  # computed
+        assert metric(second, "sippcache_proxy_restores_skipped_total", reason="slower_than_prefill") == 1
+        assert metric(second, "sippcache_proxy_restores_total") == 0
+        plain = LlamaServer(tiny_model, tmp_path / "plain.log", "-c", "4096").start()
+        expected = httpx.post(plain.url + "/v1/chat/completions", json={"messages": FOLLOW, **GREEDY}, timeout=600)
+        assert answer["choices"][0]["message"]["content"] == expected.json()["choices"][0]["message"]["content"]
+    finally:
+        second.stop()
+        if plain is not None:
+            plain.stop()
+    assert "samples from before)" in second.log_tail(20_000)

@@ -187,6 +187,7 @@ class Proxy:
         await asyncio.gather(*(self._save_idle_slot(s) for s in self.slots.slots if s.unsaved is not None))
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
+        self.rates.flush(force=True)
 
     # -- completions -------------------------------------------------------------
 
@@ -437,6 +438,7 @@ class Proxy:
         timings = relay.timings
         self.metrics.requests.labels(upstream.url, how, "ok" if relay.complete else "incomplete").inc()
         self._learn(upstream.url, timings, restore)
+        self.rates.flush()  # kept for the next proxy at this place (at most every KEEP_EVERY seconds)
         prompt = len(tokens or ())
         if "cache_n" in timings:
             self.metrics.prompt_tokens.labels(upstream.url, "reused").inc(int(timings["cache_n"]))

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 import httpx
+import platformdirs
 import xxhash
 from prometheus_client import Gauge
 
@@ -125,6 +126,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="when to restore a stored state: auto (default) when loading it is expected to be faster than "
         "llama-server computing its tokens, from the rates measured on each upstream; always; never "
         "(states are still stored); default: $SIPPCACHE_RESTORE, else auto",
+    )
+    parser.add_argument(
+        "--rates-dir",
+        default=default_rates_dir(),
+        metavar="DIR",
+        help="where the rates measured on each upstream are kept for the next proxy at the same place (same "
+        "model, build and server), so a restart does not restore blindly until it has measured again "
+        "(default: rates/ in the user cache; '': not kept)",
     )
     parser.add_argument("server_args", nargs="*", metavar="-- ARGS", help="more llama-server arguments (managed)")
     return parser
@@ -264,6 +273,18 @@ async def check_extends_restores(upstream: Upstream, slot_dir: str, n_swa: int, 
         )
 
 
+def default_rates_dir() -> str:
+    """rates/ in the user cache folder: measured rates belong to this host."""
+    return os.path.join(platformdirs.user_cache_dir("sippcache"), "rates")
+
+
+def rates_file(directory: str, digest: str, place: str) -> str:
+    """The file keeping the rates of one upstream: named by the states' fingerprint (model, build,
+    slots) and `place`, what else sets its speed (a managed server's binary and flags, or an
+    attached server's URL)."""
+    return os.path.join(directory, xxhash.xxh3_128_hexdigest(f"{digest}\n{place}".encode()) + ".json")
+
+
 def fingerprint(info: UpstreamInfo, facts: ModelFacts | None) -> tuple[str, dict[str, str]]:
     """What makes a slot state loadable by a server: the model file (its digest when the proxy can
     read it, else what llama-server says of it), the llama-server build and the slot layout.
@@ -398,6 +419,16 @@ async def _serve(
             save_every=args.save_every,
             save_idle=args.save_idle,
         )
+        if args.rates_dir:
+            for upstream in upstreams:
+                place = upstream.url
+                if managed is not None:  # its URL is a new port each start: named by what it runs instead
+                    place = "managed\n" + "\n".join([args.llama_server, args.model, *args.server_args])
+                path = rates_file(args.rates_dir, digest, place)
+                loaded = proxy.rates.keep(upstream.url, path)
+                logging.getLogger("sippcache.proxy").info(
+                    "restore rates of %s kept in %s (%d samples from before)", upstream.url, path, loaded
+                )
         config = uvicorn.Config(proxy, host=args.host, port=args.port, log_level="warning", lifespan="on")
         server = uvicorn.Server(config)
         print(
