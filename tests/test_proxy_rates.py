@@ -30,6 +30,7 @@ from tests.proxy_tools import LlamaServer, ProxyServer, llama_server_binary, met
 from tests.servers import parse_metrics
 
 HERE = "http://127.0.0.1:8080"
+PARTS = ("sippcache", "llama_server")  # sippcache_proxy_restore_part_seconds' parts
 THERE = "http://127.0.0.1:8081"
 
 # -- the rates on their own ------------------------------------------------------------------------
@@ -478,6 +479,11 @@ def test_a_restore_preset_faster_than_prefill_is_done(restarted: Any, tmp_path: 
     assert counted(proxy, "sippcache_proxy_restores_skipped_total") == 0
     assert counted(proxy, "sippcache_proxy_restores_ineffective_total") == 0
     assert rates.measured(url).restore_samples == 2  # the preset one, and this restore
+    # the restore's time split: sippcache's staging, then llama-server's own load (its timings.restore_ms)
+    parts = {p: counted(proxy, "sippcache_proxy_restore_part_seconds_sum", part=p) for p in PARTS}
+    assert all(counted(proxy, "sippcache_proxy_restore_part_seconds_count", part=p) == 1 for p in parts)
+    assert all(seconds > 0 for seconds in parts.values()), parts
+    assert sum(parts.values()) <= counted(proxy, "sippcache_proxy_restore_seconds_sum")
 
 
 # -- the command line ----------------------------------------------------------------------------------

@@ -339,7 +339,7 @@ def metrics(server: Server) -> dict[str, float]:
         short = name[len("sippcache_proxy_") :]
         if short.endswith(("_bucket", "_created")):
             continue
-        for key in ("outcome", "how", "reason"):
+        for key in ("outcome", "how", "reason", "part"):
             lm = re.search(key + r'="([^"]*)"', labels)
             if lm:
                 short += "." + lm.group(1)
@@ -781,7 +781,9 @@ def summary() -> None:
                     f"prompt_n {q2.get('prompt_n')}, cache_n {q2.get('cache_n')}), "
                     f"restore {m2.get('restore_seconds_sum')} s, "
                     f"skipped {skipped} | x{run.get(f'speedup_vs_raw_cold_{mode}')} vs cold, "
-                    f"sippcache adds {run.get(f'sippcache_restore_overhead_ms_{mode}')} ms to the restore, "
+                    f"sippcache adds {run.get(f'sippcache_restore_overhead_ms_{mode}')} ms to the restore "
+                    f"(its staging {m2.get('restore_part_seconds_sum.sippcache')} s, llama-server's load "
+                    f"{m2.get('restore_part_seconds_sum.llama_server')} s), "
                     f"TTFT over the raw floor {run.get(f'proxy_over_raw_floor_ms_{mode}')} ms"
                 )
     for shape, m in RESULTS["micro"].items():

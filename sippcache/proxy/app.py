@@ -363,6 +363,9 @@ class Proxy:
         slot.tokens, slot.origin, slot.stored = restored.tokens, restored.origin, len(restored.tokens)
         self.metrics.restores.labels(url, "ok").inc()
         self.metrics.restore_seconds.labels(url).observe(restored.seconds)
+        for part, seconds in (("sippcache", restored.staged), ("llama_server", restored.loaded)):
+            if seconds is not None:
+                self.metrics.restore_part_seconds.labels(url, part).observe(seconds)
         loaded = restored.tokens  # the entry's tokens, or the prefix its chunks gave
         promised = reusable(len(loaded), common_prefix(loaded, tokens), len(tokens), self.store.can_cut)
         return _Restore(restored, promised)

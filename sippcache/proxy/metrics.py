@@ -54,6 +54,14 @@ class ProxyMetrics:
         self.restore_seconds = Histogram(
             "sippcache_proxy_restore_seconds", "Store read + slot restore.", ["upstream"], registry=registry
         )
+        self.restore_part_seconds = Histogram(
+            "sippcache_proxy_restore_part_seconds",
+            "A restore's time by who spent it: sippcache (store read, checksums, the staging file written) and "
+            "llama_server (its own load of the file, its timings.restore_ms); the rest of restore_seconds is the "
+            "HTTP call and the scheduling around both.",
+            ["upstream", "part"],
+            registry=registry,
+        )
         self.saves = Counter("sippcache_proxy_saves", "Slot states stored.", ["upstream"], registry=registry)
         self.slot_saves = Counter(
             "sippcache_proxy_slot_saves",

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import mmap
 import os
 import shutil
@@ -51,6 +52,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
@@ -97,13 +99,17 @@ CHUNKED_KINDS: tuple[MemoryKind, ...] = ("full", "swa")
 
 @dataclass(frozen=True)
 class Restored:
-    """A state llama-server loaded into a slot: the entry, its size and how long it took; `held`,
-    the tokens it holds when they are a prefix of the entry's (a run of its chunks)."""
+    """A state llama-server loaded into a slot: the entry, its size and how long it took (`staged`:
+    the store read and the staging file written; `loaded`: llama-server's own load, as it reported
+    it, None where it did not); `held`, the tokens it holds when they are a prefix of the entry's
+    (a run of its chunks)."""
 
     origin: Origin
     nbytes: int
     seconds: float
     held: tuple[int, ...] | None = None
+    staged: float | None = None
+    loaded: float | None = None
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -235,13 +241,15 @@ class SlotStore:
         if staged is None:
             return None
         origin, nbytes, held = staged
+        staged_seconds = time.perf_counter() - started
         try:
-            await upstream.slot_action(slot, "restore", os.path.basename(path))
+            answer = await upstream.slot_action(slot, "restore", os.path.basename(path))
         except UpstreamRefused as exc:
             self.refused += 1
             log.warning("%s refused a stored state of %d tokens (kept): %s", upstream.url, len(origin.tokens), exc)
             raise
-        return Restored(origin, nbytes, time.perf_counter() - started, held)
+        seconds = time.perf_counter() - started
+        return Restored(origin, nbytes, seconds, held, staged_seconds, _reported_seconds(answer, "restore_ms"))
 
     def restore_file(self, url: str, slot: int) -> str:
         """The staging file restores into `slot` of the llama-server at `url` go through: one per
@@ -451,6 +459,15 @@ def remove_stale_files(directory: str, prefixes: Sequence[str]) -> int:
     if removed:
         log.info("sippcache proxy: removed %d file(s) in %s left by proxies that are gone", removed, directory)
     return removed
+
+
+def _reported_seconds(answer: dict[str, Any], name: str) -> float | None:
+    """llama-server's own timing `name` (milliseconds) in a slot action's answer, in seconds."""
+    timings = answer.get("timings")
+    value = timings.get(name) if isinstance(timings, dict) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return value / 1000.0
+    return None
 
 
 def _remove(path: str) -> None:
