@@ -201,7 +201,7 @@ def test_rates_kept_across_a_restart_decline_the_restores_a_gpu_lost(tmp_path: P
         assert decision.prefill_seconds is not None and decision.restore_seconds is not None
         assert decision.restore_seconds > 2 * decision.prefill_seconds
 
-    # What the restarted proxy did without them: from the warm-up alone, a prefill looks 4x slower a
+    # What the restarted proxy did without them: from the warm-up alone, a prefill looks 15x slower a
     # token than it is at 8K, and both restores that lost were done.
     forgot = RestoreRates()
     forgot.record_prefill(HERE, *H200_WARMUP)
