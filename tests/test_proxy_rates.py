@@ -19,7 +19,7 @@ import pytest
 
 import sippcache
 from sippcache.protocol import CacheBackend
-from sippcache.proxy.app import REUSED_HEADER, Proxy, _Flight, _Restore
+from sippcache.proxy.app import MIN_FLIGHT_LEAD, REUSED_HEADER, Proxy, _Flight, _Restore
 from sippcache.proxy.cli import build_parser
 from sippcache.proxy.metrics import ProxyMetrics
 from sippcache.proxy.slots import Origin, SlotTable
@@ -355,6 +355,28 @@ def test_no_wait_for_a_state_in_flight_that_would_not_be_restored(bare_proxy: Pr
     assert not bare_proxy._would_restore(leader, 4000)
     bare_proxy.rates.mode = "always"
     assert bare_proxy._would_restore(leader, 4000)
+
+
+def test_a_next_turn_waits_for_its_last_state_still_being_written(bare_proxy: Proxy) -> None:
+    """A request whose prefix another one computes waits only for a long lead (a prefill's worth);
+    once that one has answered and only its store write is left, a restore's worth is enough: a
+    conversation's next turn, sent before its last state landed, waits for that write instead of
+    computing again what it is about to store (it did so by chance before, under load)."""
+    prompt = list(range(100, 100 + MIN_FLIGHT_LEAD // 2))  # more than MIN_GAIN, less than MIN_FLIGHT_LEAD
+    turn = [*prompt, 7, 8, 9]
+
+    async def take_off(writing: bool) -> tuple[float, bool]:
+        leader = _Flight("", prompt, asyncio.Event(), writing=writing)
+        bare_proxy._flights.add(leader)
+        bare_proxy.flight_wait = 30.0
+        asyncio.get_running_loop().call_later(0.2, bare_proxy._land, leader)  # the write lands
+        waits = counted(bare_proxy, "sippcache_proxy_flight_waits_total")
+        flight = await bare_proxy._take_off(turn, "")
+        bare_proxy._land(flight)
+        return counted(bare_proxy, "sippcache_proxy_flight_waits_total") - waits, leader.landed.is_set()
+
+    assert asyncio.run(take_off(writing=False)) == (0, False)  # still computing: too short a lead to wait
+    assert asyncio.run(take_off(writing=True)) == (1, True)  # only the write left: waited for it to land
 
 
 # -- in front of real llama-servers ----------------------------------------------------------------

@@ -99,6 +99,13 @@ class _Flight:
     tokens: list[int]
     landed: asyncio.Event
     waiting: int = 0  # requests waiting for its state now: it is stored at once
+    writing: bool = False  # answered, its state being written to the store: what is left is that write
+
+    def min_lead(self) -> int:
+        """How many tokens beyond what the store and the slots hold make waiting for this one pay:
+        a prefill's worth (`MIN_FLIGHT_LEAD`) while it computes, a restore's (`MIN_GAIN`) once only
+        its store write is left (a conversation's next turn, sent before its last state landed)."""
+        return MIN_GAIN if self.writing else MIN_FLIGHT_LEAD
 
 
 @dataclass(frozen=True)
@@ -275,8 +282,9 @@ class Proxy:
 
     async def _take_off(self, tokens: list[int], scope: str) -> _Flight:
         """Wait while a request in flight computes at least `MIN_FLIGHT_LEAD` tokens of this prompt
-        beyond what the store and the idle slots hold (its state is stored when it ends), at most
-        `flight_wait` seconds in all; then this request is in flight itself."""
+        beyond what the store and the idle slots hold (its state is stored when it ends), or stores
+        a state giving at least `MIN_GAIN` more (`_Flight.min_lead`), at most `flight_wait` seconds
+        in all; then this request is in flight itself."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.flight_wait
         while self.flight_wait > 0:
@@ -285,12 +293,13 @@ class Proxy:
                 key=lambda pair: pair[0],
                 default=(0, None),
             )
-            if leader is None or lead < MIN_FLIGHT_LEAD:
+            if leader is None or lead < leader.min_lead():
                 break
             held = max(await asyncio.to_thread(self.store.best_length, tokens, scope), self.slots.held(tokens, scope))
             if leader.landed.is_set():
                 continue  # it landed meanwhile: look again
-            if lead - held < MIN_FLIGHT_LEAD or loop.time() >= deadline or not self._would_restore(leader, lead - held):
+            gain = lead - held
+            if gain < leader.min_lead() or loop.time() >= deadline or not self._would_restore(leader, gain):
                 break
             self.metrics.flight_waits.inc()
             leader.waiting += 1
@@ -424,6 +433,8 @@ class Proxy:
         if stored is None:
             self._land(flight)
         else:
+            if flight is not None:
+                flight.writing = True
             stored.add_done_callback(lambda _: self._land(flight))
 
     async def _after(
