@@ -169,6 +169,10 @@ class _Samples:
     def __len__(self) -> int:
         return sum(len(b) for b in self._buckets.values())
 
+    def largest_cost(self) -> int | None:
+        """The largest cost of one sample (a state's bytes, for sizes), None with no samples."""
+        return max((round(c) for b in self._buckets.values() for _, c in b), default=None)
+
     def dump(self) -> dict[str, list[list[float]]]:
         """The samples as JSON data: {bucket: [[work, cost], ...]}, oldest first."""
         return {str(b): [[w, c] for w, c in samples] for b, samples in sorted(self._buckets.items())}
@@ -374,6 +378,12 @@ class RestoreRates:
         entry = self._places.get(place)
         per_token = None if entry is None else entry.sizes.per_unit(tokens)
         return None if per_token is None else round(per_token * tokens)
+
+    def largest_state(self, place: str) -> int | None:
+        """The bytes of the largest state among `place`'s recent samples (saves and restores; kept
+        ones too), None before any: what a restore there should expect to write."""
+        entry = self._places.get(place)
+        return None if entry is None else entry.sizes.largest_cost()
 
     def measured(self, place: str) -> Measured:
         """The rates over every sample of `place`, whatever their size (for logs and tests)."""

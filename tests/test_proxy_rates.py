@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import itertools
 import json
 import logging
+import os
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,7 @@ import pytest
 import sippcache
 from sippcache.protocol import CacheBackend
 from sippcache.proxy.app import MIN_FLIGHT_LEAD, REUSED_HEADER, Proxy, _Flight, _Restore
-from sippcache.proxy.cli import build_parser
+from sippcache.proxy.cli import STAGING_PREFIX, _staging_base, build_parser
 from sippcache.proxy.metrics import ProxyMetrics
 from sippcache.proxy.slots import Origin, SlotTable
 from sippcache.proxy.store import Restored, SlotStore
@@ -210,6 +213,23 @@ def test_rates_kept_across_a_restart_decline_the_restores_a_gpu_lost(tmp_path: P
         assert forgot.decide(HERE, tokens=tokens, nbytes=nbytes).reason == "faster_than_prefill"
 
 
+def test_the_largest_state_seen_is_known_kept_or_not(tmp_path: Path) -> None:
+    """What a slot's staging file is made for at a proxy's start (`SlotStore.prepare`)."""
+    path = tmp_path / "here.json"
+    rates = RestoreRates()
+    rates.keep(HERE, path)
+    assert rates.largest_state(HERE) is None
+    rates.record_size(HERE, 100, 3_200_000)
+    rates.record_restore(HERE, nbytes=9_600_000, seconds=0.01, tokens=300)
+    rates.record_size(HERE, 200, 6_400_000)
+    assert rates.largest_state(HERE) == 9_600_000
+    assert rates.largest_state(THERE) is None
+    rates.flush(force=True)
+    restarted = RestoreRates()
+    restarted.keep(HERE, path)
+    assert restarted.largest_state(HERE) == 9_600_000
+
+
 def test_kept_samples_are_older_than_new_ones_and_a_place_keeps_its_own(tmp_path: Path) -> None:
     here, there = tmp_path / "here.json", tmp_path / "there.json"
     first = RestoreRates()
@@ -372,8 +392,10 @@ def test_a_next_turn_waits_for_its_last_state_still_being_written(bare_proxy: Pr
         asyncio.get_running_loop().call_later(0.2, bare_proxy._land, leader)  # the write lands
         waits = counted(bare_proxy, "sippcache_proxy_flight_waits_total")
         flight = await bare_proxy._take_off(turn, "")
+        landed = leader.landed.is_set()
         bare_proxy._land(flight)
-        return counted(bare_proxy, "sippcache_proxy_flight_waits_total") - waits, leader.landed.is_set()
+        bare_proxy._land(leader)  # gone either way before the next call: one leader at a time here
+        return counted(bare_proxy, "sippcache_proxy_flight_waits_total") - waits, landed
 
     assert asyncio.run(take_off(writing=False)) == (0, False)  # still computing: too short a lead to wait
     assert asyncio.run(take_off(writing=True)) == (1, True)  # only the write left: waited for it to land
@@ -577,6 +599,12 @@ def test_a_restarted_proxy_decides_from_the_rates_kept_before(tiny_model: Path, 
     plain = None
     try:
         second.wait_ready()
+        # its slot's staging file made at start for the largest state the kept rates saw, before any request
+        pattern = os.path.join(_staging_base(), f"{STAGING_PREFIX}{second.process.pid}-*", "sippcache-restore-*")
+        deadline = time.monotonic() + 60
+        while not (made := glob.glob(pattern)) or os.stat(made[0]).st_size < rates.largest_state("there"):
+            assert time.monotonic() < deadline, "no staging file made ahead"
+            time.sleep(0.1)
         status, headers, answer = second.post("/v1/chat/completions", {"messages": FOLLOW, **GREEDY})
         assert status == 200, answer
         settle(second)

@@ -156,6 +156,36 @@ def test_a_staging_file_kept_mapped_is_always_the_file_llama_server_reads(store:
     assert not Path(target).exists()
 
 
+def test_a_staging_file_made_ahead_is_written_in_place(store: SlotStore, caplog: Any) -> None:
+    """`prepare` (the proxy's start, from the largest state its kept rates saw) makes a slot's staging
+    file with its pages allocated; a restore then writes into that same file and mapping, cut to the
+    state's exact length, smaller or (remapped) larger. A prepare that fails is logged, not raised."""
+    states = {n: bytes([n % 251]) * n for n in (40_000, 90_000)}
+    for n, state in states.items():
+        path = Path(store.staging) / "in.slot"
+        path.write_bytes(b"".join(slotfile.build(4, (*SYSTEM, n), state)))
+        assert store.keep(Snapshot(str(path), (*SYSTEM, n), len(SYSTEM) + 1, time.perf_counter()), None, "")
+    url = "http://127.0.0.1:1"
+    store.prepare(url, 0, 50_000)
+    target = Path(store.restore_file(url, 0))
+    made = os.stat(target)
+    assert made.st_size >= 50_000 and made.st_blocks * 512 >= 50_000  # allocated, not a sparse file
+    assert store._stage((*SYSTEM, 40_000, 7), store.namespace(""), str(target)) is not None
+    assert os.stat(target).st_ino == made.st_ino
+    assert bytes(slotfile.parse(target.read_bytes()).state) == states[40_000]
+    assert store._stage((*SYSTEM, 90_000, 7), store.namespace(""), str(target)) is not None
+    assert bytes(slotfile.parse(target.read_bytes()).state) == states[90_000]
+    store.prepare(url, 0, 10_000)  # smaller than the file: nothing to do, the last state stays whole
+    assert bytes(slotfile.parse(target.read_bytes()).state) == states[90_000]
+    store.close()
+    assert not target.exists()
+    blocker = Path(store.staging) / "blocker"
+    blocker.write_text("a file where the staging folder should be")
+    store.staging = str(blocker)
+    store.prepare(url, 1, 50_000)
+    assert "cannot make the staging file" in caplog.text
+
+
 def test_slot_files_a_proxy_killed_outright_left_are_removed(tmp_path: Path) -> None:
     """A proxy killed outright (SIGKILL) leaves its save and restore files (gigabytes in RAM, kept
     until a reboot); the next store on the directory removes those whose process is gone, and

@@ -290,7 +290,7 @@ class Proxy:
         while self.flight_wait > 0:
             lead, leader = max(
                 ((common_prefix(f.tokens, tokens), f) for f in self._flights if f.scope == scope),
-                key=lambda pair: pair[0],
+                key=lambda pair: (pair[0], pair[1].writing),  # of two as long, the one that lands sooner
                 default=(0, None),
             )
             if leader is None or lead < leader.min_lead():

@@ -429,6 +429,12 @@ async def _serve(
                 logging.getLogger("sippcache.proxy").info(
                     "restore rates of %s kept in %s (%d samples from before)", upstream.url, path, loaded
                 )
+        preparing = [  # each slot's staging file made for the largest state seen there, in the background
+            asyncio.create_task(asyncio.to_thread(store.prepare, upstream.url, slot, largest))
+            for upstream, info in zip(upstreams, infos, strict=True)
+            if (largest := proxy.rates.largest_state(upstream.url))
+            for slot in range(info.slots)
+        ]
         config = uvicorn.Config(proxy, host=args.host, port=args.port, log_level="warning", lifespan="on")
         server = uvicorn.Server(config)
         print(
@@ -442,4 +448,5 @@ async def _serve(
         try:
             await server.serve()
         finally:
+            await asyncio.gather(*preparing)
             store.close()  # its restore staging files (an attached server's --slot-save-path stays)

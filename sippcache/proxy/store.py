@@ -48,6 +48,7 @@ import math
 import mmap
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -259,6 +260,18 @@ class SlotStore:
         self._staging_files.setdefault(path, StagingFile(path))
         return path
 
+    def prepare(self, url: str, slot: int, nbytes: int) -> None:
+        """Make the staging file of `slot` of the llama-server at `url` ready for a state of about
+        `nbytes` bytes, its pages allocated (blocking: the proxy runs it in a worker thread at
+        start). A new file's pages cost about as much again as writing a state into them (0.5 s a
+        GB on /dev/shm): made ahead, the first restore after a restart writes in place. A failure
+        (no room) is logged: that restore makes the file itself."""
+        path = self.restore_file(url, slot)
+        try:
+            self._staging_files[path].reserve(nbytes + nbytes // 64 + 4096)  # room for its tokens too
+        except OSError as exc:
+            log.warning("cannot make the staging file %s ready for %d bytes: %s", path, nbytes, exc)
+
     def close(self) -> None:
         """Remove the staging files this store's restores used."""
         for staging in self._staging_files.values():
@@ -382,26 +395,48 @@ class StagingFile:
         self.path = path
         self._mapped: mmap.mmap | None = None
         self._file: tuple[int, int] = (0, 0)  # the mapped file's (device, inode)
+        self._lock = threading.Lock()  # a restore's write, and `reserve` from the proxy's start
+
+    def reserve(self, size: int) -> None:
+        """Make the file at least `size` bytes, its pages allocated and mapped, ahead of a restore
+        (`SlotStore.prepare`). Nothing is written into it."""
+        with self._lock:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if os.fstat(fd).st_size < size:
+                    os.posix_fallocate(fd, 0, size)  # the pages themselves, not a sparse file
+                self._map(fd, size)
+            finally:
+                os.close(fd)
 
     def write(self, head: bytes, assembled: chunks.Assembled) -> int:
         """Make the file `head` (`slotfile.build`'s header and tokens) and then the assembled
         state without its 8-byte sequence header: the state is written into the mapping once
         (joined there, from chunks), its 8-byte header then overwritten by the end of `head`.
         Returns the state's bytes in the file."""
+        with self._lock:
+            return self._write(head, assembled)
+
+    def _map(self, fd: int, size: int) -> mmap.mmap:
+        """The mapping of `fd`, `size` bytes at least: the one kept if it is that file and as large."""
+        stat = os.fstat(fd)
+        if self._mapped is None or len(self._mapped) < size or self._file != (stat.st_dev, stat.st_ino):
+            self._unmap()
+            self._mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+            self._file = (stat.st_dev, stat.st_ino)
+        return self._mapped
+
+    def _write(self, head: bytes, assembled: chunks.Assembled) -> int:
         start = len(head) - slotfile.SEQ_HEADER_BYTES
         size = start + assembled.nbytes
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            stat = os.fstat(fd)
-            if stat.st_size != size:
+            if os.fstat(fd).st_size != size:
                 os.ftruncate(fd, size)
-            if self._mapped is None or len(self._mapped) < size or self._file != (stat.st_dev, stat.st_ino):
-                self._unmap()
-                self._mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
-                self._file = (stat.st_dev, stat.st_ino)
+            mapped = self._map(fd, size)
         finally:
             os.close(fd)
-        view = memoryview(self._mapped)
+        view = memoryview(mapped)
         try:
             assembled.write_into(view[start:size])
             slotfile.state_of(bytes(view[start : start + slotfile.SEQ_HEADER_BYTES]))  # it was a sequence state
@@ -412,8 +447,9 @@ class StagingFile:
 
     def close(self) -> None:
         """Unmap and remove the file (a later `write` makes it again)."""
-        self._unmap()
-        _remove(self.path)
+        with self._lock:
+            self._unmap()
+            _remove(self.path)
 
     def _unmap(self) -> None:
         mapped, self._mapped = self._mapped, None
