@@ -399,8 +399,11 @@ class StagingFile:
 
     def reserve(self, size: int) -> None:
         """Make the file at least `size` bytes, its pages allocated and mapped, ahead of a restore
-        (`SlotStore.prepare`). Nothing is written into it."""
+        (`SlotStore.prepare`). Nothing is written into it, and a file a restore wrote (or one made
+        ahead already) is left as it is: llama-server may be reading it."""
         with self._lock:
+            if self._mapped is not None:
+                return
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 if os.fstat(fd).st_size < size:
