@@ -377,6 +377,17 @@ class Prompts:
 # -- processes --------------------------------------------------------------------------
 
 
+def launch(argv: list[str], port: int, log: str) -> tuple[subprocess.Popen, Server, float]:
+    """Start `argv` (logging to `log`, its pid noted for the cleanup) and wait until it answers on `port`."""
+    say("start: " + " ".join(argv))
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    LIVE.append(proc)
+    note_pid(proc.pid)
+    server = Server(f"http://127.0.0.1:{port}")
+    return proc, server, server.wait_ready(proc, 300, log)
+
+
 def base_shape(shape: str) -> str:
     return shape.split(":")[0]
 
@@ -393,14 +404,7 @@ def start_llama_server(model: str, slot_dir: str, log: str, args: list[str]) -> 
     # the proxy's own flags (docs/proxy.md: --no-cache-idle-slots, --swa-full, the latter ignored for llama);
     # --cache-ram 0 so that a prompt after an erase is computed cold, not served from llama-server's RAM cache
     argv += ["--slot-save-path", slot_dir + os.sep, "--no-cache-idle-slots", "--swa-full", "--cache-ram", "0"]
-    argv += args
-    say("start: " + " ".join(argv))
-    with open(log, "ab") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    LIVE.append(proc)
-    note_pid(proc.pid)
-    server = Server(f"http://127.0.0.1:{port}")
-    took = server.wait_ready(proc, 300, log)
+    proc, server, took = launch([*argv, *args], port, log)
     say(f"llama-server ready in {took:.1f} s (pid {proc.pid})")
     return proc, server
 
@@ -414,14 +418,7 @@ def start_proxy(
     argv = [sys.executable, "-m", "sippcache.proxy"]
     argv += ["--llama-server", LS, "--model", model, "--restore", mode, "--save-idle", "1", "--rates-dir", rates_dir]
     argv += ["--cache", store_url, "--port", str(port), "--", *args, "-c", str(CTX)]
-    say("start: " + " ".join(argv))
-    with open(log, "ab") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    LIVE.append(proc)
-    note_pid(proc.pid)
-    server = Server(f"http://127.0.0.1:{port}")
-    # /health is passed through to llama-server: it answers once the proxy is serving
-    took = server.wait_ready(proc, 300, log)
+    proc, server, took = launch(argv, port, log)  # /health is llama-server's, passed through once the proxy serves
     for kid in children(proc.pid):
         note_pid(kid)
     say(f"proxy ready in {took:.1f} s (pid {proc.pid}, llama-server {children(proc.pid)})")
