@@ -51,7 +51,9 @@ H200, a proxy that forgot its rates at each restart restored every
 follow-up, up to 5x slower than computing it). A kept place's samples are
 written back to its small JSON file by `RestoreRates.flush`, at most every
 `KEEP_EVERY` seconds; nothing else here does I/O, and nothing blocks. One
-instance belongs to one event loop or thread (it takes no locks).
+instance belongs to one event loop or thread at a time (it takes no locks).
+Kept files live in `rates_dir()` (``rates/`` in the user cache, or
+``SIPPCACHE_RATES_DIR``), named by `rates_file` after what sets the speed.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+import platformdirs
+import xxhash
+
 __all__ = [
     "ALWAYS",
     "DEFAULT_MODE",
@@ -77,6 +82,7 @@ __all__ = [
     "MODE_ENVIRONMENT_VARIABLE",
     "NEVER",
     "PROBE",
+    "RATES_DIR_ENVIRONMENT_VARIABLE",
     "SLOWER",
     "UNMEASURED",
     "Decision",
@@ -84,6 +90,8 @@ __all__ = [
     "Mode",
     "RestoreRates",
     "mode_from_environment",
+    "rates_dir",
+    "rates_file",
 ]
 
 log = logging.getLogger(__name__)
@@ -94,6 +102,8 @@ MODES: Final[tuple[Mode, ...]] = ("auto", "always", "never")
 DEFAULT_MODE: Final[Mode] = "auto"
 #: Environment variable naming the mode where none is given (a proxy's --restore, CacheOptions.restore).
 MODE_ENVIRONMENT_VARIABLE = "SIPPCACHE_RESTORE"
+#: Environment variable naming the folder of kept rates where none is given ('' keeps none).
+RATES_DIR_ENVIRONMENT_VARIABLE = "SIPPCACHE_RATES_DIR"
 
 #: Prefill samples of fewer tokens are dropped: HTTP, template and sampling costs dominate them.
 MIN_PREFILL_TOKENS = 64
@@ -227,6 +237,22 @@ def mode_from_environment() -> Mode:
         if value == mode:
             return mode
     raise ValueError(f"{MODE_ENVIRONMENT_VARIABLE}={value!r}: the restore mode must be one of {', '.join(MODES)}")
+
+
+def rates_dir() -> str:
+    """Where kept rates live unless the caller names a folder: ``SIPPCACHE_RATES_DIR`` where it is
+    set ('' keeps none), else ``rates/`` in the user cache folder (measured rates belong to this
+    host)."""
+    return os.environ.get(
+        RATES_DIR_ENVIRONMENT_VARIABLE, os.path.join(platformdirs.user_cache_dir("sippcache"), "rates")
+    )
+
+
+def rates_file(directory: str, digest: str, place: str) -> str:
+    """The file in `directory` keeping one place's rates: named by the states' fingerprint
+    `digest` (model, K/V types, build) and `place`, the text of what else sets the speed (a
+    proxy's upstream, a Llama's threads and GPU layers, the store)."""
+    return os.path.join(directory, xxhash.xxh3_128_hexdigest(f"{digest}\n{place}".encode()) + ".json")
 
 
 def _kept_samples(data: Any) -> dict[str, dict[str, list[list[float]]]] | None:

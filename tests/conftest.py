@@ -18,6 +18,8 @@ collect_ignore = ["plugins"]
 # the machine's speed. So every cache and proxy here restores what gains tokens, unless a test
 # names its mode; the "auto" rule has tests of its own (test_proxy_rates.py, test_llama_rates.py).
 os.environ["SIPPCACHE_RESTORE"] = "always"
+# Rates a test measured are never kept for another (the tests of keeping them name a folder).
+os.environ["SIPPCACHE_RATES_DIR"] = ""
 
 
 @pytest.fixture(scope="session")

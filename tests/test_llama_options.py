@@ -33,6 +33,7 @@ def test_defaults() -> None:
     )
     assert options.secret is None and options.restore is None  # None: $SIPPCACHE_RESTORE, else "auto"
     assert options.chunk_tokens == 64
+    assert options.rates_dir is None  # None: $SIPPCACHE_RATES_DIR, else rates/ in the user cache
     assert FIELDS == (
         "scope",
         "min_tokens",
@@ -41,6 +42,7 @@ def test_defaults() -> None:
         "secret",
         "restore",
         "chunk_tokens",
+        "rates_dir",
     )
     assert set(CacheSettings.__annotations__) == set(FIELDS), "the keyword form lists exactly the fields"
 

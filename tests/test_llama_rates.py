@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from sippcache.llama import CacheOptions, PrefixCache
-from sippcache.rates import MODE_ENVIRONMENT_VARIABLE, mode_from_environment
+from sippcache.rates import MODE_ENVIRONMENT_VARIABLE, RATES_DIR_ENVIRONMENT_VARIABLE, mode_from_environment
 from tests.llama_tools import last_logits, reference_logits, start_counting, tokens_evaluated
 
 
@@ -101,3 +101,68 @@ def test_the_mode_comes_from_the_environment_where_none_is_given(monkeypatch: py
         mode_from_environment()
     with pytest.raises(ValueError, match="restore must be one of auto, always, never"):
         CacheOptions(restore="sometimes")  # type: ignore[arg-type]
+
+
+# -- rates kept across processes --------------------------------------------------------------------
+
+
+def test_a_restarted_process_decides_from_the_rates_kept_before(
+    make_llama: Any, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The rates a cache measured are written to `rates_dir` when it closes; the next cache with the
+    same model, settings and store starts from them: kept rates that say restores are slow decline
+    the restore a fresh process would have done blindly, and the logits are the never-cached path's."""
+    url, tokens, rates_dir = f"lmdb://{tmp_path}/store", prompt(600), tmp_path / "rates"
+    stored(make_llama, tiny_model, url, tokens)
+    with PrefixCache(make_llama(tiny_model), url, restore="auto", rates_dir=rates_dir) as first:
+        preset(first, restore_seconds=10.0, prefill_seconds_a_token=1e-6)
+        path = first.rates_path
+    assert path is not None and Path(path).parent == rates_dir and Path(path).is_file()
+    query = tokens + prompt(20, seed=1)[1:]
+    llm = make_llama(tiny_model)
+    with PrefixCache(llm, url, restore="auto", rates_dir=rates_dir) as second:
+        assert second.rates_path == path
+        assert second.rates.measured("").restore_samples == 1
+        start_counting(llm.ctx)
+        assert second.prefill(query) == 0
+        assert tokens_evaluated(llm.ctx) == len(query)
+        assert second.stats()["skipped_slower_than_prefill"] == 1
+    cold = make_llama(tiny_model)
+    with PrefixCache(cold, "ram://") as empty:
+        empty.prefill(query)
+    np.testing.assert_array_equal(last_logits(llm), last_logits(cold))
+
+    # Without the kept rates the same process restores (nothing measured yet).
+    with PrefixCache(make_llama(tiny_model), url, restore="auto", rates_dir="") as forgot:
+        assert forgot.rates_path is None
+        assert forgot.prefill(query) >= 599
+
+
+def test_rates_are_kept_apart_by_what_sets_the_speed(make_llama: Any, tiny_model: Path, tmp_path: Path) -> None:
+    """Another thread count, or another store, is another place: its rates are its own."""
+    rates_dir = tmp_path / "rates"
+    paths = set()
+    for url, threads in (("ram://", 1), ("ram://", 2), (f"lmdb://{tmp_path}/store", 1)):
+        with PrefixCache(make_llama(tiny_model, n_threads=threads), url, rates_dir=rates_dir) as cache:
+            paths.add(cache.rates_path)
+            assert cache.rates.largest_state("") is None  # nothing kept for this place yet
+            cache.prefill(prompt(300))  # its state stored: its size is a sample
+            assert cache.rates.largest_state("") is not None
+    assert len(paths) == 3 and {Path(p).name for p in paths} == {p.name for p in rates_dir.iterdir()}
+    with PrefixCache(make_llama(tiny_model, n_threads=2), "ram://", rates_dir=rates_dir) as again:
+        assert again.rates.largest_state("") is not None
+
+
+def test_the_rates_folder_comes_from_the_environment_where_none_is_given(
+    make_llama: Any, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(RATES_DIR_ENVIRONMENT_VARIABLE, str(tmp_path / "here"))
+    with PrefixCache(make_llama(tiny_model), "ram://") as cache:
+        cache.prefill(prompt(300))
+        path = cache.rates_path
+    assert path is not None and Path(path).parent == tmp_path / "here" and Path(path).is_file()
+    monkeypatch.setenv(RATES_DIR_ENVIRONMENT_VARIABLE, "")  # '': not kept
+    with PrefixCache(make_llama(tiny_model), "ram://") as cache:
+        assert cache.rates_path is None
+    with pytest.raises(TypeError, match="rates_dir must be a str or a path, not int"):
+        CacheOptions(rates_dir=3)  # type: ignore[arg-type]

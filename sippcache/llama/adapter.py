@@ -51,7 +51,7 @@ from llama_cpp.llama_cache import BaseLlamaCache
 from .. import tokens as _tokens
 from ..protocol import CacheBackend
 from . import states
-from .fingerprint import Fingerprint, llama_fingerprint
+from .fingerprint import Fingerprint, llama_fingerprint, speed_facts
 from .options import CacheOptions, CacheSettings
 from .seqcache import Reuse, SequenceCache, check_prompt, common_length, open_cache_argument
 from .wholestate import WholeStateCache
@@ -137,6 +137,7 @@ class PrefixCache:
             # One sequence evaluated from position 0: with a full-size SWA cache a live
             # context holds position p in slot p, and a restore can put its cells there.
             live_layout=bool(getattr(llm.context_params, "swa_full", False)),
+            rates_place=speed_facts(llm),
         )
         self.options = options
         self.cache, self.namespace, self.scope = self._states.cache, self._states.namespace, options.scope
@@ -145,6 +146,9 @@ class PrefixCache:
         #: The measured prefill and restore rates that decide whether a stored state is restored
         #: (`CacheOptions.restore`; `sippcache.rates`), this cache's one place being "".
         self.rates = self._states.rates
+        #: The file the rates are kept in for the next process at the same place
+        #: (`CacheOptions.rates_dir`), or None where they are not kept.
+        self.rates_path = self._states.rates_path
         self.n_swa = self.memory_kind.n_swa
         self.on_prefill = on_prefill
         #: Whole-prompt entries keep their logits, and exact repeats sample from them.

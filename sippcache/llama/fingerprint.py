@@ -11,6 +11,7 @@ head and tail), without reading a multi-GB file.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,25 @@ def llama_fingerprint(llm: Any) -> Fingerprint:
     }
     digest = xxhash.xxh3_128_hexdigest("\n".join(f"{k}={v}" for k, v in sorted(facts.items())).encode())
     return Fingerprint(digest, facts)
+
+
+def speed_facts(llm: Any) -> str:
+    """What, beside the fingerprint, sets how fast a `llama_cpp.Llama` computes a prompt and loads
+    a state: the host, where its layers and K/V run, its threads and batch sizes. Rates measured
+    under other facts (`sippcache.rates`) are not this one's."""
+    model, context = llm.model_params, llm.context_params
+    facts = {
+        "host": socket.gethostname(),
+        "n_gpu_layers": model.n_gpu_layers,
+        "split_mode": model.split_mode,
+        "main_gpu": model.main_gpu,
+        "offload_kqv": context.offload_kqv,
+        "n_threads": context.n_threads,
+        "n_threads_batch": context.n_threads_batch,
+        "n_batch": context.n_batch,
+        "n_ubatch": context.n_ubatch,
+    }
+    return "\n".join(f"{k}={v}" for k, v in facts.items())
 
 
 def ctypes_string(fill: Any, size: int = 512) -> str:

@@ -1,7 +1,7 @@
 """`CacheOptions`: how a llama.cpp layer object uses its store, as one checked value.
 
 `PrefixCache`, `LlamaCache`, `SessionPool` and `SequenceCache` (and through it
-`BatchEngine` and ``sippcache serve``) all take the same seven settings. They
+`BatchEngine` and ``sippcache serve``) all take the same eight settings. They
 are one frozen value, checked once, when it is made, before anything is
 opened::
 
@@ -18,6 +18,7 @@ the coercion of a backend URL's query options.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
@@ -60,6 +61,11 @@ class CacheOptions:
       (`sippcache.rates`: on a CPU restoring always wins; on a fast GPU it may
       not); ``"always"``; ``"never"`` (states are still stored); None:
       ``SIPPCACHE_RESTORE``, read when the cache is made, else ``"auto"``;
+    - `rates_dir`: the folder where those rates are kept for the next process
+      with the same model, settings and store on this host, so a restart does
+      not restore blindly until it has measured again; None:
+      ``SIPPCACHE_RATES_DIR``, else ``rates/`` in the user cache folder
+      (`sippcache.rates.rates_dir`); ``""``: not kept;
     - `chunk_tokens`: states are stored as chunks of that many tokens and a tail
       (`sippcache.chunks`: a chat's next turn writes about its own tokens, and a
       prompt shared by many conversations is stored once); 0 stores every state
@@ -77,6 +83,7 @@ class CacheOptions:
     secret: Secret | None = field(default=None, repr=False)
     restore: Mode | None = None
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    rates_dir: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         scope: Any = self.scope
@@ -104,6 +111,9 @@ class CacheOptions:
             raise TypeError(f"secret must be a non-empty str or bytes, not {_describe(secret)}")
         if self.restore is not None and self.restore not in MODES:
             raise ValueError(f"restore must be one of {', '.join(MODES)}, got {self.restore!r}")
+        rates_dir: Any = self.rates_dir
+        if rates_dir is not None and not isinstance(rates_dir, (str, os.PathLike)):
+            raise TypeError(f"rates_dir must be a str or a path, not {type(rates_dir).__name__}")
 
     def replace(self, **changes: Any) -> CacheOptions:
         """A copy with `changes` (checked as a new value is)."""
@@ -136,6 +146,7 @@ class CacheSettings(TypedDict, total=False):
     secret: Secret | None
     restore: Mode | None
     chunk_tokens: int
+    rates_dir: str | os.PathLike[str] | None
 
 
 #: The field names, in order.

@@ -53,7 +53,7 @@ from .. import tokens as _tokens
 from ..protocol import CacheBackend
 from . import states
 from .batch import BatchEngine, Job
-from .fingerprint import llama_fingerprint
+from .fingerprint import llama_fingerprint, speed_facts
 from .options import FIELDS, CacheOptions
 from .seqcache import SequenceCache, check_prompt
 
@@ -224,6 +224,7 @@ class SessionPool:
                 kind=kind,
                 n_vocab=self.llm.n_vocab(),
                 options=options,
+                rates_place=speed_facts(self.llm),
             )
             self._engine = BatchEngine(
                 self.llm,

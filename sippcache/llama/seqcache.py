@@ -29,6 +29,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
@@ -42,7 +43,7 @@ from ..chunks import Assembled, ChunkedStates
 from ..errors import CorruptEntry, UnsupportedEntry
 from ..frame import secret_from_environment
 from ..protocol import CacheBackend, Peek
-from ..rates import RestoreRates, mode_from_environment
+from ..rates import RestoreRates, mode_from_environment, rates_dir, rates_file
 from ..registry import open as open_cache
 from . import layout, states
 from .fingerprint import Fingerprint
@@ -249,7 +250,9 @@ class SequenceCache:
     `SIPPCACHE_SECRET`) entries carry a MAC and entries without a valid one are
     misses. `options` (`CacheOptions`, default: its defaults) holds the scope,
     `min_tokens`, `checkpoint_interval`, `max_pending_writes` and the secret.
-    `kind` is the model's `states.MemoryKind`.
+    `kind` is the model's `states.MemoryKind`. `rates_place` says what else sets
+    the speed (`fingerprint.speed_facts`): the measured rates are kept across
+    processes under it (`CacheOptions.rates_dir`); None keeps them in memory only.
 
     With `live_layout` (for a single-sequence context with a full-size SWA
     cache: `PrefixCache`), a sliding-window state is restored where a live
@@ -268,6 +271,7 @@ class SequenceCache:
         n_vocab: int,
         options: CacheOptions | None = None,
         live_layout: bool = False,
+        rates_place: str | None = None,
     ) -> None:
         options = CacheOptions.build(options, {}) if options is not None else CacheOptions()
         self.cache, self._owns_cache = open_cache_argument(cache)
@@ -299,11 +303,29 @@ class SequenceCache:
         #: Whether a restore beats computing, from what this cache measured: llama.cpp's own
         #: prefill timings and the restores done (`CacheOptions.restore`).
         self.rates = RestoreRates(options.restore or mode_from_environment())
+        #: The file the rates are kept in for the next process at the same place, or None.
+        self.rates_path = self._keep_rates(rates_place)
+        self._flush_rates = weakref.finalize(self, self.rates.flush, force=True)  # at close, else at exit
         self._perf_seen: tuple[int, int, float] | None = None  # (context, n_p_eval, t_p_eval_ms) last read
         self._writer = BackgroundWriter(self._write_entry, max_pending=options.max_pending_writes)
         self._queued: dict[int, list[int]] = {}  # keys of snapshots not yet written, by snapshot id
         self._joins = mmap.mmap(-1, 1)  # `_join_buffer`
         self._queued_lock = threading.Lock()
+
+    def _keep_rates(self, place: str | None) -> str | None:
+        """Keep the rates in `CacheOptions.rates_dir`, in the file of this fingerprint, `place` and
+        store, starting from what a former process measured there; the file, or None."""
+        directory = rates_dir() if self.options.rates_dir is None else os.fspath(self.options.rates_dir)
+        if place is None or not directory:
+            return None
+        store = type(self.cache)
+        where = getattr(self.cache, "location", None) or getattr(self.cache, "path", "")
+        path = rates_file(
+            directory, self.fingerprint.digest, f"{place}\nstore={store.__module__}.{store.__name__}:{where}"
+        )
+        loaded = self.rates.keep("", path)
+        log.debug("sippcache: restore rates kept in %s (%d samples from before)", path, loaded)
+        return path
 
     # -- the store, never failing a request -------------------------------------------
 
@@ -428,6 +450,7 @@ class SequenceCache:
         self._perf_seen = now
         if seen is not None and seen[0] == now[0] and now[1] > seen[1] and now[2] > seen[2]:
             self.rates.record_prefill("", now[1] - seen[1], (now[2] - seen[2]) / 1000)
+            self.rates.flush()  # kept for the next process (at most every KEEP_EVERY seconds)
 
     def _truncate_live(self, ctx: Any, seq: int, live: TokenIds, length: int) -> bool:
         """Cut the live sequence to `length` tokens if llama.cpp can do so exactly."""
@@ -540,6 +563,7 @@ class SequenceCache:
         self.stats.chunks_read += found.chunks
         self.stats.restore_seconds += seconds
         self.rates.record_restore("", nbytes=nbytes, seconds=seconds, tokens=len(held))
+        self.rates.flush()
         return Restored(length, logits)
 
     def _join_buffer(self, nbytes: int) -> mmap.mmap:
@@ -675,8 +699,9 @@ class SequenceCache:
 
     def close(self) -> None:
         """Write pending snapshots, stop the writer, free the join buffer, and close a cache
-        opened from a URL."""
+        opened from a URL; the rates are written to their file (`rates_path`)."""
         self._writer.close()
+        self._flush_rates()
         joins, self._joins = self._joins, mmap.mmap(-1, 1)
         with contextlib.suppress(BufferError):  # a view of it still held: freed with the view
             joins.close()

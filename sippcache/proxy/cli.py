@@ -30,14 +30,13 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 import httpx
-import platformdirs
 import xxhash
 from prometheus_client import Gauge
 
 from .. import chunks, frame, registry
 from ..modelfile import ModelFacts, read_model_facts
 from ..protocol import CacheBackend
-from ..rates import MODES, RestoreRates, mode_from_environment
+from ..rates import MODES, RestoreRates, mode_from_environment, rates_dir, rates_file
 from .app import SAVE_EVERY, SAVE_IDLE, Proxy
 from .metrics import ProxyMetrics
 from .slots import SlotTable
@@ -129,11 +128,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--rates-dir",
-        default=default_rates_dir(),
+        default=rates_dir(),
         metavar="DIR",
         help="where the rates measured on each upstream are kept for the next proxy at the same place (same "
         "model, build and server), so a restart does not restore blindly until it has measured again "
-        "(default: rates/ in the user cache; '': not kept)",
+        "(default: $SIPPCACHE_RATES_DIR, else rates/ in the user cache; '': not kept)",
     )
     parser.add_argument("server_args", nargs="*", metavar="-- ARGS", help="more llama-server arguments (managed)")
     return parser
@@ -271,18 +270,6 @@ async def check_extends_restores(upstream: Upstream, slot_dir: str, n_swa: int, 
             f"{upstream.url} recomputes every restored state of this sliding-window model (it reused {reused} of "
             f"{len(tokens)} restored tokens): start llama-server with --swa-full"
         )
-
-
-def default_rates_dir() -> str:
-    """rates/ in the user cache folder: measured rates belong to this host."""
-    return os.path.join(platformdirs.user_cache_dir("sippcache"), "rates")
-
-
-def rates_file(directory: str, digest: str, place: str) -> str:
-    """The file keeping the rates of one upstream: named by the states' fingerprint (model, build,
-    slots) and `place`, what else sets its speed (a managed server's binary and flags, or an
-    attached server's URL)."""
-    return os.path.join(directory, xxhash.xxh3_128_hexdigest(f"{digest}\n{place}".encode()) + ".json")
 
 
 def fingerprint(info: UpstreamInfo, facts: ModelFacts | None) -> tuple[str, dict[str, str]]:

@@ -20,7 +20,7 @@ from llama_cpp.server.settings import ModelSettings
 
 from ..llama import CacheOptions, LlamaCache, PrefixStats
 from ..llama.batch import Job
-from ..llama.fingerprint import llama_fingerprint
+from ..llama.fingerprint import llama_fingerprint, speed_facts
 from ..llama.seqcache import SequenceCache
 from ..llama.states import MemoryKind
 from ..protocol import CacheBackend
@@ -205,6 +205,7 @@ class CachePool:
             kind=MemoryKind.of(served.model),
             n_vocab=served.n_vocab(),
             options=entry.cache_options,
+            rates_place=speed_facts(served),
         )
         alias = entry.alias
         try:
