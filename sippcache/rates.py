@@ -28,8 +28,11 @@ more a token), a batch too small to fill a GPU computes fewer tokens a second,
 and a small restore is mostly the fixed cost of its calls. So samples are
 kept by size, in buckets of a power of two (`WINDOW` recent samples each),
 and the rate for a given size is the ratio of sums (seconds over tokens,
-seconds over useful bytes) in the bucket of that size, else the nearest one
-that has samples: one odd sample moves it by its share only.
+seconds over useful bytes) in the bucket of that size: one odd sample moves it
+by its share only. A size with no samples of its own is priced on the line
+through the two nearest buckets' means (a fixed cost plus a cost a unit), so
+that the fixed cost of small restores is not charged again a byte on a large
+one; where that line does not rise, at the nearest bucket's rate.
 
 The rule: restore when the expected restore seconds are at most `margin`
 times the expected seconds to compute the tokens it saves (`margin` 1: a
@@ -213,6 +216,32 @@ class _Samples:
         if work <= 0:
             return math.inf
         return cost / work
+
+    def expected(self, size: float) -> float | None:
+        """The expected cost of work of `size`. From the samples of that size where there are
+        some: `per_unit` times `size`. Else from the two nearest sizes that have samples, on the
+        line through their means (a fixed cost per call plus a cost per unit: a 2K-token
+        restore's rate, its fixed cost spread over few bytes, would price a 32K one too high),
+        where that line rises and gives a positive cost; else `per_unit` of the nearest. None with
+        no samples; infinite where the samples did no work."""
+        if not self._buckets:
+            return None
+        want = _bucket(size)
+        nearest = sorted(self._buckets, key=lambda b: (abs(b - want), -b))
+        if want in self._buckets or len(nearest) == 1:
+            return self.per_unit(size) * size
+        (w1, c1), (w2, c2) = (_mean(self._buckets[b]) for b in nearest[:2])
+        if w1 > 0 and w2 > 0 and w1 != w2:
+            slope = (c2 - c1) / (w2 - w1)
+            cost = c1 + slope * (size - w1)
+            if slope > 0 and cost > 0:
+                return cost
+        return self.per_unit(size) * size
+
+
+def _mean(samples: deque[tuple[float, float]]) -> tuple[float, float]:
+    """The mean work and the mean cost of a bucket's samples."""
+    return sum(w for w, _ in samples) / len(samples), sum(c for _, c in samples) / len(samples)
 
 
 def _bucket(size: float) -> int:
@@ -402,8 +431,8 @@ class RestoreRates:
     def size_of(self, place: str, tokens: int) -> int | None:
         """The expected bytes of a state of `tokens` tokens at `place`; None before any size is known."""
         entry = self._places.get(place)
-        per_token = None if entry is None else entry.sizes.per_unit(tokens)
-        return None if per_token is None else round(per_token * tokens)
+        expected = None if entry is None else entry.sizes.expected(tokens)
+        return None if expected is None else round(expected)
 
     def largest_state(self, place: str) -> int | None:
         """The bytes of the largest state among `place`'s recent samples (saves and restores; kept
@@ -438,10 +467,8 @@ class RestoreRates:
             return Decision(True, UNMEASURED)
         if entry.wasted >= WASTED_IN_A_ROW:
             return Decision(False, INEFFECTIVE)
-        per_token = entry.prefill.per_unit(tokens)
-        per_byte = None if nbytes is None else entry.restore.per_unit(nbytes)
-        prefill = None if per_token is None else per_token * tokens
-        restore = None if per_byte is None or nbytes is None else per_byte * nbytes
+        prefill = entry.prefill.expected(tokens)
+        restore = None if nbytes is None else entry.restore.expected(nbytes)
         if restore is not None and math.isinf(restore):
             return Decision(False, INEFFECTIVE, restore, prefill)
         if restore is None or prefill is None:

@@ -111,6 +111,40 @@ def test_a_rate_is_read_from_samples_of_about_that_size() -> None:
     assert rates.estimate(HERE, tokens=30000, nbytes=None).prefill_seconds == pytest.approx(0.6)
 
 
+def test_a_size_never_seen_is_priced_on_the_line_through_the_nearest_sizes() -> None:
+    """A restore carries a fixed cost (calls, a staging file opened, the server's load set up): a
+    64 MB restore's rate charges it to few bytes. A 1 GB restore, with no sample of its size, is
+    priced on the line through the 64 MB and 256 MB restores' means: fixed cost once, then the
+    bytes. Proportionally, from 256 MB alone, it would look slower than its prefill and lose a win."""
+    mb = 2**20
+    rates = RestoreRates()
+    rates.record_prefill(HERE, 32768, 0.700)
+    rates.record_restore(HERE, nbytes=64 * mb, seconds=0.085, tokens=2048)  # 45 ms fixed + 0.625 ms a MB
+    rates.record_restore(HERE, nbytes=256 * mb, seconds=0.205, tokens=8192)
+    decision = rates.decide(HERE, tokens=32768, nbytes=1024 * mb)
+    assert decision.restore_seconds == pytest.approx(0.045 + 0.000625 * 1024)
+    assert decision and decision.reason == "faster_than_prefill"
+    assert 4 * 0.205 > 0.700  # what the 256 MB rate alone would have said: slower than the prefill
+    # Between two sizes the line interpolates; within a size's own bucket its own rate rules.
+    assert rates.estimate(HERE, tokens=32768, nbytes=128 * mb).restore_seconds == pytest.approx(0.045 + 0.08)
+    assert rates.estimate(HERE, tokens=32768, nbytes=300 * mb).restore_seconds == pytest.approx(0.205 * 300 / 256)
+    # The state size is read off such a line too: a header of a fixed size, then bytes a token.
+    rates = RestoreRates()
+    rates.record_size(HERE, 1000, 1_000_000 + 4096)
+    rates.record_size(HERE, 4000, 4_000_000 + 4096)
+    assert rates.size_of(HERE, 100_000) == 100_000_000 + 4096
+
+
+def test_a_line_that_does_not_rise_falls_back_to_the_nearest_rate() -> None:
+    """Two sizes whose means fall (a warm-up's slow sample among the small ones) give no line: the
+    nearest size's own rate prices the one between or beyond them."""
+    rates = RestoreRates()
+    rates.record_prefill(HERE, 100, 1.0)  # a first request's one-time costs
+    rates.record_prefill(HERE, 1000, 0.1)
+    assert rates.estimate(HERE, tokens=4000, nbytes=None).prefill_seconds == pytest.approx(0.4)
+    assert rates.estimate(HERE, tokens=50, nbytes=None).prefill_seconds == pytest.approx(0.5)
+
+
 def test_restores_that_bought_nothing_stop_restores() -> None:
     rates = RestoreRates(probe_every=1000)
     rates.record_prefill(HERE, 1000, 1.0)
