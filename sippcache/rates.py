@@ -224,19 +224,20 @@ class _Samples:
         restore's rate, its fixed cost spread over few bytes, would price a 32K one too high),
         where that line rises and gives a positive cost; else `per_unit` of the nearest. None with
         no samples; infinite where the samples did no work."""
-        if not self._buckets:
+        rate = self.per_unit(size)
+        if rate is None:
             return None
         want = _bucket(size)
         nearest = sorted(self._buckets, key=lambda b: (abs(b - want), -b))
         if want in self._buckets or len(nearest) == 1:
-            return self.per_unit(size) * size
+            return rate * size
         (w1, c1), (w2, c2) = (_mean(self._buckets[b]) for b in nearest[:2])
         if w1 > 0 and w2 > 0 and w1 != w2:
             slope = (c2 - c1) / (w2 - w1)
             cost = c1 + slope * (size - w1)
             if slope > 0 and cost > 0:
                 return cost
-        return self.per_unit(size) * size
+        return rate * size
 
 
 def _mean(samples: deque[tuple[float, float]]) -> tuple[float, float]:

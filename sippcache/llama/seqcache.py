@@ -310,6 +310,7 @@ class SequenceCache:
         self._writer = BackgroundWriter(self._write_entry, max_pending=options.max_pending_writes)
         self._queued: dict[int, list[int]] = {}  # keys of snapshots not yet written, by snapshot id
         self._joins = mmap.mmap(-1, 1)  # `_join_buffer`
+        self._buffers = states.StateBuffers()  # what snapshots are copied into, used again once written
         self._queued_lock = threading.Lock()
 
     def _keep_rates(self, place: str | None) -> str | None:
@@ -640,7 +641,7 @@ class SequenceCache:
             return 0
         if budget is not None and states.state_size(ctx, seq) > budget:
             return 0
-        state = states.copy_state(ctx, seq)
+        state = states.copy_state(ctx, seq, self._buffers)
         if state is None:
             log.warning("sippcache: llama.cpp could not copy the sequence state; not caching it")
             return 0
@@ -680,6 +681,7 @@ class SequenceCache:
         finally:
             with self._queued_lock:
                 self._queued.pop(id(snapshot), None)
+            self._buffers.give_back(snapshot.state)  # framed and stored (or failed): nothing reads it now
         self.stats.entries_written += 1
         self.stats.bytes_written += stored.nbytes
         self.stats.chunks_written += stored.chunks_new

@@ -1,0 +1,75 @@
+"""States are copied out of llama.cpp into buffers used again once stored (`states.StateBuffers`):
+a new buffer's pages cost several times the copy. A buffer is reused only after its state is
+stored, so every stored state is still the one llama.cpp gave (logits after a restore equal the
+never-cached path's)."""
+
+from __future__ import annotations
+
+import mmap
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sippcache.llama import PrefixCache
+from sippcache.llama.states import StateBuffers
+from tests.llama_tools import last_logits, reference_logits
+
+
+def test_a_buffer_given_back_serves_the_next_state_that_fits() -> None:
+    buffers = StateBuffers()
+    first = buffers.take(1000)
+    assert isinstance(first, mmap.mmap) and len(first) >= 2000  # room for a longer next state
+    buffers.give_back(memoryview(first)[:1000])
+    assert buffers.free_bytes == 1000
+    again = buffers.take(1500)  # the conversation's next, longer state: the same pages
+    assert again is first and buffers.free_bytes == 0
+    other = buffers.take(1500)  # the first is taken: a new one
+    assert other is not first
+    buffers.give_back(memoryview(again)[:1500])
+    buffers.give_back(memoryview(again)[:1500])  # given back twice: kept once
+    assert buffers.free_bytes == 1500
+    buffers.give_back(memoryview(bytearray(100)))  # not one of these buffers: ignored
+    buffers.give_back(memoryview(mmap.mmap(-1, 100)))
+    assert buffers.free_bytes == 1500
+    larger = buffers.take(10**6)
+    assert larger is not first and larger is not other
+
+
+def test_free_buffers_kept_are_bounded_by_count_and_bytes() -> None:
+    buffers = StateBuffers(keep=2, limit=10_000)
+    taken = [buffers.take(size) for size in (1000, 2000, 3000)]
+    for buffer, size in zip(taken, (1000, 2000, 3000), strict=True):
+        buffers.give_back(memoryview(buffer)[:size])
+    assert buffers.free_bytes == 5000  # two kept: the smallest went first
+    assert buffers.take(2000) is taken[1] and buffers.take(3000) is taken[2]
+    big = buffers.take(20_000)
+    buffers.give_back(memoryview(big)[:20_000])
+    assert buffers.free_bytes == 0  # over the limit: not kept
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 64])
+def test_states_copied_into_reused_buffers_restore_exactly(
+    make_llama: Any, tiny_model: Path, tmp_path: Path, chunk_tokens: int
+) -> None:
+    """Two prompts stored one after the other, the second copied into the first's buffer once it
+    was stored; each then restores with the never-cached path's logits."""
+    rng = random.Random(5)
+    prompts = [[1] + [rng.randrange(3, 260) for _ in range(n)] for n in (300, 400)]
+    url = f"lmdb://{tmp_path}/store"
+    with PrefixCache(make_llama(tiny_model), url, chunk_tokens=chunk_tokens) as cache:
+        buffers = cache._states._buffers
+        for tokens in prompts:
+            cache.prefill(tokens)
+            cache.flush()
+            assert buffers.free_bytes > 0  # stored: its buffer is free for the next state
+        assert cache.stats()["entries_written"] == 2
+    for tokens in prompts:
+        llm = make_llama(tiny_model)
+        with PrefixCache(llm, url, chunk_tokens=chunk_tokens) as cache:
+            reused = cache.prefill(tokens + [7]).restored
+            assert reused >= len(tokens) - 1  # the prompt's end: restored but its last token
+        _, split = reference_logits(make_llama, tiny_model, tokens + [7], (reused,))
+        np.testing.assert_array_equal(last_logits(llm), split)
