@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
-__all__ = ["pool"]
+__all__ = ["all_true", "pool"]
 
 _pools: dict[str, ThreadPoolExecutor] = {}
 _lock = threading.Lock()
@@ -22,6 +23,30 @@ def pool(name: str, workers: int) -> ThreadPoolExecutor:
         if found is None:
             found = _pools[name] = ThreadPoolExecutor(max(1, workers), thread_name_prefix=f"sippcache-{name}")
         return found
+
+
+def all_true(futures: Sequence[Future[bool]]) -> Future[bool]:
+    """One future for work shared among threads: True once every one of `futures` gave True,
+    False if one gave False, the first exception if one raised (each is waited for first)."""
+    if len(futures) == 1:
+        return futures[0]
+    combined: Future[bool] = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_: Future[bool]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            combined.set_result(all([f.result() for f in futures]))
+        except BaseException as exc:
+            combined.set_exception(exc)
+
+    for future in futures:
+        future.add_done_callback(done)
+    return combined
 
 
 def _forget() -> None:

@@ -58,6 +58,7 @@ __all__ = [
     "UnsupportedState",
     "chunkable_caches",
     "cut",
+    "gather_workers",
     "join",
     "joined",
     "parse",
@@ -813,7 +814,7 @@ class Joined:
             else:
                 plain.append((out[at : at + size], piece))
             at += size
-        workers = _gather_workers() if sum(piece.nbytes for piece, _ in tables) >= PARALLEL_GATHER_BYTES else 0
+        workers = gather_workers() if sum(piece.nbytes for piece, _ in tables) >= PARALLEL_GATHER_BYTES else 0
         jobs = deque(job for piece, place in tables for job in piece.jobs(place, workers + 1))
         started = [helpers.pool("gather", workers).submit(_drain, jobs) for _ in range(workers)]
         for place, piece in plain:
@@ -898,7 +899,7 @@ SHORT_RUN_BYTES = 256
 GATHER_GROUP_BYTES = 4 << 20
 
 
-def _gather_workers() -> int:
+def gather_workers() -> int:
     """Helper threads that copy a state's tables: one per core past the first, up to 3 (none on
     one core, or without numpy, whose copies are what let go of the GIL)."""
     return min(3, (os.cpu_count() or 1) - 1) if _np is not None else 0

@@ -347,6 +347,38 @@ def test_a_deferred_restore_leaves_the_payload_checks_to_check(llm: Any, cache: 
         assert checked.unchecked == [] and secret.check(checked) and checked.state == data
 
 
+def test_checks_meanwhile_are_shared_among_the_spare_cores(
+    llm: Any, cache: sippcache.CacheBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a host with cores to spare the payload checks run on several threads at once
+    (`check_threads`): their answer is every part's, a damaged chunk in any part fails it."""
+    monkeypatch.setattr(chunks.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(sf.os, "cpu_count", lambda: 16)
+    assert chunks.check_threads() == chunks.CHECK_THREADS == 4
+    monkeypatch.setattr(chunks.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(sf.os, "cpu_count", lambda: 2)
+    assert chunks.check_threads() == 1  # the caller and one gather helper take both cores
+    monkeypatch.setattr(chunks.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(sf.os, "cpu_count", lambda: 16)
+    tokens = prompt(500)
+    data = state_of(llm, tokens)
+    store = states(cache)
+    store.store(tokens, data, namespace=NS)
+    with store.restore(tokens, namespace=NS, deferred=True) as intact:  # type: ignore[union-attr]
+        assert len(intact.unchecked) >= 4 and store.check_meanwhile(intact).result() is True
+    chunk_namespace = entries(cache)[0][0].namespace
+    for end in (C, 5 * C):  # in the first thread's share, then another's
+        with cache.lookup(tokens[:end], namespace=chunk_namespace) as match:  # type: ignore[union-attr]
+            damaged = bytearray(match.blob)
+        damaged[-5] ^= 0xFF
+        cache.store(tokens[:end], damaged, namespace=chunk_namespace)
+        before = store.damaged
+        with store.restore(tokens, namespace=NS, deferred=True) as found:  # type: ignore[union-attr]
+            assert store.check_meanwhile(found).result() is False
+        assert store.damaged == before + 1
+        store.store(tokens, data, namespace=NS)  # the chunk written again
+
+
 def test_with_a_secret_every_chunk_carries_a_mac(llm: Any, cache: sippcache.CacheBackend) -> None:
     tokens = prompt(300)
     data = state_of(llm, tokens)

@@ -399,7 +399,7 @@ def test_write_into_on_helper_threads_the_same_bytes(
     monkeypatch.setattr(sf.os, "cpu_count", lambda: 4)
     if not numpy:
         monkeypatch.setattr(sf, "_np", None)
-    assert sf._gather_workers() == (3 if numpy else 0)
+    assert sf.gather_workers() == (3 if numpy else 0)
     for chunks, expected in ((pieces.chunks, data), (pieces.chunks[:2], sf.prefix(data, 2 * STEP))):
         joined = sf.joined(pieces.meta, chunks)
         out = bytearray(b"\xff" * (joined.nbytes + 3))
