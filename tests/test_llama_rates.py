@@ -166,3 +166,31 @@ def test_the_rates_folder_comes_from_the_environment_where_none_is_given(
         assert cache.rates_path is None
     with pytest.raises(TypeError, match="rates_dir must be a str or a path, not int"):
         CacheOptions(rates_dir=3)  # type: ignore[arg-type]
+
+
+def test_the_join_buffer_is_made_ahead_for_the_largest_state_kept(
+    make_llama: Any, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A new process whose kept rates saw states here makes its join buffer for the largest of
+    them at start (pages made in a helper thread): its first restore from chunks joins into it,
+    and computes what the never-cached path does."""
+    url, tokens, rates_dir = f"lmdb://{tmp_path}/store", prompt(600), tmp_path / "rates"
+    with PrefixCache(make_llama(tiny_model), url, rates_dir=rates_dir) as first:
+        assert first._states._joins_ahead is None  # nothing kept yet
+        first.prefill(tokens)
+        first.flush()
+        largest = first.rates.largest_state("")
+    assert largest is not None
+    query = tokens + prompt(20, seed=1)[1:]
+    llm = make_llama(tiny_model)
+    with PrefixCache(llm, url, rates_dir=rates_dir) as second:
+        ahead = second._states._joins_ahead
+        assert ahead is not None
+        made = ahead.result(60)
+        assert len(made) == largest
+        reused = second.prefill(query).restored
+        assert reused >= 599 and second._states._joins is made  # joined into the buffer made ahead
+    _, split = reference_logits(make_llama, tiny_model, query, (reused,))
+    np.testing.assert_array_equal(last_logits(llm), split)
+    with PrefixCache(make_llama(tiny_model), url, rates_dir="") as unkept:
+        assert unkept._states._joins_ahead is None

@@ -31,6 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -38,6 +39,7 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
+from .. import helpers
 from .. import tokens as _tokens
 from ..chunks import Assembled, ChunkedStates
 from ..errors import CorruptEntry, UnsupportedEntry
@@ -201,6 +203,29 @@ def check_prompt(tokens: _tokens.Tokens, n_vocab: int, *, what: str = "") -> lis
     return ids
 
 
+#: Linux's madvise(2) advice that makes a mapping's pages writable now (5.14 and later).
+MADV_POPULATE_WRITE = 23
+#: Pages are made a slice of this many bytes at a time: each call holds the GIL that long only.
+POPULATE_SLICE = 8 << 20
+
+
+def _anonymous(nbytes: int, *, populate: bool = False) -> mmap.mmap:
+    """`nbytes` of anonymous memory (not zeroed by Python, as a bytearray is), in huge pages where
+    the kernel has them (a 2 MB page faulted in at a time); with `populate`, its pages made now
+    (`MADV_POPULATE_WRITE`, else a write to each), a slice at a time."""
+    buffer = mmap.mmap(-1, max(nbytes, 1))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    if populate:
+        pages = np.frombuffer(buffer, dtype=np.uint8)
+        for start in range(0, len(buffer), POPULATE_SLICE):
+            try:
+                buffer.madvise(MADV_POPULATE_WRITE, start, min(POPULATE_SLICE, len(buffer) - start))
+            except (OSError, ValueError):  # before Linux 5.14, or elsewhere
+                pages[start : start + POPULATE_SLICE : mmap.PAGESIZE] = 0
+    return buffer
+
+
 def open_cache_argument(cache: str | CacheBackend | None) -> tuple[CacheBackend, bool]:
     """The backend for `cache` (a URL, an open backend, or None) and whether we opened it."""
     if cache is None or isinstance(cache, str):
@@ -310,6 +335,7 @@ class SequenceCache:
         self._writer = BackgroundWriter(self._write_entry, max_pending=options.max_pending_writes)
         self._queued: dict[int, list[int]] = {}  # keys of snapshots not yet written, by snapshot id
         self._joins = mmap.mmap(-1, 1)  # `_join_buffer`
+        self._joins_ahead = self._prepare_join_buffer()
         self._buffers = states.StateBuffers()  # what snapshots are copied into, used again once written
         self._queued_lock = threading.Lock()
 
@@ -570,17 +596,29 @@ class SequenceCache:
     def _join_buffer(self, nbytes: int) -> mmap.mmap:
         """Where a state in chunks is joined for llama.cpp: one buffer kept from restore to restore
         (a new one's page faults cost as much as the copy), grown to the largest state, up to
-        `JOIN_BUFFER_LIMIT`; a larger state gets a buffer of its own each time. Anonymous
-        memory in huge pages where the kernel has them: not zeroed by Python (bytearray is), and
-        a 2 MB page faulted in at a time."""
+        `JOIN_BUFFER_LIMIT`; a larger state gets a buffer of its own each time. The first one
+        may have been made ahead (`_prepare_join_buffer`)."""
+        if self._joins_ahead is not None:
+            ahead, self._joins_ahead = self._joins_ahead.result(), None
+            if len(ahead) > len(self._joins):
+                self._joins = ahead
         if nbytes <= len(self._joins):
             return self._joins
-        buffer = mmap.mmap(-1, max(nbytes, 1))
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            buffer.madvise(mmap.MADV_HUGEPAGE)
+        buffer = _anonymous(nbytes)
         if nbytes <= JOIN_BUFFER_LIMIT:
             self._joins = buffer
         return buffer
+
+    def _prepare_join_buffer(self) -> Future[mmap.mmap] | None:
+        """Where the kept rates (`CacheOptions.rates_dir`) saw states here before, the join buffer
+        for the largest of them (up to `JOIN_BUFFER_LIMIT`), made with its pages in a helper
+        thread: a new process's first restore from chunks then copies into pages that are there
+        (SmolLM2, a 46 MB state: 18-20 ms instead of 35-37 ms; docs/llama.md). Its cost is that
+        memory, from the start."""
+        largest = self.rates.largest_state("")
+        if not largest or largest > JOIN_BUFFER_LIMIT:
+            return None
+        return helpers.pool("prepare", 1).submit(_anonymous, largest, populate=True)
 
     def _refuse(self, key_length: int, reason: str) -> None:
         """Count and log an entry of `key_length` tokens not used, for `reason`: a warning
@@ -704,6 +742,8 @@ class SequenceCache:
         opened from a URL; the rates are written to their file (`rates_path`)."""
         self._writer.close()
         self._flush_rates()
+        if self._joins_ahead is not None:  # made meanwhile: freed with the other
+            self._join_buffer(0)
         joins, self._joins = self._joins, mmap.mmap(-1, 1)
         with contextlib.suppress(BufferError):  # a view of it still held: freed with the view
             joins.close()
