@@ -19,6 +19,13 @@ So whoever restores (the proxy, for each llama-server behind it) asks
   away (it recomputed the prompt anyway) counts its seconds against no bytes,
   so a place that wastes restores looks too slow to get any, and after
   `WASTED_IN_A_ROW` wasted restores in a row it gets none at all;
+- the save rate: bytes per second of the saves done (the server's save and
+  the store write): until a restore has been measured at a place, a restore
+  is expected to cost what a save of as many bytes did. A save moves the same
+  bytes, once more than a restore does, so this errs on the side of
+  computing: a new place does not restore blindly where restoring loses (on
+  an H200 a proxy restarted with no restore measured restored every
+  follow-up, up to 5x slower than computing);
 - the state size per token, from restores and saves, for a caller that knows
   how many tokens a stored state holds but not its bytes.
 
@@ -37,8 +44,8 @@ one; where that line does not rise, at the nearest bucket's rate.
 The rule: restore when the expected restore seconds are at most `margin`
 times the expected seconds to compute the tokens it saves (`margin` 1: a
 restore must be expected no slower than computing). With nothing measured yet
-it restores: a cache exists to restore, and the first restores and requests
-teach it the rates. Once it declines, no restore is measured any more, so
+(no restore, no save) it restores: a cache exists to restore, and the first
+restores and requests teach it the rates. Once it declines, no restore is measured any more, so
 after `PROBE_EVERY` declines in a row at a place it restores once anyway,
 to measure again (a page cache that warmed up, a server that was fixed).
 
@@ -53,8 +60,9 @@ measured, instead of restoring blindly until it has measured again (on an
 H200, a proxy that forgot its rates at each restart restored every
 follow-up, up to 5x slower than computing it). A kept place's samples are
 written back to its small JSON file by `RestoreRates.flush`, at most every
-`KEEP_EVERY` seconds; nothing else here does I/O, and nothing blocks. One
-instance belongs to one event loop or thread at a time (it takes no locks).
+`KEEP_EVERY` seconds; nothing else here does I/O. Threads may share an
+instance (the llama-cpp-python layer learns its saves on its writer thread):
+each call holds its lock for a few dictionary operations, a file write not.
 Kept files live in `rates_dir()` (``rates/`` in the user cache, or
 ``SIPPCACHE_RATES_DIR``), named by `rates_file` after what sets the speed.
 """
@@ -67,6 +75,7 @@ import logging
 import math
 import os
 import tempfile
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -143,12 +152,14 @@ class Decision:
 
     `reason` names the rule that decided: for a restore ``always``, ``unmeasured``,
     ``faster_than_prefill`` or ``probe``; for a declined one ``never``,
-    ``slower_than_prefill`` or ``ineffective`` (the place's recent restores bought nothing)."""
+    ``slower_than_prefill`` or ``ineffective`` (the place's recent restores bought nothing).
+    `from_saves`: the restore was priced from the place's saves (no restore measured yet)."""
 
     restore: bool
     reason: str
     restore_seconds: float | None = None
     prefill_seconds: float | None = None
+    from_saves: bool = False  # restore_seconds priced from saves: no restore measured there yet
 
     def __bool__(self) -> bool:
         return self.restore
@@ -163,6 +174,8 @@ class Measured:
     bytes_per_token: float | None
     prefill_samples: int
     restore_samples: int
+    save_bytes_per_second: float | None = None
+    save_samples: int = 0
 
 
 class _Samples:
@@ -255,8 +268,14 @@ class _Place:
     prefill: _Samples = field(default_factory=_Samples)  # by tokens: tokens, seconds
     restore: _Samples = field(default_factory=_Samples)  # by bytes: useful bytes, seconds
     sizes: _Samples = field(default_factory=_Samples)  # by tokens: tokens, bytes
+    saves: _Samples = field(default_factory=_Samples)  # by bytes: bytes, seconds
     declined: int = 0  # declined restores in a row
     wasted: int = 0  # wasted restores in a row
+
+
+def _kinds(entry: _Place) -> list[tuple[str, _Samples]]:
+    """A place's sample sets by the names a kept file gives them."""
+    return [("prefill", entry.prefill), ("restore", entry.restore), ("sizes", entry.sizes), ("saves", entry.saves)]
 
 
 def mode_from_environment() -> Mode:
@@ -286,12 +305,13 @@ def rates_file(directory: str, digest: str, place: str) -> str:
 
 
 def _kept_samples(data: Any) -> dict[str, dict[str, list[list[float]]]] | None:
-    """The three sample sets of a kept place's file, checked; None where anything is off."""
+    """The sample sets of a kept place's file, checked; None where anything is off. Saves may be
+    missing (a file written before they were kept)."""
     if not isinstance(data, dict) or data.get("version") != KEPT_VERSION:
         return None
     kept = {}
-    for kind in ("prefill", "restore", "sizes"):
-        buckets = data.get(kind)
+    for kind in ("prefill", "restore", "sizes", "saves"):
+        buckets = data.get(kind, {} if kind == "saves" else None)
         if not isinstance(buckets, dict):
             return None
         for key, pairs in buckets.items():
@@ -326,6 +346,7 @@ class RestoreRates:
         self._kept: dict[str, str] = {}  # place: its file
         self._changed: set[str] = set()  # kept places with samples not yet written
         self._flushed = time.monotonic()
+        self._lock = threading.RLock()
 
     def _place(self, place: str) -> _Place:
         found = self._places.get(place)
@@ -346,7 +367,8 @@ class RestoreRates:
         back. Returns how many were loaded: 0 for a missing file, and for one that cannot be read
         or is not such a file (logged: rates are measured again, nothing fails)."""
         path = os.fspath(path)
-        self._kept[place] = path
+        with self._lock:
+            self._kept[place] = path
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
@@ -359,25 +381,28 @@ class RestoreRates:
         if kept is None:
             log.warning("sippcache: %s is not a restore-rates file of version %d: measured again", path, KEPT_VERSION)
             return 0
-        entry = self._place(place)
-        loaded = entry.prefill.load(kept["prefill"]) + entry.restore.load(kept["restore"])
-        return loaded + entry.sizes.load(kept["sizes"])
+        with self._lock:
+            entry = self._place(place)
+            return sum(samples.load(kept[kind]) for kind, samples in _kinds(entry))
 
     def flush(self, *, force: bool = False) -> None:
         """Write each kept place whose samples changed to its file, if `KEEP_EVERY` seconds have
         passed since the last write (`force`: now; at shutdown). A write that fails is logged, not
         raised: the rates stay in memory and are written at the next flush."""
-        if not self._changed or (not force and time.monotonic() - self._flushed < KEEP_EVERY):
-            return
-        self._flushed = time.monotonic()
-        for place in sorted(self._changed):
-            entry, path = self._places[place], self._kept[place]
-            data = {
-                "version": KEPT_VERSION,
-                "prefill": entry.prefill.dump(),
-                "restore": entry.restore.dump(),
-                "sizes": entry.sizes.dump(),
-            }
+        with self._lock:
+            if not self._changed or (not force and time.monotonic() - self._flushed < KEEP_EVERY):
+                return
+            self._flushed = time.monotonic()
+            due = [
+                (
+                    place,
+                    self._kept[place],
+                    {"version": KEPT_VERSION} | {k: s.dump() for k, s in _kinds(self._places[place])},
+                )
+                for place in sorted(self._changed)
+            ]
+            self._changed.clear()
+        for place, path, data in due:
             try:
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
                 fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".rates-", suffix=".tmp")
@@ -391,8 +416,8 @@ class RestoreRates:
                     raise
             except OSError as exc:
                 log.warning("sippcache: cannot write the restore rates to %s: %s", path, exc)
-                continue
-            self._changed.discard(place)
+                with self._lock:
+                    self._changed.add(place)  # written at the next flush
 
     # -- samples -------------------------------------------------------------------
 
@@ -401,8 +426,9 @@ class RestoreRates:
         when the sample is dropped: under `MIN_PREFILL_TOKENS` tokens, or a time that is no time."""
         if tokens < MIN_PREFILL_TOKENS or not (math.isfinite(seconds) and seconds > 0):
             return False
-        self._place(place).prefill.add(tokens, tokens, seconds)
-        self._sampled(place)
+        with self._lock:
+            self._place(place).prefill.add(tokens, tokens, seconds)
+            self._sampled(place)
         return True
 
     def record_restore(self, place: str, *, nbytes: int, seconds: float, tokens: int, useful: float = 1.0) -> bool:
@@ -413,46 +439,73 @@ class RestoreRates:
         if nbytes <= 0 or not (math.isfinite(seconds) and seconds >= 0):
             return False
         useful = min(1.0, max(0.0, useful)) if math.isfinite(useful) else 0.0
-        entry = self._place(place)
-        entry.restore.add(nbytes, nbytes * useful, max(seconds, 1e-9))  # timed at 0 s: fast, not free
-        entry.wasted = entry.wasted + 1 if useful < INEFFECTIVE_SHARE else 0
-        if tokens > 0:
-            entry.sizes.add(tokens, tokens, nbytes)
-        self._sampled(place)
+        with self._lock:
+            entry = self._place(place)
+            entry.restore.add(nbytes, nbytes * useful, max(seconds, 1e-9))  # timed at 0 s: fast, not free
+            entry.wasted = entry.wasted + 1 if useful < INEFFECTIVE_SHARE else 0
+            if tokens > 0:
+                entry.sizes.add(tokens, tokens, nbytes)
+            self._sampled(place)
+        return True
+
+    def record_save(self, place: str, *, nbytes: int, seconds: float, tokens: int, written: int | None = None) -> bool:
+        """A whole save at `place`: a state of `tokens` tokens and `nbytes` bytes, taken from the
+        server and stored in `seconds` (what prices a restore until one is measured there), of
+        which the store lacked `written` bytes (None: all). False when the sample is dropped: no
+        bytes, a time that is no time, or a save that wrote less than half its state (a chat's
+        next turn, its chunks stored before: its time is not that of moving the state); its size
+        counts anyway."""
+        self.record_size(place, tokens, nbytes)
+        if nbytes <= 0 or not (math.isfinite(seconds) and seconds > 0):
+            return False
+        if written is not None and written < nbytes / 2:
+            return False
+        with self._lock:
+            self._place(place).saves.add(nbytes, nbytes, seconds)
+            self._sampled(place)
         return True
 
     def record_size(self, place: str, tokens: int, nbytes: int) -> None:
         """A state of `tokens` tokens took `nbytes` bytes at `place` (a save, say)."""
         if tokens > 0 and nbytes > 0:
-            self._place(place).sizes.add(tokens, tokens, nbytes)
-            self._sampled(place)
+            with self._lock:
+                self._place(place).sizes.add(tokens, tokens, nbytes)
+                self._sampled(place)
 
     # -- what the samples say -----------------------------------------------------------
 
     def size_of(self, place: str, tokens: int) -> int | None:
         """The expected bytes of a state of `tokens` tokens at `place`; None before any size is known."""
-        entry = self._places.get(place)
-        expected = None if entry is None else entry.sizes.expected(tokens)
+        with self._lock:
+            entry = self._places.get(place)
+            expected = None if entry is None else entry.sizes.expected(tokens)
         return None if expected is None else round(expected)
 
     def largest_state(self, place: str) -> int | None:
         """The bytes of the largest state among `place`'s recent samples (saves and restores; kept
         ones too), None before any: what a restore there should expect to write."""
-        entry = self._places.get(place)
-        return None if entry is None else entry.sizes.largest_cost()
+        with self._lock:
+            entry = self._places.get(place)
+            return None if entry is None else entry.sizes.largest_cost()
 
     def measured(self, place: str) -> Measured:
         """The rates over every sample of `place`, whatever their size (for logs and tests)."""
-        entry = self._places.get(place) or _Place()
-        per_token = entry.prefill.per_unit()
-        per_byte = entry.restore.per_unit()
-        return Measured(
-            prefill_tokens_per_second=None if per_token is None else 1.0 / per_token,
-            restore_bytes_per_second=None if per_byte is None else (0.0 if math.isinf(per_byte) else 1.0 / per_byte),
-            bytes_per_token=entry.sizes.per_unit(),
-            prefill_samples=len(entry.prefill),
-            restore_samples=len(entry.restore),
-        )
+        with self._lock:
+            entry = self._places.get(place) or _Place()
+            per_token = entry.prefill.per_unit()
+            per_byte = entry.restore.per_unit()
+            per_saved = entry.saves.per_unit()
+            return Measured(
+                prefill_tokens_per_second=None if per_token is None else 1.0 / per_token,
+                restore_bytes_per_second=None
+                if per_byte is None
+                else (0.0 if math.isinf(per_byte) else 1.0 / per_byte),
+                bytes_per_token=entry.sizes.per_unit(),
+                prefill_samples=len(entry.prefill),
+                restore_samples=len(entry.restore),
+                save_bytes_per_second=None if per_saved is None else 1.0 / per_saved,
+                save_samples=len(entry.saves),
+            )
 
     # -- the decision ---------------------------------------------------------------------
 
@@ -463,20 +516,22 @@ class RestoreRates:
             return Decision(True, ALWAYS)
         if self.mode == "never":
             return Decision(False, NEVER)
-        entry = self._places.get(place)
-        if entry is None:
-            return Decision(True, UNMEASURED)
-        if entry.wasted >= WASTED_IN_A_ROW:
-            return Decision(False, INEFFECTIVE)
-        prefill = entry.prefill.expected(tokens)
-        restore = None if nbytes is None else entry.restore.expected(nbytes)
+        with self._lock:
+            entry = self._places.get(place)
+            if entry is None:
+                return Decision(True, UNMEASURED)
+            if entry.wasted >= WASTED_IN_A_ROW:
+                return Decision(False, INEFFECTIVE)
+            prefill = entry.prefill.expected(tokens)
+            from_saves = not entry.restore  # no restore measured here yet: priced as a save of those bytes
+            restore = None if nbytes is None else (entry.saves if from_saves else entry.restore).expected(nbytes)
         if restore is not None and math.isinf(restore):
             return Decision(False, INEFFECTIVE, restore, prefill)
         if restore is None or prefill is None:
-            return Decision(True, UNMEASURED, restore, prefill)
+            return Decision(True, UNMEASURED, restore, prefill, from_saves)
         if restore <= self.margin * prefill:
-            return Decision(True, FASTER, restore, prefill)
-        return Decision(False, SLOWER, restore, prefill)
+            return Decision(True, FASTER, restore, prefill, from_saves)
+        return Decision(False, SLOWER, restore, prefill, from_saves)
 
     def decide(self, place: str, *, tokens: int, nbytes: int | None) -> Decision:
         """`estimate`, and the probe: in ``auto`` mode, after `probe_every` declines in a row at
@@ -484,12 +539,13 @@ class RestoreRates:
         decision = self.estimate(place, tokens=tokens, nbytes=nbytes)
         if self.mode != "auto":
             return decision
-        entry = self._place(place)
-        if decision.restore:
+        with self._lock:
+            entry = self._place(place)
+            if decision.restore:
+                entry.declined = 0
+                return decision
+            entry.declined += 1
+            if entry.declined < self.probe_every:
+                return decision
             entry.declined = 0
-            return decision
-        entry.declined += 1
-        if entry.declined < self.probe_every:
-            return decision
-        entry.declined = 0
-        return Decision(True, PROBE, decision.restore_seconds, decision.prefill_seconds)
+        return Decision(True, PROBE, decision.restore_seconds, decision.prefill_seconds, decision.from_saves)

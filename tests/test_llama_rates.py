@@ -146,7 +146,8 @@ def test_rates_are_kept_apart_by_what_sets_the_speed(make_llama: Any, tiny_model
         with PrefixCache(make_llama(tiny_model, n_threads=threads), url, rates_dir=rates_dir) as cache:
             paths.add(cache.rates_path)
             assert cache.rates.largest_state("") is None  # nothing kept for this place yet
-            cache.prefill(prompt(300))  # its state stored: its size is a sample
+            cache.prefill(prompt(300))
+            cache.flush()  # its state stored: its size (and the save's time) are samples
             assert cache.rates.largest_state("") is not None
     assert len(paths) == 3 and {Path(p).name for p in paths} == {p.name for p in rates_dir.iterdir()}
     with PrefixCache(make_llama(tiny_model, n_threads=2), "ram://", rates_dir=rates_dir) as again:

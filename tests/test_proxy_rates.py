@@ -145,6 +145,70 @@ def test_a_line_that_does_not_rise_falls_back_to_the_nearest_rate() -> None:
     assert rates.estimate(HERE, tokens=50, nbytes=None).prefill_seconds == pytest.approx(0.5)
 
 
+def test_until_a_restore_is_measured_it_is_priced_as_a_save_of_its_bytes() -> None:
+    """A place that saved states but never restored one (a proxy restarted after its first run)
+    prices a restore as a save of as many bytes: slower than the prefill, declined; faster,
+    done. Once a restore is measured, its own rate decides. (Synthetic rates.)"""
+    gb = 10**9
+    rates = RestoreRates()
+    rates.record_prefill(HERE, 32768, 0.6)
+    assert rates.record_save(HERE, nbytes=gb, seconds=1.5, tokens=32768)
+    declined = rates.decide(HERE, tokens=32768, nbytes=gb)
+    assert not declined and declined.reason == "slower_than_prefill" and declined.from_saves
+    assert declined.restore_seconds == pytest.approx(1.5)
+    fast = RestoreRates()
+    fast.record_prefill(HERE, 32768, 0.6)
+    fast.record_save(HERE, nbytes=gb, seconds=0.3, tokens=32768)
+    done = fast.decide(HERE, tokens=32768, nbytes=gb)
+    assert done and done.reason == "faster_than_prefill" and done.from_saves
+    rates.record_restore(HERE, nbytes=gb, seconds=0.4, tokens=32768)  # measured: the saves no longer decide
+    measured = rates.decide(HERE, tokens=32768, nbytes=gb)
+    assert measured and not measured.from_saves and measured.restore_seconds == pytest.approx(0.4)
+    assert rates.measured(HERE).save_samples == 1 and rates.measured(HERE).save_bytes_per_second == pytest.approx(
+        gb / 1.5
+    )
+
+
+def test_a_save_that_wrote_little_of_its_state_prices_nothing() -> None:
+    """A chat's next turn writes its tail only (its chunks were stored before): its time says
+    nothing of moving a state. Its size still counts."""
+    rates = RestoreRates()
+    assert not rates.record_save(HERE, nbytes=10**8, seconds=0.01, tokens=4096, written=10**6)
+    assert rates.measured(HERE).save_samples == 0 and rates.size_of(HERE, 4096) == 10**8
+    assert rates.record_save(HERE, nbytes=10**8, seconds=0.2, tokens=4096, written=10**8 + 500)  # frames' headers
+    assert not rates.record_save(HERE, nbytes=10**8, seconds=0.0, tokens=4096)
+    assert rates.measured(HERE).save_samples == 1
+
+
+def test_threads_may_share_the_rates() -> None:
+    """The llama-cpp-python layer learns its saves on its writer thread while its model's thread
+    decides and writes the kept file: no sample is lost, nothing raises."""
+    import tempfile
+    import threading
+
+    rates = RestoreRates()
+    with tempfile.TemporaryDirectory() as tmp:
+        rates.keep(HERE, os.path.join(tmp, "here.json"))
+        rounds = 2000
+
+        def saves() -> None:
+            for i in range(rounds):
+                rates.record_save(HERE, nbytes=10**6 + i, seconds=0.01, tokens=1000 + i)
+
+        writer = threading.Thread(target=saves)
+        writer.start()
+        for i in range(rounds):
+            rates.record_prefill(HERE, 100 + i, 0.01)
+            rates.decide(HERE, tokens=500, nbytes=10**6)
+            rates.flush(force=i % 100 == 0)
+        writer.join()
+        rates.flush(force=True)
+        again = RestoreRates()
+        assert again.keep(HERE, os.path.join(tmp, "here.json")) > 0
+        assert again.measured(HERE) == rates.measured(HERE)  # every kind written whole, and read back
+        assert again.largest_state(HERE) == rates.largest_state(HERE)
+
+
 def test_restores_that_bought_nothing_stop_restores() -> None:
     rates = RestoreRates(probe_every=1000)
     rates.record_prefill(HERE, 1000, 1.0)
@@ -625,7 +689,8 @@ def test_a_restarted_proxy_decides_from_the_rates_kept_before(tiny_model: Path, 
     [kept] = rates_dir.iterdir()
     assert "(0 samples from before)" in first.log_tail(20_000)
     rates = RestoreRates()
-    assert rates.keep("there", kept) >= 2  # the answer's prefill and its state's size, written at shutdown
+    assert rates.keep("there", kept) >= 3  # the answer's prefill, its state's size and its save, written at shutdown
+    assert rates.measured("there").save_samples >= 1  # a new conversation: stored whole, its time a sample
     rates.record_restore("there", nbytes=1000, seconds=10.0, tokens=10)  # 100 bytes a second
     rates.flush(force=True)
 

@@ -679,12 +679,13 @@ class SequenceCache:
             return 0
         if budget is not None and states.state_size(ctx, seq) > budget:
             return 0
+        started = time.perf_counter()
         state = states.copy_state(ctx, seq, self._buffers)
         if state is None:
             log.warning("sippcache: llama.cpp could not copy the sequence state; not caching it")
             return 0
-        self.rates.record_size("", len(key), len(state))
         snapshot = states.Snapshot(key, state, logits, time.time_ns(), pinned, supersede)
+        snapshot.seconds = time.perf_counter() - started
         with self._queued_lock:
             self._queued[id(snapshot)] = key
         self._writer.submit(snapshot)
@@ -702,6 +703,7 @@ class SequenceCache:
         cut back, with one token evaluated where theirs had logits): a conversation keeps its
         latest prompt's entry (an exact repeat of it needs no evaluation) and what followed
         it, and what it grew from goes."""
+        started = time.perf_counter()
         try:
             logits = [] if snapshot.logits is None else [snapshot.logits.data.cast("B")]
             stored = self.states.store(
@@ -720,6 +722,10 @@ class SequenceCache:
             with self._queued_lock:
                 self._queued.pop(id(snapshot), None)
             self._buffers.give_back(snapshot.state)  # framed and stored (or failed): nothing reads it now
+        seconds = snapshot.seconds + time.perf_counter() - started  # copied out, then stored
+        self.rates.record_save(
+            "", nbytes=snapshot.state.nbytes, seconds=seconds, tokens=len(snapshot.key), written=stored.nbytes
+        )
         self.stats.entries_written += 1
         self.stats.bytes_written += stored.nbytes
         self.stats.chunks_written += stored.chunks_new

@@ -44,6 +44,7 @@ class Snapshot:
     generation: int
     pinned: bool = False
     supersede: bool = False  # a prompt's end: the entries under shorter prefixes of it go (`SequenceCache`)
+    seconds: float = 0.0  # the copy out of the context took
 
 
 def memory(ctx: Any) -> Any:

@@ -546,7 +546,13 @@ class Proxy:
     async def _keep(self, url: str, snapshot: Snapshot, supersedes: Origin | None, scope: str) -> None:
         saved = await asyncio.to_thread(self.store.keep, snapshot, supersedes, scope)
         if saved is not None:
-            self.rates.record_size(url, len(saved.tokens), saved.state_bytes or saved.nbytes)
+            self.rates.record_save(
+                url,
+                nbytes=saved.state_bytes or saved.nbytes,
+                seconds=saved.seconds,
+                tokens=len(saved.tokens),
+                written=saved.nbytes,
+            )
             self.metrics.saves.labels(url).inc()
             self.metrics.save_seconds.labels(url).observe(saved.seconds)
             self.metrics.bytes_stored.labels(url).inc(saved.nbytes)
