@@ -451,7 +451,8 @@ class RestoreRates:
     def record_save(self, place: str, *, nbytes: int, seconds: float, tokens: int, written: int | None = None) -> bool:
         """A whole save at `place`: a state of `tokens` tokens and `nbytes` bytes, taken from the
         server and stored in `seconds` (what prices a restore until one is measured there), of
-        which the store lacked `written` bytes (None: all). False when the sample is dropped: no
+        which the store lacked `written` bytes (None: all); `tokens` 0 where its size was counted
+        already (`record_size`, when the state was taken). False when the sample is dropped: no
         bytes, a time that is no time, or a save that wrote less than half its state (a chat's
         next turn, its chunks stored before: its time is not that of moving the state); its size
         counts anyway."""

@@ -146,8 +146,7 @@ def test_rates_are_kept_apart_by_what_sets_the_speed(make_llama: Any, tiny_model
         with PrefixCache(make_llama(tiny_model, n_threads=threads), url, rates_dir=rates_dir) as cache:
             paths.add(cache.rates_path)
             assert cache.rates.largest_state("") is None  # nothing kept for this place yet
-            cache.prefill(prompt(300))
-            cache.flush()  # its state stored: its size (and the save's time) are samples
+            cache.prefill(prompt(300))  # its state taken: its size is a sample
             assert cache.rates.largest_state("") is not None
     assert len(paths) == 3 and {Path(p).name for p in paths} == {p.name for p in rates_dir.iterdir()}
     with PrefixCache(make_llama(tiny_model, n_threads=2), "ram://", rates_dir=rates_dir) as again:
@@ -181,6 +180,7 @@ def test_the_join_buffer_is_made_ahead_for_the_largest_state_kept(
         first.prefill(tokens)
         first.flush()
         largest = first.rates.largest_state("")
+        assert first.rates.measured("").save_samples == 1  # stored whole (all new): its time prices restores
     assert largest is not None
     query = tokens + prompt(20, seed=1)[1:]
     llm = make_llama(tiny_model)

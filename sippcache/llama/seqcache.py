@@ -686,6 +686,7 @@ class SequenceCache:
             return 0
         snapshot = states.Snapshot(key, state, logits, time.time_ns(), pinned, supersede)
         snapshot.seconds = time.perf_counter() - started
+        self.rates.record_size("", len(key), len(state))  # known now, for the next request's decision
         with self._queued_lock:
             self._queued[id(snapshot)] = key
         self._writer.submit(snapshot)
@@ -724,7 +725,11 @@ class SequenceCache:
             self._buffers.give_back(snapshot.state)  # framed and stored (or failed): nothing reads it now
         seconds = snapshot.seconds + time.perf_counter() - started  # copied out, then stored
         self.rates.record_save(
-            "", nbytes=snapshot.state.nbytes, seconds=seconds, tokens=len(snapshot.key), written=stored.nbytes
+            "",
+            nbytes=snapshot.state.nbytes,
+            seconds=seconds,
+            tokens=0,
+            written=stored.nbytes,  # size: counted
         )
         self.stats.entries_written += 1
         self.stats.bytes_written += stored.nbytes
