@@ -487,6 +487,17 @@ def raw_phase(shape: str, model: dict) -> None:
         stop(proc, 30, "llama-server")
 
 
+def slot_timed(server: Server, action: str, path: str) -> dict:
+    """llama-server's own slot `action` (save or restore) of the file at `path`: its timing, the
+    wall time, its counts (n_saved and n_written, or n_restored and n_read), the file's bytes and
+    the GB/s llama-server's timing gives them."""
+    ans, ms = server.slot(action, os.path.basename(path))
+    took = (ans.get("timings") or {}).get(f"{action}_ms")
+    nbytes = os.path.getsize(path)
+    counts = {k: v for k, v in ans.items() if k.startswith("n_")}
+    return {f"{action}_ms": r1(took), "wall_ms": r1(ms), **counts, "file_bytes": nbytes, "gbps": gbps(nbytes, took)}
+
+
 def raw_one(server: Server, prompts: Prompts, n: int, slot_dir: str, shape: str) -> dict:
     text, text2 = prompts.make(n, 1000 + n)
     fname = f"raw-{n}.bin"
@@ -494,27 +505,9 @@ def raw_one(server: Server, prompts: Prompts, n: int, slot_dir: str, shape: str)
     r: dict = {"n": n}
     server.slot("erase")
     r["cold1"] = server.complete(text)
-    ans, ms = server.slot("save", fname)
-    nbytes = os.path.getsize(path)
-    t = ans.get("timings") or {}
-    r["save"] = {
-        "save_ms": r1(t.get("save_ms")),
-        "wall_ms": r1(ms),
-        "n_saved": ans.get("n_saved"),
-        "n_written": ans.get("n_written"),
-        "file_bytes": nbytes,
-    }
-    r["save"]["gbps"] = gbps(nbytes, t.get("save_ms"))
+    r["save"] = slot_timed(server, "save", path)
     server.slot("erase")
-    ans, ms = server.slot("restore", fname)
-    t = ans.get("timings") or {}
-    r["restore"] = {
-        "restore_ms": r1(t.get("restore_ms")),
-        "wall_ms": r1(ms),
-        "n_restored": ans.get("n_restored"),
-        "n_read": ans.get("n_read"),
-    }
-    r["restore"]["gbps"] = gbps(nbytes, t.get("restore_ms"))
+    r["restore"] = slot_timed(server, "restore", path)
     r["suffix"] = server.complete(text2)  # prompt + 32 tokens on the restored state
     r["gpu_mem"] = gpu_mem()
     server.slot("erase")
@@ -538,7 +531,8 @@ def raw_one(server: Server, prompts: Prompts, n: int, slot_dir: str, shape: str)
     say(
         f"{shape} N={n}: cold {cold} ms (first {r['cold1']['prompt_ms']}), save {r['save']['save_ms']} ms, "
         f"restore {r['restore']['restore_ms']} ms, suffix {r['suffix']['prompt_ms']} ms "
-        f"(prompt_n {r['suffix']['prompt_n']}, cache_n {r['suffix']['cache_n']}), {nbytes / 1e6:.1f} MB, "
+        f"(prompt_n {r['suffix']['prompt_n']}, cache_n {r['suffix']['cache_n']}), "
+        f"{r['save']['file_bytes'] / 1e6:.1f} MB, "
         f"x{r['cold_over_restore_plus_suffix']}; TTFT req2 cold {r['cold_req2_stream']['ttft_ms']} ms, "
         f"restore+req2 {s['restore_plus_ttft_ms']} ms"
     )
