@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sippcache.llama import CacheOptions, PrefixCache
+from sippcache.llama import CacheOptions, PrefixCache, seqcache
 from sippcache.rates import MODE_ENVIRONMENT_VARIABLE, RATES_DIR_ENVIRONMENT_VARIABLE, mode_from_environment
 from tests.llama_tools import last_logits, reference_logits, start_counting, tokens_evaluated
 
@@ -195,3 +195,29 @@ def test_the_join_buffer_is_made_ahead_for_the_largest_state_kept(
     np.testing.assert_array_equal(last_logits(llm), split)
     with PrefixCache(make_llama(tiny_model), url, rates_dir="") as unkept:
         assert unkept._states._joins_ahead is None
+
+
+def test_a_join_buffer_that_cannot_be_made_ahead_costs_nothing_but_its_gain(
+    make_llama: Any, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """Making the buffer ahead fails (no memory for it): logged, and the first restore makes its own."""
+    url, tokens, rates_dir = f"lmdb://{tmp_path}/store", prompt(600), tmp_path / "rates"
+    with PrefixCache(make_llama(tiny_model), url, rates_dir=rates_dir) as first:
+        first.prefill(tokens)
+    made = seqcache._anonymous
+
+    def no_memory(nbytes: int, *, populate: bool = False) -> Any:
+        if populate:
+            raise MemoryError("no room")
+        return made(nbytes)
+
+    monkeypatch.setattr(seqcache, "_anonymous", no_memory)
+    query = tokens + prompt(20, seed=1)[1:]
+    llm = make_llama(tiny_model)
+    with PrefixCache(llm, url, rates_dir=rates_dir) as second:
+        assert second._states._joins_ahead is not None
+        reused = second.prefill(query).restored
+        assert reused >= 599
+    assert "the join buffer made ahead failed: no room" in caplog.text
+    _, split = reference_logits(make_llama, tiny_model, query, (reused,))
+    np.testing.assert_array_equal(last_logits(llm), split)

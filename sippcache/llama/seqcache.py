@@ -599,9 +599,14 @@ class SequenceCache:
         `JOIN_BUFFER_LIMIT`; a larger state gets a buffer of its own each time. The first one
         may have been made ahead (`_prepare_join_buffer`)."""
         if self._joins_ahead is not None:
-            ahead, self._joins_ahead = self._joins_ahead.result(), None
-            if len(ahead) > len(self._joins):
-                self._joins = ahead
+            made, self._joins_ahead = self._joins_ahead, None
+            try:
+                ahead = made.result()
+            except Exception as exc:  # no memory for it, say: the restore makes its own
+                log.warning("sippcache: the join buffer made ahead failed: %s", exc)
+            else:
+                if len(ahead) > len(self._joins):
+                    self._joins = ahead
         if nbytes <= len(self._joins):
             return self._joins
         buffer = _anonymous(nbytes)
