@@ -448,14 +448,16 @@ class RestoreRates:
             self._sampled(place)
         return True
 
-    def record_save(self, place: str, *, nbytes: int, seconds: float, tokens: int, written: int | None = None) -> bool:
-        """A whole save at `place`: a state of `tokens` tokens and `nbytes` bytes, taken from the
-        server and stored in `seconds` (what prices a restore until one is measured there), of
-        which the store lacked `written` bytes (None: all); `tokens` 0 where its size was counted
-        already (`record_size`, when the state was taken). False when the sample is dropped: no
-        bytes, a time that is no time, or a save that wrote less than half its state (a chat's
-        next turn, its chunks stored before: its time is not that of moving the state); its size
-        counts anyway."""
+    def record_save(
+        self, place: str, *, nbytes: int, seconds: float, tokens: int = 0, written: int | None = None
+    ) -> bool:
+        """A whole save at `place`: a state of `nbytes` bytes, taken from the server and stored in
+        `seconds` (what prices a restore until one is measured there), of which the store lacked
+        `written` bytes (None: all). With its `tokens`, its size is counted too (`record_size`; a
+        caller that counted it when the state was taken gives none), even where the sample is
+        dropped: no bytes, a time that is no time, or a save that wrote less than half its state
+        (a chat's next turn, its chunks stored before: its time is not that of moving the state).
+        False when it is."""
         self.record_size(place, tokens, nbytes)
         if nbytes <= 0 or not (math.isfinite(seconds) and seconds > 0):
             return False

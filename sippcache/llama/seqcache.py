@@ -689,8 +689,7 @@ class SequenceCache:
         if state is None:
             log.warning("sippcache: llama.cpp could not copy the sequence state; not caching it")
             return 0
-        snapshot = states.Snapshot(key, state, logits, time.time_ns(), pinned, supersede)
-        snapshot.seconds = time.perf_counter() - started
+        snapshot = states.Snapshot(key, state, logits, time.time_ns(), pinned, supersede, time.perf_counter() - started)
         self.rates.record_size("", len(key), len(state))  # known now, for the next request's decision
         with self._queued_lock:
             self._queued[id(snapshot)] = key
@@ -729,13 +728,7 @@ class SequenceCache:
                 self._queued.pop(id(snapshot), None)
             self._buffers.give_back(snapshot.state)  # framed and stored (or failed): nothing reads it now
         seconds = snapshot.seconds + time.perf_counter() - started  # copied out, then stored
-        self.rates.record_save(
-            "",
-            nbytes=snapshot.state.nbytes,
-            seconds=seconds,
-            tokens=0,
-            written=stored.nbytes,  # size: counted
-        )
+        self.rates.record_save("", nbytes=snapshot.state.nbytes, seconds=seconds, written=stored.nbytes)
         self.stats.entries_written += 1
         self.stats.bytes_written += stored.nbytes
         self.stats.chunks_written += stored.chunks_new
