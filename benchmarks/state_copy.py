@@ -1,5 +1,5 @@
 """Copying a sequence state out of llama.cpp (the llama-cpp-python layer's save): into new memory
-against into a buffer used before (`states.StateBuffers`), and a memory copy of the same bytes.
+against into a buffer used before (`sippcache.buffers.StateBuffers`), and a memory copy of the same bytes.
 
 A snapshot is copied out of the context on the thread that computes (the next prefill waits for
 it), then framed and stored in the background. On a fast GPU a state's bytes are the whole cost
@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 
 import mkmodel
 
+from sippcache.buffers import StateBuffers
 from sippcache.llama import states
 
 
@@ -50,7 +51,7 @@ def main() -> int:
         n_ctx = args.prompt + 256 * args.turns + 64
         llm = llama_cpp.Llama(model_path=model["path"], n_ctx=n_ctx, n_batch=512, flash_attn=True, verbose=False)
         rng = random.Random(0)
-        ctx, buffers = llm._ctx.ctx, states.StateBuffers(limit=2 * 1024**3)
+        ctx, buffers = llm._ctx.ctx, StateBuffers(limit=2 * 1024**3)
         rows, turn_tokens = [], [1] + [rng.randrange(3, 259) for _ in range(args.prompt - 1)]
         print(f"model: {model['kv_bytes_per_token'] // 1024} KiB of K/V a token; {args.repeat} copies each way a turn")
         print(f"{'turn':>4} {'tokens':>7} {'MB':>7} {'new memory':>11} {'used buffer':>12} {'memcpy':>7}  ratios")

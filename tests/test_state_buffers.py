@@ -1,4 +1,4 @@
-"""States are copied out of llama.cpp into buffers used again once stored (`states.StateBuffers`):
+"""States are copied out of llama.cpp into buffers used again once stored (`sippcache.buffers.StateBuffers`):
 a new buffer's pages cost several times the copy. A buffer is reused only after its state is
 stored, so every stored state is still the one llama.cpp gave (logits after a restore equal the
 never-cached path's)."""
@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from sippcache.buffers import StateBuffers
 from sippcache.llama import PrefixCache
-from sippcache.llama.states import StateBuffers
 from tests.llama_tools import last_logits, reference_logits
 
 

@@ -41,6 +41,7 @@ import numpy.typing as npt
 
 from .. import helpers
 from .. import tokens as _tokens
+from ..buffers import StateBuffers
 from ..chunks import Assembled, ChunkedStates
 from ..errors import CorruptEntry, UnsupportedEntry
 from ..frame import secret_from_environment
@@ -336,7 +337,7 @@ class SequenceCache:
         self._queued: dict[int, list[int]] = {}  # keys of snapshots not yet written, by snapshot id
         self._joins = mmap.mmap(-1, 1)  # `_join_buffer`
         self._joins_ahead = self._prepare_join_buffer()
-        self._buffers = states.StateBuffers()  # what snapshots are copied into, used again once written
+        self._buffers = StateBuffers()  # what snapshots are copied into, used again once written
         self._queued_lock = threading.Lock()
 
     def _keep_rates(self, place: str | None) -> str | None:

@@ -18,14 +18,13 @@ evaluation at all.
 from __future__ import annotations
 
 import ctypes
-import mmap
-import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp
 import numpy as np
+
+from ..buffers import StateBuffers
 
 #: The `kind` of entries holding one llama.cpp sequence's state.
 KIND = "llama.seq"
@@ -65,61 +64,6 @@ def copy_state(ctx: Any, seq: int, buffers: StateBuffers | None = None) -> memor
     if written == 0 or written > size:
         return None
     return memoryview(buffer)[:written]
-
-
-class StateBuffers:
-    """Buffers that states are copied out of llama.cpp into, used again once the state is
-    stored (`give_back`). A new buffer's pages cost several times the copy itself: a 256 MB
-    state took 190 ms to copy into new memory and 40 ms into a buffer used before (a warm
-    memory copy: 22 ms; docs/llama.md). A buffer is anonymous memory reserved for twice the
-    state it is made for, so that a conversation's next, longer state fits it (pages never
-    touched cost nothing). At most `keep` free buffers are kept, holding at most `limit`
-    bytes that states were written to; a larger state's buffer is not kept."""
-
-    def __init__(self, *, keep: int = 2, limit: int = 2 * 1024**3) -> None:
-        self.keep, self.limit = keep, limit
-        self._free: list[mmap.mmap] = []
-        # each buffer taken or free -> the most bytes written to it (gone with the buffer)
-        self._touched: weakref.WeakKeyDictionary[mmap.mmap, int] = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()  # taken on the context's thread, given back on the writer's
-
-    def take(self, size: int) -> mmap.mmap:
-        """A buffer of at least `size` bytes: the smallest free one that holds it, else a new one."""
-        with self._lock:
-            fits = [b for b in self._free if len(b) >= size]
-            if fits:
-                buffer = min(fits, key=len)
-                self._free.remove(buffer)
-                self._touched[buffer] = max(self._touched[buffer], size)
-                return buffer
-        try:
-            buffer = mmap.mmap(-1, max(2 * size, mmap.PAGESIZE))
-        except OSError:  # no room to reserve twice as much (strict overcommit): exactly as much
-            buffer = mmap.mmap(-1, max(size, 1))
-        with self._lock:
-            self._touched[buffer] = size
-        return buffer
-
-    def give_back(self, state: memoryview) -> None:
-        """The buffer `state` (a view `copy_state` returned) is in is free again; it is kept
-        for the next state if it is one of these buffers and within `keep` and `limit` (the
-        smallest free ones go first: the next state is likely larger)."""
-        buffer = state.obj
-        with self._lock:
-            if not isinstance(buffer, mmap.mmap) or buffer not in self._touched or buffer in self._free:
-                return
-            self._free.append(buffer)
-            self._free.sort(key=len)
-            while self._free and (
-                len(self._free) > self.keep or sum(self._touched[b] for b in self._free) > self.limit
-            ):
-                del self._touched[self._free.pop(0)]
-
-    @property
-    def free_bytes(self) -> int:
-        """The bytes written to the free buffers kept (what they hold of memory)."""
-        with self._lock:
-            return sum(self._touched[b] for b in self._free)
 
 
 def copy_logits(ctx: Any, n_vocab: int, index: int = -1) -> np.ndarray:
