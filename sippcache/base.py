@@ -37,6 +37,12 @@ class BaseBackend(ABC):
     """
 
     persistent: ClassVar[bool] = False
+    #: `store` keeps a blob given as a whole `bytes` object as it is, no copy (it holds entries, or
+    #: queues them, in this process's memory). A caller framing an entry for such a store makes
+    #: the frame new bytes (`frame.encode`); for any other (the default, and what a backend that
+    #: does not say is taken to be) it frames into a buffer it uses again (`frame.encode_into`),
+    #: which the store copies into storage of its own: new memory's pages cost more than the copy.
+    keeps_bytes: ClassVar[bool] = False
     #: Exceptions of the backend's library that mean damaged files; the public
     #: methods re-raise them as `CorruptStore`.
     damage_errors: ClassVar[tuple[type[BaseException], ...]] = ()

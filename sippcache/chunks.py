@@ -62,6 +62,7 @@ import xxhash
 from . import frame, helpers
 from . import stateformat as sf
 from . import tokens as _tokens
+from .buffers import StateBuffers
 from .errors import CorruptEntry, UnsupportedEntry
 from .protocol import Blob, CacheBackend, EntryInfo, Match
 from .tokens import Tokens
@@ -288,9 +289,10 @@ class ChunkedStates:
     is the caller's kind of a whole state (its chunks are ``kind + ".chunk"``, its tails
     ``kind + ".tail"``). `chunk_tokens` 0 stores every state whole. Backend errors
     (`SippcacheError`) pass through; damaged entries are deleted and counted (`damaged`).
-    It keeps nothing between calls but those two counters, so threads may share one as far as
-    the backend allows (the llama-cpp-python layer stores on its writer thread and restores on
-    the model's).
+    It keeps nothing between calls but those two counters and the buffers frames are written
+    into (`frame.encode_into`: a backend copies a frame into storage of its own, so the frame
+    itself need not be new memory), so threads may share one as far as the backend allows (the
+    llama-cpp-python layer stores on its writer thread and restores on the model's).
     """
 
     def __init__(
@@ -316,6 +318,7 @@ class ChunkedStates:
         self.stored_whole = 0
         #: Damaged entries found (and deleted) by restores.
         self.damaged = 0
+        self.buffers = StateBuffers()  # what frames are written into (`_put`), used again
 
     # -- storing -------------------------------------------------------------------------
 
@@ -371,20 +374,13 @@ class ChunkedStates:
                 if supersede and stored.entries:
                     self._supersede(key, namespace)
                 return stored
-        blob = frame.encode(
-            key,
-            [view, *sections],
-            fingerprint=self.fingerprint,
-            kind=self.kind,
-            versions=self.versions,
-            meta=meta,
-            roles=["state", *roles],
-            secret=self.secret,
+        roles = ["state", *roles]
+        nbytes = self._put(
+            key, [view, *sections], self.kind, meta, roles, namespace, pinned=pinned, generation=generation
         )
-        written = self.cache.store(key, blob, namespace=namespace, pinned=pinned, generation=generation)
         if replaces is not None and tuple(replaces) != key:
             self.cache.delete(replaces, namespace=namespace)
-        return Stored(key, False, len(blob) if written else 0, int(written), view.nbytes, why_whole=why)
+        return Stored(key, False, nbytes, int(nbytes > 0), view.nbytes, why_whole=why)
 
     def _store_chunked(
         self,
@@ -418,34 +414,33 @@ class ChunkedStates:
         nbytes = written = 0
         chain = chain_digests(ids, size, len(bounds))
         for end in reversed(bounds[have:]):
-            blob = frame.encode(
-                ids[end - size : end],
-                [pieces.pieces(end // size - 1)],  # copied once, into its frame
-                fingerprint=self.fingerprint,
-                kind=self.chunk_kind,
-                versions=self.versions,
-                meta={**ours, "chain": chain[end // size - 1]},
-                roles=["cells"],
-                secret=self.secret,
-            )
+            cells = [pieces.pieces(end // size - 1)]  # copied once, into its frame, from views of the state
             # A chunk's priority: its tokens and one chunk more, so that per token (what eviction
             # weighs) the first chunks, which every longer state needs, outlast the last ones.
-            if self.cache.store(ids[:end], blob, namespace=chunks_at, priority=end + size, pinned=pinned):
-                written, nbytes = written + 1, nbytes + len(blob)
-        blob = frame.encode(
+            stored = self._put(
+                ids[:end],
+                cells,
+                self.chunk_kind,
+                {**ours, "chain": chain[end // size - 1]},
+                ["cells"],
+                chunks_at,
+                frame_tokens=ids[end - size : end],
+                priority=end + size,
+                pinned=pinned,
+            )
+            written, nbytes = written + (stored > 0), nbytes + stored
+        stored = self._put(
             key,
             [pieces.pieces(-1), pieces.tail, *sections],
-            fingerprint=self.fingerprint,
-            kind=self.tail_kind,
-            versions=self.versions,
-            meta={**(meta or {}), **ours},
-            roles=["cells", "caches", *roles],
-            secret=self.secret,
+            self.tail_kind,
+            {**(meta or {}), **ours},
+            ["cells", "caches", *roles],
+            namespace,
+            priority=len(key) + size,
+            pinned=pinned,
+            generation=generation,
         )
-        if self.cache.store(
-            key, blob, namespace=namespace, priority=len(key) + size, pinned=pinned, generation=generation
-        ):
-            written, nbytes = written + 1, nbytes + len(blob)
+        written, nbytes = written + (stored > 0), nbytes + stored
         # The chain used once more, after its tail: if making room moved eviction's clock up
         # meanwhile, the tail would otherwise outlive the chunks it is restored with. This also
         # clears the superseded marks the deepest new chunk left on the chunk before it.
@@ -453,6 +448,35 @@ class ChunkedStates:
         if replaces is not None and tuple(replaces) != key:
             self._replace(tuple(replaces), key, namespace, chunks_at)
         return Stored(key, True, nbytes, written, view.nbytes, len(bounds) - have, have)
+
+    def _put(
+        self,
+        key: Sequence[int],
+        sections: Sequence[Blob | Sequence[Blob]],
+        kind: str,
+        meta: Mapping[str, Any] | None,
+        roles: Sequence[str],
+        namespace: str,
+        *,
+        frame_tokens: Sequence[int] | None = None,
+        **options: Any,
+    ) -> int:
+        """Frame `sections` (under `frame_tokens`, else `key`) and store the frame under `key` with the
+        `CacheBackend.store` `options`: the bytes written, 0 if not stored. The frame is new bytes
+        for a store that keeps them (`keeps_bytes`: the RAM backend), else written into a buffer
+        used again, which the store copies into its own storage."""
+        tokens = key if frame_tokens is None else frame_tokens
+        fields: dict[str, Any] = dict(
+            fingerprint=self.fingerprint, kind=kind, versions=self.versions, meta=meta, roles=roles, secret=self.secret
+        )
+        if getattr(self.cache, "keeps_bytes", False):
+            kept = frame.encode(tokens, sections, **fields)
+            return len(kept) if self.cache.store(key, kept, namespace=namespace, **options) else 0
+        blob = frame.encode_into(self.buffers, tokens, sections, **fields)
+        try:
+            return blob.nbytes if self.cache.store(key, blob, namespace=namespace, **options) else 0
+        finally:
+            self.buffers.give_back(blob)
 
     def pin(self, tokens: Tokens, *, namespace: str = "", pinned: bool = True) -> bool:
         """`pin_chain` on this store, with this instance's secret."""

@@ -29,7 +29,7 @@ import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
 import xxhash
@@ -37,6 +37,9 @@ import xxhash
 from . import tokens as _tokens
 from .errors import CorruptEntry, UnsupportedEntry
 from .protocol import Blob
+
+if TYPE_CHECKING:
+    from .buffers import StateBuffers
 
 MAGIC = b"SIPPKV\r\n"
 FORMAT_VERSION = 2
@@ -131,25 +134,108 @@ def encode(
     copy made of them (a chunk of a state, from views of it). With a `secret`,
     a MAC over the whole frame is appended (keyed BLAKE2b; about 1 GB/s).
     """
+    _check_fields(fingerprint, kind, versions, meta, roles, len(sections))
+    payload_hash = xxhash.xxh3_64()
+    sizes = []
+    flat: list[Blob] = []
+    for section in sections:
+        size = 0
+        for piece in _pieces(section):
+            payload_hash.update(piece)
+            size += memoryview(piece).nbytes
+            flat.append(piece)
+        sizes.append(size)
+    head = _head(tokens, sizes, fingerprint, kind, versions, created, meta, roles, secret)
+    parts = [_with_checksum(head, payload_hash.intdigest()), *flat]
+    if secret is not None:
+        parts.append(_mac(secret, parts))
+    return b"".join(parts)
+
+
+def encode_into(
+    buffers: StateBuffers,
+    tokens: _tokens.Tokens,
+    sections: Sequence[Blob | Sequence[Blob]],
+    *,
+    fingerprint: str,
+    kind: str,
+    versions: Mapping[str, str] | None = None,
+    created: float | None = None,
+    meta: Mapping[str, Any] | None = None,
+    roles: Sequence[str] | None = None,
+    secret: Secret | None = None,
+) -> memoryview:
+    """`encode`'s frame, byte for byte, written into a buffer taken from `buffers`: a view of
+    it, to be given back (`buffers.give_back`) once stored. For a store that copies the frame
+    into storage of its own (every backend does: `CacheBackend.store`), this spares the new
+    memory `encode` returns, whose pages cost several times the copy. The payload is read
+    once: copied a block at a time, each block hashed where the copy left it, in the cache."""
+    _check_fields(fingerprint, kind, versions, meta, roles, len(sections))
+    by_section = [[memoryview(p).cast("B") for p in _pieces(section)] for section in sections]
+    sizes = [sum(p.nbytes for p in pieces) for pieces in by_section]
+    head = _head(tokens, sizes, fingerprint, kind, versions, created, meta, roles, secret)
+    start = len(head) + 8  # the checksum's value ends the header
+    end = start + sum(sizes)
+    out = memoryview(buffers.take(end + (MAC_BYTES if secret is not None else 0)))
+    payload_hash = xxhash.xxh3_64()
+    at = hashed = start
+    for piece in (p for pieces in by_section for p in pieces):
+        for offset in range(0, piece.nbytes, _BLOCK):
+            block = piece[offset : offset + _BLOCK]
+            out[at : at + block.nbytes] = block
+            at += block.nbytes
+            if at - hashed >= _BLOCK:
+                payload_hash.update(out[hashed:at])
+                hashed = at
+    payload_hash.update(out[hashed:at])
+    out[:start] = _with_checksum(head, payload_hash.intdigest())
+    if secret is not None:
+        out[end : end + MAC_BYTES] = _mac(secret, [out[:end]])
+        end += MAC_BYTES
+    return out[:end]
+
+
+#: `encode_into` copies and hashes this many bytes at a time (within a core's cache).
+_BLOCK = 1 << 20
+#: The header's last field: the payload's checksum as a uint64 of fixed width (0xcf and 8 bytes),
+#: so that the header's length is known before the payload is hashed (`encode_into`).
+_CHECKSUM_KEY: bytes = msgpack.packb("checksum")
+
+
+def _pieces(section: Blob | Sequence[Blob]) -> Sequence[Blob]:
+    return section if isinstance(section, (list, tuple)) else (cast(Blob, section),)
+
+
+def _check_fields(
+    fingerprint: str,
+    kind: str,
+    versions: Mapping[str, str] | None,
+    meta: Mapping[str, Any] | None,
+    roles: Sequence[str] | None,
+    n_sections: int,
+) -> None:
     if not isinstance(fingerprint, str) or not isinstance(kind, str):
         raise TypeError("fingerprint and kind must be str")
-    if roles is not None and (len(roles) != len(sections) or not all(isinstance(r, str) for r in roles)):
+    if roles is not None and (len(roles) != n_sections or not all(isinstance(r, str) for r in roles)):
         raise TypeError("roles must be one str per section")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in (versions or {}).items()):
         raise TypeError("versions must map str to str")
     if not all(isinstance(k, str) and isinstance(v, _META_TYPES) for k, v in (meta or {}).items()):
         raise TypeError("meta must map str to str, int, float, bool or bytes")
-    payload_hash = xxhash.xxh3_64()
-    sizes = []
-    flat: list[Blob] = []
-    for section in sections:
-        pieces: Sequence[Blob] = section if isinstance(section, (list, tuple)) else (cast(Blob, section),)
-        size = 0
-        for piece in pieces:
-            payload_hash.update(piece)
-            size += memoryview(piece).nbytes
-        sizes.append(size)
-        flat += pieces
+
+
+def _head(
+    tokens: _tokens.Tokens,
+    sizes: list[int],
+    fingerprint: str,
+    kind: str,
+    versions: Mapping[str, str] | None,
+    created: float | None,
+    meta: Mapping[str, Any] | None,
+    roles: Sequence[str] | None,
+    secret: Secret | None,
+) -> bytes:
+    """The frame's prefix and header, all but the checksum's field at its end (`_with_checksum`)."""
     fields: dict[str, Any] = {
         "tokens": _tokens.encode(tokens),
         "fingerprint": fingerprint,
@@ -157,19 +243,21 @@ def encode(
         "versions": dict(versions or {}),
         "created": time.time() if created is None else float(created),
         "sizes": sizes,
-        "checksum": payload_hash.intdigest(),
         "meta": dict(meta or {}),
     }
     if roles is not None:
         fields["roles"] = list(roles)
     if secret is not None:
         fields["mac"] = MAC_BYTES
-    header = msgpack.packb(fields, use_bin_type=True)
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), xxhash.xxh3_64_intdigest(header))
-    parts = [prefix, header, *flat]
-    if secret is not None:
-        parts.append(_mac(secret, parts))
-    return b"".join(parts)
+    body: bytes = msgpack.packb(fields, use_bin_type=True)  # a fixmap of at most 9 fields: one byte says how many
+    header = bytes([body[0] + 1]) + body[1:] + _CHECKSUM_KEY + b"\xcf"  # the checksum's value follows
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header) + 8, 0) + header
+
+
+def _with_checksum(head: bytes, checksum: int) -> bytes:
+    """`_head`'s bytes completed: the payload's checksum appended, the header's own hash set."""
+    header = head[_PREFIX.size :] + checksum.to_bytes(8, "big")
+    return head[: _PREFIX.size - 8] + xxhash.xxh3_64_intdigest(header).to_bytes(8, "little") + header
 
 
 # name -> type every header field must have

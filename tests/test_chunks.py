@@ -148,6 +148,34 @@ def test_a_state_stored_as_chunks_is_assembled_byte_for_byte(
         del entry
 
 
+@pytest.mark.parametrize("backend", ["ram", "lmdb"])
+def test_frames_are_new_bytes_for_a_store_that_keeps_them_else_written_into_one_buffer(
+    llm: Any, tmp_path: Path, backend: str
+) -> None:
+    """RAM keeps the bytes it is given (`keeps_bytes`): its frames are new bytes. LMDB copies what
+    it is given into its file: every frame is written into one buffer, used again. Either way each
+    entry is `frame.encode`'s frame, and the state comes back byte for byte."""
+    tokens = prompt(700)
+    data = state_of(llm, tokens)
+    with sippcache.open("ram://" if backend == "ram" else f"lmdb://{tmp_path}/store") as cache:
+        store = states(cache)
+        assert store.store(tokens, data, namespace=NS).entries == 11
+        assert restored(store, tokens) == (tuple(tokens), data)
+        largest = 0
+        for info in cache.entries():
+            match = cache.lookup(info.key, namespace=info.namespace)
+            assert match is not None and tuple(match.key) == tuple(info.key)
+            with match:
+                entry = frame.decode(match.blob)
+                fields = dict(versions=entry.versions, created=entry.created, meta=entry.meta, roles=list(entry.roles))
+                again = frame.encode(entry.tokens, list(entry.sections), fingerprint=FP, kind=entry.kind, **fields)
+                assert bytes(match.blob) == again
+                largest = max(largest, len(again))
+                del entry
+        # The buffer kept holds the largest frame's bytes: one buffer took every frame in turn.
+        assert store.buffers.free_bytes == (0 if getattr(cache, "keeps_bytes", False) else largest)
+
+
 def test_the_assembled_state_loads_into_llama_cpp(llm: Any, cache: sippcache.CacheBackend) -> None:
     tokens = prompt(400)
     data = state_of(llm, tokens)

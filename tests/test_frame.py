@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 import struct
+from array import array
 
 import msgpack
 import pytest
@@ -11,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sippcache import CorruptEntry, frame
+from sippcache.buffers import StateBuffers
 
 FIELDS = dict(fingerprint="model-abc", kind="llama.seq", versions={"llama_cpp": "0.3.36"}, meta={"n_ctx": 2048})
 
@@ -276,3 +279,60 @@ def test_secret_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert frame.secret_from_environment() is None
     monkeypatch.setenv("SIPPCACHE_SECRET", "päss")
     assert frame.secret_from_environment() == "päss".encode()
+
+
+#: A frame as sippcache wrote it until 2026-11-27 (commit 7c23fba): the payload's checksum in the middle of the
+#: header's map (now its last field, always 9 bytes: `encode_into` needs the header's length first).
+V2_FRAME_BEFORE_FIXED_CHECKSUM = bytes.fromhex(
+    "534950504b560d0a020083000000e621270b125f65be89a6746f6b656e73c40c010000000200000003000000ab66696e"
+    "6765727072696e74a26670a46b696e64a96c6c616d612e736571a876657273696f6e7380a763726561746564cb3ff000"
+    "0000000000a573697a6573910ba8636865636b73756dcf75300648b4a5478ba46d65746181a56e5f73776100a5726f6c"
+    "657391a5737461746573746174652d6279746573"
+)
+
+
+def test_frames_written_before_the_checksum_moved_still_load() -> None:
+    decoded = frame.decode(V2_FRAME_BEFORE_FIXED_CHECKSUM)
+    assert decoded.tokens == (1, 2, 3) and [bytes(s) for s in decoded.sections] == [b"state-bytes"]
+    assert (decoded.roles, decoded.meta, decoded.created) == (("state",), {"n_swa": 0}, 1.0)
+
+
+@pytest.mark.parametrize("secret", [None, b"k" * 16])
+def test_a_frame_written_into_a_buffer_is_encodes_frame(secret: bytes | None) -> None:
+    """`encode_into` writes `encode`'s bytes into a buffer of a `StateBuffers`, whatever the
+    sections' pieces (more than one copy-and-hash block, pieces across blocks, empty ones), and
+    the next frame goes into the same buffer."""
+    rng = random.Random(7)
+    big = rng.randbytes(frame._BLOCK * 2 + 12345)
+    sections = [
+        [memoryview(big)[:1000], big[1000 : frame._BLOCK + 3], bytearray(big[frame._BLOCK + 3 :])],
+        b"",
+        array("f", [0.5, -1.0, 2.25]),  # a non-byte format (logits) is taken as its bytes
+    ]
+    buffers = StateBuffers()
+    expected = frame.encode([9, 8, 7], sections, created=2.0, roles=["state", "x", "logits"], secret=secret, **FIELDS)
+    written = frame.encode_into(
+        buffers, [9, 8, 7], sections, created=2.0, roles=["state", "x", "logits"], secret=secret, **FIELDS
+    )
+    assert bytes(written) == expected
+    decoded = frame.decode(written, secret=secret)
+    assert [bytes(s) for s in decoded.sections] == [big, b"", array("f", [0.5, -1.0, 2.25]).tobytes()]
+    buffer = written.obj
+    del decoded
+    buffers.give_back(written)
+    small = frame.encode_into(buffers, [1], [b"tiny"], created=3.0, **FIELDS)
+    assert small.obj is buffer and bytes(small) == frame.encode([1], [b"tiny"], created=3.0, **FIELDS)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=50),
+    sections=st.lists(st.lists(st.binary(max_size=300), max_size=4), max_size=4),
+    meta=st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**63 - 1) | st.text(max_size=5), max_size=3),
+)
+def test_encode_into_and_encode_agree(tokens: list[int], sections: list[list[bytes]], meta: dict) -> None:
+    buffers = StateBuffers()
+    fields = {**FIELDS, "meta": meta}
+    written = frame.encode_into(buffers, tokens, sections, created=5.0, **fields)
+    assert bytes(written) == frame.encode(tokens, sections, created=5.0, **fields)
+    assert frame.decode(written).sections == tuple(b"".join(s) for s in sections)

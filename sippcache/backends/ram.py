@@ -49,6 +49,7 @@ class RAMBackend(KVBackend):
     `max_entries`, evicting by `eviction` (the benchmarks compare policies on it)."""
 
     persistent: ClassVar[bool] = False
+    keeps_bytes: ClassVar[bool] = True
     options: ClassVar[dict[str, type]] = {"max_bytes": Size, "max_entries": int}
     default_max_bytes: ClassVar[int | None] = DEFAULT_MAX_BYTES
 

@@ -191,6 +191,7 @@ class TieredBackend(BaseBackend):
     only when both tiers are (`PersistentTieredBackend`)."""
 
     persistent: ClassVar[bool] = False
+    keeps_bytes: ClassVar[bool] = True
     options: ClassVar[Mapping[str, type]] = {
         "l1": str, "l2": str, "max_bytes": Size, "max_entries": int, "queue": int, "queue_bytes": Size,
         "timeout": float,
