@@ -461,22 +461,15 @@ class ChunkedStates:
         frame_tokens: Sequence[int] | None = None,
         **options: Any,
     ) -> int:
-        """Frame `sections` (under `frame_tokens`, else `key`) and store the frame under `key` with the
-        `CacheBackend.store` `options`: the bytes written, 0 if not stored. The frame is new bytes
-        for a store that keeps them (`keeps_bytes`: the RAM backend), else written into a buffer
-        used again, which the store copies into its own storage."""
-        tokens = key if frame_tokens is None else frame_tokens
-        fields: dict[str, Any] = dict(
+        """Frame `sections` (under `frame_tokens`, else `key`) as the store is best given it
+        (`frame.framed_for`) and store the frame under `key` with the `CacheBackend.store`
+        `options`: the bytes written, 0 if not stored."""
+        fields = dict(
             fingerprint=self.fingerprint, kind=kind, versions=self.versions, meta=meta, roles=roles, secret=self.secret
         )
-        if getattr(self.cache, "keeps_bytes", False):
-            kept = frame.encode(tokens, sections, **fields)
-            return len(kept) if self.cache.store(key, kept, namespace=namespace, **options) else 0
-        blob = frame.encode_into(self.buffers, tokens, sections, **fields)
-        try:
-            return blob.nbytes if self.cache.store(key, blob, namespace=namespace, **options) else 0
-        finally:
-            self.buffers.give_back(blob)
+        tokens = key if frame_tokens is None else frame_tokens
+        with frame.framed_for(self.cache, self.buffers, tokens, sections, **fields) as blob:
+            return memoryview(blob).nbytes if self.cache.store(key, blob, namespace=namespace, **options) else 0
 
     def pin(self, tokens: Tokens, *, namespace: str = "", pinned: bool = True) -> bool:
         """`pin_chain` on this store, with this instance's secret."""

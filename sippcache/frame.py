@@ -27,7 +27,8 @@ import hmac
 import os
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -193,6 +194,28 @@ def encode_into(
         out[end : end + MAC_BYTES] = _mac(secret, [out[:end]])
         end += MAC_BYTES
     return out[:end]
+
+
+@contextmanager
+def framed_for(
+    store: object,
+    buffers: StateBuffers,
+    tokens: _tokens.Tokens,
+    sections: Sequence[Blob | Sequence[Blob]],
+    **fields: Any,
+) -> Iterator[Blob]:
+    """The frame of `sections` (`encode`'s arguments in `fields`) as `store` is best given it:
+    new bytes for a store that keeps the bytes it is given (`keeps_bytes`: RAM, tiered), else
+    written into a buffer of `buffers` (`encode_into`), given back as the block ends: every other
+    store copies a frame into storage of its own. Store it within the block."""
+    if getattr(store, "keeps_bytes", False):
+        yield encode(tokens, sections, **fields)
+        return
+    blob = encode_into(buffers, tokens, sections, **fields)
+    try:
+        yield blob
+    finally:
+        buffers.give_back(blob)
 
 
 #: `encode_into` copies and hashes this many bytes at a time (within a core's cache).

@@ -336,3 +336,21 @@ def test_encode_into_and_encode_agree(tokens: list[int], sections: list[list[byt
     written = frame.encode_into(buffers, tokens, sections, created=5.0, **fields)
     assert bytes(written) == frame.encode(tokens, sections, created=5.0, **fields)
     assert frame.decode(written).sections == tuple(b"".join(s) for s in sections)
+
+
+def test_a_frame_is_made_as_its_store_is_best_given_it() -> None:
+    """New bytes for a store that keeps the bytes it is given (RAM), a buffer used again, given
+    back after the block, for one that copies them (LMDB, and any store that does not say)."""
+
+    class Keeps:
+        keeps_bytes = True
+
+    buffers = StateBuffers()
+    expected = frame.encode([4, 5], [b"kv" * 1000], created=1.0, **FIELDS)
+    with frame.framed_for(Keeps(), buffers, [4, 5], [b"kv" * 1000], created=1.0, **FIELDS) as kept:
+        assert type(kept) is bytes and kept == expected
+    assert buffers.free_bytes == 0
+    with frame.framed_for(object(), buffers, [4, 5], [b"kv" * 1000], created=1.0, **FIELDS) as copied:
+        assert isinstance(copied, memoryview) and bytes(copied) == expected
+        assert buffers.free_bytes == 0  # taken
+    assert buffers.free_bytes == len(expected)  # given back, kept for the next frame

@@ -53,6 +53,7 @@ import llama_cpp
 import numpy as np
 
 from .. import frame
+from ..buffers import StateBuffers
 from ..errors import CorruptEntry
 from ..frame import secret_from_environment
 from ..protocol import CacheBackend
@@ -101,6 +102,7 @@ class WholeStateCache:
         #: (n_vocab, n_ctx) of the model this cache serves, once a state of it was stored here.
         self.layout: tuple[int, int] | None = None
         self._lock = threading.Lock()
+        self._buffers = StateBuffers()  # what entries are framed into for a store that copies them
 
     # -- llama-cpp-python's hook -----------------------------------------------------
 
@@ -131,7 +133,9 @@ class WholeStateCache:
                 "n_vocab": int(scores.shape[1]), "n_ctx": len(value.input_ids), "score_rows": int(scores.shape[0]),
                 "seed": int(value.seed), "scope": self.scope, "pid": os.getpid(),
             }  # fmt: skip
-            blob = frame.encode(
+            with frame.framed_for(
+                self.cache,
+                self._buffers,
                 key,
                 sections,
                 fingerprint=self.namespace,
@@ -140,10 +144,10 @@ class WholeStateCache:
                 roles=roles,
                 secret=self.secret,
                 versions={"llama_cpp_python": llama_cpp.__version__},
-            )
-            if self._safely("store", lambda: self.cache.store(key, blob, namespace=self.namespace), False):
-                self.stats.entries_written += 1
-                self.stats.bytes_written += len(blob)
+            ) as blob:
+                if self._safely("store", lambda: self.cache.store(key, blob, namespace=self.namespace), False):
+                    self.stats.entries_written += 1
+                    self.stats.bytes_written += memoryview(blob).nbytes
 
     def lookup(self, tokens: Sequence[int]) -> llama_cpp.llama.LlamaState:
         """The stored state sharing the longest common prefix with `tokens`; KeyError if none
