@@ -48,9 +48,10 @@ class StateBuffers:
         return buffer
 
     def give_back(self, state: memoryview) -> None:
-        """The buffer `state` (a view `copy_state` returned) is in is free again; it is kept
-        for the next state if it is one of these buffers and within `keep` and `limit` (the
-        smallest free ones go first: the next state is likely larger)."""
+        """The buffer `state` is in (a view of a buffer `take` gave: what `copy_state` and
+        `frame.encode_into` return) is free again; it is kept for the next state if it is one of
+        these buffers and within `keep` and `limit` (the smallest free ones go first: the next
+        state is likely larger)."""
         buffer = state.obj
         with self._lock:
             if not isinstance(buffer, mmap.mmap) or buffer not in self._touched or buffer in self._free:

@@ -290,9 +290,9 @@ class ChunkedStates:
     ``kind + ".tail"``). `chunk_tokens` 0 stores every state whole. Backend errors
     (`SippcacheError`) pass through; damaged entries are deleted and counted (`damaged`).
     It keeps nothing between calls but those two counters and the buffers frames are written
-    into (`frame.encode_into`: a backend copies a frame into storage of its own, so the frame
-    itself need not be new memory), so threads may share one as far as the backend allows (the
-    llama-cpp-python layer stores on its writer thread and restores on the model's).
+    into for a store that copies them into storage of its own (`frame.framed_for`: there the
+    frame itself need not be new memory), so threads may share one as far as the backend allows
+    (the llama-cpp-python layer stores on its writer thread and restores on the model's).
     """
 
     def __init__(
