@@ -458,10 +458,21 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def _frame_offsets(data: bytes) -> list[tuple[int, int]]:
-    """(start, header length) of every sippcache frame in `data`."""
+    """(start, header length) of every whole, undamaged sippcache frame in `data`.
+
+    Only frames that decode: the unused part of a page can hold stale bytes
+    (of a page it was copied from, or, with LMDB's meminit off, of the heap),
+    among them the start of a frame; damaging "its" header would hit whatever
+    record lies there instead."""
     found = []
     for m in re.finditer(re.escape(frame.MAGIC), data):
         _, _, header_len, _ = struct.unpack_from("<8sHIQ", data, m.start())
+        body = m.start() + 22
+        try:
+            sizes = msgpack.unpackb(data[body : body + header_len])["sizes"]
+            frame.decode(data[m.start() : body + header_len + sum(sizes)])
+        except Exception:  # not a whole frame: stale bytes
+            continue
         found.append((m.start(), header_len))
     return found
 

@@ -3,7 +3,7 @@ write, and KV state holds users' prompts.
 
 - no code-execution primitives in the package (pickle, eval, exec, marshal, ...);
 - crafted headers and records cannot make msgpack allocate gigabytes;
-- store directories are 0700 and their files 0600;
+- store directories are 0700 and their files 0600, and hold no freed memory of the process;
 - tenants (scopes, namespaces) never see each other's entries;
 - nothing is read, written or deleted outside the store directory, whatever
   symbolic links or file names were planted in it;
@@ -433,6 +433,30 @@ def test_store_directories_are_private(tmp_path: Path, backend: str, umask: int)
         assert _modes(store) == [], "after another process wrote"
     finally:
         os.umask(old)
+
+
+def test_lmdb_pages_never_carry_the_processs_freed_memory_to_disk(tmp_path: Path) -> None:
+    """LMDB builds each page it writes in memory from malloc; with its `meminit`
+    off, a page's unused bytes are whatever that memory last held (another
+    tenant's prompt, a secret) and go into the store file, which may be copied
+    or shared."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    marker = b"sippcache-freed-secret!"
+    filler = (marker * (4096 // len(marker) + 1))[:4096]
+    with sippcache.open(f"lmdb://{tmp_path / 'store'}") as cache:
+        for i in range(40):
+            freed = [libc.malloc(4096) for _ in range(64)]
+            for address in freed:
+                ctypes.memmove(address, filler, 4096)
+            for address in freed:
+                libc.free(address)
+            cache.store([i, 1, 2], b"v" * 100)
+    assert (tmp_path / "store" / "data.mdb").read_bytes().count(marker) == 0
 
 
 # -- 4. tenants never see each other's entries ----------------------------------------------------

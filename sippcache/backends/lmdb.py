@@ -207,7 +207,7 @@ def _open_environment(
                     sync=sync,
                     max_readers=max_readers,
                     readahead=False,
-                    meminit=False,
+                    meminit=True,  # else a page's unused bytes are written from the heap: other data, secrets
                     mode=0o600,
                     max_dbs=0,
                     max_spare_txns=0,
