@@ -52,10 +52,10 @@ import mmap
 import os
 import struct
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -166,6 +166,16 @@ class Stored:
     why_whole: str = ""
 
 
+class Unchecked(NamedTuple):
+    """An entry whose payload a deferred `ChunkedStates.restore` left unchecked."""
+
+    key: Tokens
+    namespace: str
+    blob: Blob
+    #: The payload's checksum, where the payload is the cells the state is joined from (a chunk's).
+    cells_checksum: int | None
+
+
 class Assembled:
     """A state put together for a query by `ChunkedStates.restore`. The matches it was read from
     (the tail's or whole entry's, and its chunks') are held until `release` (a `with` block):
@@ -180,7 +190,7 @@ class Assembled:
         state: sf.Joined | memoryview,
         chunks: int,
         matches: list[Match],
-        unchecked: list[tuple[Tokens, str, Blob]] | None = None,
+        unchecked: list[Unchecked] | None = None,
     ) -> None:
         #: The tail's (or whole entry's) frame: its meta, and the caller's sections.
         self.entry = entry
@@ -192,7 +202,9 @@ class Assembled:
         self.chunks = chunks
         self._n_tokens = n_tokens
         self._matches = matches
-        #: The entries whose payload checks a deferred restore left: (key, namespace, blob).
+        #: The entries whose payload checks a deferred restore left (`Unchecked`), one
+        #: per chunk the state is joined from, in their order (the tail's cells last), or the
+        #: whole entry's.
         self.unchecked = unchecked or []
         self._state: sf.Joined | memoryview | None = state
         self._joined: Blob | None = None
@@ -242,12 +254,19 @@ class Assembled:
         state.write_into(out)
         return out
 
-    def write_into(self, out: memoryview) -> None:
+    def write_into(self, out: memoryview, hashed: Callable[[int, int], object] | None = None) -> None:
         """Write the state into the first `nbytes` of `out` (a writable byte buffer: a mapped slot
-        file, say), each byte copied once, a large state's on helper threads too
-        (`stateformat.Joined.write_into`)."""
+        file, say), each byte copied once, a large state's on helper threads too; `hashed(i,
+        digest)` as chunk i's bytes are copied (`stateformat.Joined.write_into`; a whole entry
+        has no chunks)."""
         state = self._held()
-        (state if isinstance(state, sf.Joined) else sf.Joined([state])).write_into(out)
+        (state if isinstance(state, sf.Joined) else sf.Joined([state])).write_into(out, hashed)
+
+    @property
+    def joined_chunks(self) -> int:
+        """How many chunks the state is joined from (with the tail's cells; 0: a whole entry)."""
+        state = self._held()
+        return state.chunks if isinstance(state, sf.Joined) else 0
 
     @property
     def whole(self) -> bool:
@@ -514,7 +533,7 @@ class ChunkedStates:
         if match is None:
             return None
         held = [match]
-        unchecked: list[tuple[Tokens, str, Blob]] | None = [] if deferred and self.secret is None else None
+        unchecked: list[Unchecked] | None = [] if deferred and self.secret is None else None
         try:
             assembled = self._assemble(match, namespace, partial, held, unchecked)
         except BaseException:
@@ -532,17 +551,40 @@ class ChunkedStates:
         state's bytes are written out."""
         return self._check(assembled.unchecked)
 
+    def write_checked(self, assembled: Assembled, out: memoryview) -> bool:
+        """`assembled.write_into(out)`, with `check`: each chunk's payload hashed as it is copied,
+        its bytes in the cache (one read of them from memory, not two), what else a deferred
+        restore left unchecked meanwhile on helper threads. False, the damaged entry deleted and
+        counted, if one fails: then use none of `out`."""
+        unchecked = assembled.unchecked
+        by_chunk = unchecked if len(unchecked) == assembled.joined_chunks else []
+        failed: list[int] = []
+
+        def hashed(i: int, digest: int) -> None:  # else its whole frame is checked (and dropped if bad)
+            if digest != by_chunk[i].cells_checksum and not self._check(by_chunk[i : i + 1]):
+                failed.append(i)
+
+        checked = self._check_meanwhile(unchecked) if unchecked and not by_chunk else None
+        try:
+            assembled.write_into(out, hashed if by_chunk else None)
+        finally:  # (before the views it reads are released)
+            passed = checked is None or checked.result()
+        return passed and not failed
+
     def check_meanwhile(self, assembled: Assembled) -> Future[bool]:
         """`check` on helper threads (xxhash lets go of the GIL), the entries shared among as many
         as `check_threads()`: the caller writes the state out meanwhile, and waits for the
         result, before anything uses the bytes and before releasing `assembled`."""
-        threads = check_threads()
-        ways = max(1, min(threads, len(assembled.unchecked)))
-        workers = helpers.pool("check", threads)
-        return helpers.all_true([workers.submit(self._check, assembled.unchecked[i::ways]) for i in range(ways)])
+        return self._check_meanwhile(assembled.unchecked)
 
-    def _check(self, unchecked: list[tuple[Tokens, str, Blob]]) -> bool:
-        for key, namespace, blob in unchecked:
+    def _check_meanwhile(self, unchecked: list[Unchecked]) -> Future[bool]:
+        threads = check_threads()
+        ways = max(1, min(threads, len(unchecked)))
+        workers = helpers.pool("check", threads)
+        return helpers.all_true([workers.submit(self._check, unchecked[i::ways]) for i in range(ways)])
+
+    def _check(self, unchecked: list[Unchecked]) -> bool:
+        for key, namespace, blob, _ in unchecked:
             try:
                 frame.decode(blob, secret=self.secret)
             except (CorruptEntry, UnsupportedEntry) as exc:
@@ -556,7 +598,7 @@ class ChunkedStates:
         namespace: str,
         partial: bool,
         held: list[Match],
-        unchecked: list[tuple[Tokens, str, Blob]] | None,
+        unchecked: list[Unchecked] | None,
     ) -> Assembled | None:
         key = match.key
         try:
@@ -571,7 +613,7 @@ class ChunkedStates:
             self._drop(key, namespace, "its header does not match its key and model")
             return None
         if unchecked is not None:
-            unchecked.append((key, namespace, match.blob))
+            unchecked.append(Unchecked(key, namespace, match.blob, None))
         if entry.kind == self.kind and entry.sections:
             return Assembled(entry, key, match.length, len(key), entry.sections[0], 0, held, unchecked)
         if entry.kind != self.tail_kind:
@@ -604,6 +646,8 @@ class ChunkedStates:
         try:
             if full and len(chunks) == need:
                 state = sf.joined(meta, [*chunks, cells], caches)
+                if unchecked is not None:  # in the order of the joined chunks: the tail's cells last
+                    unchecked.append(unchecked.pop(0))
                 return Assembled(entry, key, match.length, len(key), state, need, held, unchecked)
             if chunks and alone:  # a run short of the tail: the state of its tokens
                 run = len(chunks) * size
@@ -627,7 +671,7 @@ class ChunkedStates:
         layout: str,
         namespace: str,
         held: list[Match],
-        unchecked: list[tuple[Tokens, str, Blob]] | None,
+        unchecked: list[Unchecked] | None,
     ) -> list[memoryview]:
         """The cells of the first `need` chunks of `key`'s chain, in order, up to the first one
         missing or unusable: read with one `lookup_prefixes` (one snapshot, or one round trip),
@@ -662,7 +706,8 @@ class ChunkedStates:
                 break
             out.append(cells)
             if unchecked is not None:
-                unchecked.append((ids[:end], namespace, match.blob))
+                sole = len(chunk.sections) == 1  # then the cells are its payload
+                unchecked.append(Unchecked(ids[:end], namespace, match.blob, chunk.checksum if sole else None))
         return out
 
     def _drop(self, key: Tokens, namespace: str, why: str) -> None:

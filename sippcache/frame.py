@@ -71,6 +71,9 @@ class Frame:
     meta: Mapping[str, Any] = field(default_factory=dict)
     roles: tuple[str, ...] = ()  # one name per section ("" where the writer gave none)
     authenticated: bool = False  # its MAC was checked against a secret
+    #: The payload's (the sections' bytes back to back) xxh3_64, as the header gives it: what
+    #: `decode` checks, and a caller of `decode(check_payload=False)` may check later.
+    checksum: int = 0
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -396,4 +399,5 @@ def decode(buf: Blob, *, secret: Secret | None = None, check_payload: bool = Tru
         meta=header["meta"],
         roles=tuple(header.get("roles") or [""] * len(sections)),
         authenticated=authenticated,
+        checksum=header["checksum"],
     )

@@ -375,6 +375,54 @@ def test_a_deferred_restore_leaves_the_payload_checks_to_check(llm: Any, cache: 
         assert checked.unchecked == [] and secret.check(checked) and checked.state == data
 
 
+def test_write_checked_checks_each_chunk_as_it_is_copied(
+    llm: Any, cache: sippcache.CacheBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`write_checked` writes a deferred restore's state and checks its payloads: each chunk's
+    hashed as it is copied and compared with its header's checksum (only the tail's frame is
+    checked whole), a whole entry's meanwhile. A damaged chunk, tail or whole entry fails it
+    (deleted, counted)."""
+    tokens = prompt(500)
+    data = state_of(llm, tokens)
+    store = states(cache)
+    store.store(tokens, data, namespace=NS)
+    checked: list[int] = []
+    real_check = chunks.ChunkedStates._check
+    monkeypatch.setattr(
+        chunks.ChunkedStates, "_check", lambda self, some: checked.append(len(some)) or real_check(self, some)
+    )
+    with store.restore(tokens, namespace=NS, deferred=True) as intact:  # type: ignore[union-attr]
+        out = bytearray(intact.nbytes)
+        assert intact.joined_chunks == len(intact.unchecked) == 1 + (500 - 1) // C
+        assert store.write_checked(intact, memoryview(out)) and out == data
+    assert checked == [1]  # the tail
+    chunk_namespace = entries(cache)[0][0].namespace
+    for key, namespace in ((tokens[: 3 * C], chunk_namespace), (tokens, NS)):  # a chunk, then the tail
+        with cache.lookup(key, namespace=namespace) as match:  # type: ignore[union-attr]
+            damaged = bytearray(match.blob)
+        damaged[-5] ^= 0xFF  # the frame's checksum fails
+        cache.store(key, damaged, namespace=namespace)
+        before = store.damaged
+        with store.restore(tokens, namespace=NS, deferred=True) as found:  # type: ignore[union-attr]
+            assert not store.write_checked(found, memoryview(bytearray(found.nbytes)))
+        assert store.damaged == before + 1
+        gone = cache.peek(key, namespace=namespace)
+        assert gone is None or gone.key_length < len(key)
+        store.store(tokens, data, namespace=NS)  # written again
+    whole = chunks.ChunkedStates(cache, fingerprint=FP, kind=KIND, chunk_tokens=0)
+    whole.store(tokens, data, namespace="whole")
+    with whole.restore(tokens, namespace="whole", deferred=True) as found:  # type: ignore[union-attr]
+        out = bytearray(found.nbytes)
+        assert found.joined_chunks == 0 and whole.write_checked(found, memoryview(out)) and out == data
+    with cache.lookup(tokens, namespace="whole") as match:  # type: ignore[union-attr]
+        damaged = bytearray(match.blob)
+    damaged[-5] ^= 0xFF
+    cache.store(tokens, damaged, namespace="whole")
+    with whole.restore(tokens, namespace="whole", deferred=True) as found:  # type: ignore[union-attr]
+        assert not whole.write_checked(found, memoryview(bytearray(found.nbytes))) and whole.damaged == 1
+    assert cache.peek(tokens, namespace="whole") is None
+
+
 def test_checks_meanwhile_are_shared_among_the_spare_cores(
     llm: Any, cache: sippcache.CacheBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

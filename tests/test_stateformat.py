@@ -31,6 +31,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 import pytest
+import xxhash
 
 from sippcache import stateformat as sf
 from sippcache.proxy import slotfile
@@ -406,6 +407,67 @@ def test_write_into_on_helper_threads_the_same_bytes(
         joined.write_into(memoryview(out))
         assert bytes(out[: joined.nbytes]) == expected and out[joined.nbytes :] == b"\xff" * 3
         assert b"".join(joined.parts()) == expected
+
+
+def _each_chunks_place(meta: bytes, chunks: list[bytes]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The joined state, and where in it each chunk's bytes go: the bytes that change when
+    that chunk's are all flipped."""
+    state = np.frombuffer(sf.join(meta, chunks), dtype=np.uint8)
+    places = []
+    for i, chunk in enumerate(chunks):
+        flipped = [*chunks[:i], (~np.frombuffer(chunk, dtype=np.uint8)).tobytes(), *chunks[i + 1 :]]
+        places.append(np.flatnonzero(np.frombuffer(sf.join(meta, flipped), dtype=np.uint8) != state))
+    return state, places
+
+
+def _write_into_hashing(
+    joined: sf.Joined, state: np.ndarray, places: list[np.ndarray]
+) -> tuple[bytearray, list[tuple[int, int, bool]]]:
+    """`joined` written with `hashed`, and each call: (i, digest, chunk i's bytes all in place then)."""
+    out = bytearray(len(state))
+    view = np.frombuffer(out, dtype=np.uint8)
+    calls: list[tuple[int, int, bool]] = []
+
+    def hashed(i: int, digest: int) -> None:
+        calls.append((i, digest, bool(np.array_equal(view[places[i]], state[places[i]]))))
+
+    joined.write_into(memoryview(out), hashed)
+    return out, calls
+
+
+@pytest.mark.parametrize("flash", [True, False], ids=["V rows", "V transposed"])
+@pytest.mark.parametrize(
+    "how", ["one thread", "helper threads", "no numpy", "short runs in groups", "steps of a row"], ids=lambda how: how
+)
+def test_write_into_hashes_each_chunk_once_its_bytes_are_all_copied(
+    contexts: Callable[..., Context], monkeypatch: pytest.MonkeyPatch, flash: bool, how: str
+) -> None:
+    """`write_into(out, hashed)` calls hashed(i, xxh3_64 of chunk i) once for each chunk, and only
+    once every byte of chunk i is in `out`, whichever thread copied them, however they are
+    gathered, whether hashed behind the copy a step at a time (V rows) or after it."""
+    context = contexts("tiny", flash=flash)
+    context.eval(TOKENS, ends=batch_ends(N))
+    data = context.state()
+    for size in (STEP, 7):  # the last chunk shorter than the others
+        pieces = sf.split(data, list(range(size, N, size)))
+        state, places = _each_chunks_place(pieces.meta, pieces.chunks)
+        assert all(len(place) == len(chunk) for place, chunk in zip(places, pieces.chunks, strict=True))
+        with monkeypatch.context() as patched:
+            if how == "helper threads":
+                patched.setattr(sf, "PARALLEL_GATHER_BYTES", 0)
+                patched.setattr(sf.os, "cpu_count", lambda: 4)
+            elif how == "no numpy":
+                patched.setattr(sf, "_np", None)
+            elif how == "short runs in groups":
+                patched.setattr(sf, "GATHER_GROUP_BYTES", 3 * 1024)
+                patched.setattr(sf, "SHORT_RUN_BYTES", 1 << 20)
+            elif how == "steps of a row":
+                patched.setattr(sf, "HASH_STEP_BYTES", 1)
+            joined = sf.joined(pieces.meta, pieces.chunks)
+            assert joined.chunks == len(pieces.chunks)
+            out, calls = _write_into_hashing(joined, state, places)
+        assert sorted(calls) == [(i, xxhash.xxh3_64_intdigest(chunk), True) for i, chunk in enumerate(pieces.chunks)]
+        assert bytes(out) == data
 
 
 @pytest.mark.parametrize("group_bytes", [1, 3 * 1024, 1 << 30], ids=["no groups", "groups of a few", "one group"])

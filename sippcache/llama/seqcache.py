@@ -563,16 +563,17 @@ class SequenceCache:
         del logits_bytes
         nbytes = found.nbytes
         self.clear(ctx, seq)
-        # A deferred lookup's payload checks run while the state is joined (a whole entry has
+        # A deferred lookup's payload checks run as the state is joined (a whole entry has
         # nothing to join: checked first); llama.cpp gets the bytes only once they passed.
         damaged = self.states.damaged
-        checked = self.states.check_meanwhile(found) if found.unchecked and not found.whole else None
-        passed = checked is not None or self.states.check(found)
-        try:
-            state = memoryview(found.state_in(self._join_buffer(nbytes))) if passed else None
-        finally:  # (before the views it reads are released)
-            passed = passed and (checked is None or checked.result())
-        if not passed or state is None:
+        state: Any = None
+        if found.whole:
+            state = found.state if self.states.check(found) else None
+        else:
+            state = memoryview(self._join_buffer(nbytes))[:nbytes]
+            if not self.states.write_checked(found, state):
+                state = None
+        if state is None:
             self.stats.corrupt_entries += self.states.damaged - damaged
             return None
         refused = self._restore_state(ctx, seq, state, len(held))

@@ -51,8 +51,9 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import xxhash
@@ -290,19 +291,19 @@ class SlotStore:
             return None
         staging = self._staging_files.setdefault(path, StagingFile(path))
         with assembled:
-            # The payloads' checksums run on another thread while the staging file is written:
+            # The payloads' checksums run as the staging file is written (`write_checked`):
             # llama-server hears of the file only once they passed.
-            checked = self.states.check_meanwhile(assembled) if assembled.unchecked else None
             error: Exception | None = None
+            passed = True
             try:
                 version = int(assembled.entry.meta.get("slot_version", 0))
                 prompt = int(assembled.entry.meta.get("prompt", 0))
                 held = assembled.tokens
-                nbytes = staging.write(b"".join(slotfile.build(version, held)), assembled)
+                head = b"".join(slotfile.build(version, held))
+                nbytes = assembled.nbytes - slotfile.SEQ_HEADER_BYTES
+                passed = staging.write(head, assembled.nbytes, partial(self.states.write_checked, assembled))
             except (TypeError, ValueError, OSError) as exc:  # SlotFileError is a ValueError
                 error = exc
-            finally:  # (before the views it reads are released)
-                passed = checked is None or checked.result()
             if not passed:  # a miss: the damaged entry is deleted, and counted (`errors`)
                 staging.close()
                 return None
@@ -412,13 +413,14 @@ class StagingFile:
             finally:
                 os.close(fd)
 
-    def write(self, head: bytes, assembled: chunks.Assembled) -> int:
-        """Make the file `head` (`slotfile.build`'s header and tokens) and then the assembled
-        state without its 8-byte sequence header: the state is written into the mapping once
-        (joined there, from chunks), its 8-byte header then overwritten by the end of `head`.
-        Returns the state's bytes in the file."""
+    def write(self, head: bytes, nbytes: int, fill: Callable[[memoryview], bool]) -> bool:
+        """Make the file `head` (`slotfile.build`'s header and tokens) and then a state of `nbytes`
+        without its 8-byte sequence header: `fill` writes the state into the mapping once (joined
+        there, from chunks: `ChunkedStates.write_checked`), its 8-byte header then overwritten by
+        the end of `head`. False if `fill` says the state is not to be used (the file is then
+        left incomplete)."""
         with self._lock:
-            return self._write(head, assembled)
+            return self._write(head, nbytes, fill)
 
     def _map(self, fd: int, size: int) -> mmap.mmap:
         """The mapping of `fd`, `size` bytes at least: the one kept if it is that file and as large."""
@@ -429,9 +431,9 @@ class StagingFile:
             self._file = (stat.st_dev, stat.st_ino)
         return self._mapped
 
-    def _write(self, head: bytes, assembled: chunks.Assembled) -> int:
+    def _write(self, head: bytes, nbytes: int, fill: Callable[[memoryview], bool]) -> bool:
         start = len(head) - slotfile.SEQ_HEADER_BYTES
-        size = start + assembled.nbytes
+        size = start + nbytes
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size != size:
@@ -441,12 +443,13 @@ class StagingFile:
             os.close(fd)
         view = memoryview(mapped)
         try:
-            assembled.write_into(view[start:size])
+            if not fill(view[start:size]):
+                return False
             slotfile.state_of(bytes(view[start : start + slotfile.SEQ_HEADER_BYTES]))  # it was a sequence state
             view[: len(head)] = head
         finally:
             view.release()
-        return assembled.nbytes - slotfile.SEQ_HEADER_BYTES
+        return True
 
     def close(self) -> None:
         """Unmap and remove the file (a later `write` makes it again)."""
