@@ -908,8 +908,8 @@ def joined(meta: Buffer, chunks: Sequence[Buffer], tail: Buffer = b"") -> Joined
 
 
 #: A chunk hashed as it is copied (`Joined.write_into`) is copied this many bytes at a time, each
-#: step hashed right behind: in the cache still (measured on a 2 MiB L2: 256 KiB steps hashed at
-#: a third of the cost of hashing from memory; 2 MiB steps, no gain).
+#: step hashed right behind, in the cache still (measured on a 2 MiB L2 a core: hashing each
+#: 256 KiB step right after its copy added a third of what hashing the bytes from memory costs).
 HASH_STEP_BYTES = 256 << 10
 #: A state's tables of at least this many bytes are copied on helper threads too.
 PARALLEL_GATHER_BYTES = 4 << 20

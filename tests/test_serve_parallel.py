@@ -476,12 +476,19 @@ def test_interrupt_requests_when_asked_ends_the_oldest_stream_for_a_waiting_one(
     server = servers(parallel_args(gemma_model, f"lmdb://{tmp_path}/store", 2, "--interrupt_requests", "true"))
     client = server.client()
 
-    def stream(n: int) -> Any:
+    def stream(n: int, max_tokens: int = 120) -> Any:
         return client.completions.create(
-            model="gemma", prompt=turn(f"Count to {n}."), max_tokens=120, temperature=0, stream=True, logit_bias=NO_END
+            model="gemma",
+            prompt=turn(f"Count to {n}."),
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            logit_bias=NO_END,
         )
 
-    oldest, other = stream(100), stream(200)
+    # The oldest may run far longer than the others: cut, it ends long before that, however slow
+    # the machine is in sending the waiting request (with 120 tokens, it once ended first).
+    oldest, other = stream(100, max_tokens=800), stream(200)
     oldest_chunks, other_chunks = [next(iter(oldest))], [next(iter(other))]
     waiting = stream(300)  # no slot: it waits, and the oldest stream is ended for it
     oldest_chunks += list(oldest)

@@ -566,9 +566,9 @@ class SequenceCache:
         # A deferred lookup's payload checks run as the state is joined (a whole entry has
         # nothing to join: checked first); llama.cpp gets the bytes only once they passed.
         damaged = self.states.damaged
-        state: Any = None
+        state: memoryview | None = None
         if found.whole:
-            state = found.state if self.states.check(found) else None
+            state = memoryview(found.state) if self.states.check(found) else None
         else:
             state = memoryview(self._join_buffer(nbytes))[:nbytes]
             if not self.states.write_checked(found, state):
