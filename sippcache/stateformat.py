@@ -791,8 +791,11 @@ class Joined:
         self._views = views
         #: The state's size in bytes.
         self.nbytes = sum(map(_piece_size, pieces))
-        #: How many chunks it is joined from (the `chunks` given to `joined`).
-        self.chunks = len(views)
+
+    @property
+    def chunks(self) -> int:
+        """How many chunks it is joined from (the `chunks` given to `joined`)."""
+        return len(self._views)
 
     def parts(self) -> list[Buffer]:
         """The state as buffers to write back to back (a transposed V joined into one first)."""
@@ -936,13 +939,13 @@ class _Hashes:
         self._left = [tables] * len(views)
         self._then = then
         self._lock = threading.Lock()
-        #: Whether the one table copy hashes each chunk as it copies it (`stream`).
-        self.streaming = then is not None and tables == 1
+        # Whether the one table copy hashes each chunk as it copies it (`stream`).
+        self._streaming = then is not None and tables == 1
 
     def stream(self, i: int, start: int) -> Any:
         """A hasher for chunk i whose table copy reads its bytes from `start` to its end, fed its
         first `start` bytes (its cells' extensions) already; None where it is not to hash."""
-        if not self.streaming:
+        if not self._streaming:
             return None
         hasher = xxhash.xxh3_64()
         hasher.update(self._views[i][:start])
@@ -975,6 +978,10 @@ def _drain(jobs: deque[Callable[[], None]]) -> None:
 def _table(out: memoryview, rows: int) -> Any:
     """`out` as a numpy table of `rows` rows of bytes."""
     return _np.frombuffer(out, dtype=_np.uint8, count=len(out)).reshape(rows, -1)
+
+
+#: `Joined.write_into` without `hashed`: the chunks' copies are told to no one.
+_NO_HASHES = _Hashes((), 0, None)
 
 
 class _Rows:
@@ -1066,7 +1073,7 @@ class _Columns:
             for view, start, n in zip(self.views, self.at, self.counts, strict=True):
                 yield view[start + j * n * size : start + (j + 1) * n * size]
 
-    def write(self, out: memoryview, done: _Hashes | None = None) -> None:
+    def write(self, out: memoryview, done: _Hashes) -> None:
         """Into `out`, `nbytes` long: with numpy, the chunks' (dims, cells) tables side by side.
         Chunks of short runs (64 f16 cells: 128 bytes) are gathered a group at a time: stacked
         into a small table that stays in cache, then copied across it in one transposed copy,
@@ -1074,7 +1081,7 @@ class _Columns:
         a run per row, they moved at a sixth of a memory copy on one core (measured); so, at
         about a quarter, though each byte is copied twice. `done.copied` after each run or group
         of chunks."""
-        copied = done.copied if done is not None else _nothing
+        copied = done.copied
         if _np is None:
             _write_back_to_back(out, self._runs())
             copied(*range(len(self.views)))
@@ -1114,7 +1121,7 @@ class _Columns:
         if _np is None or len(self.views) < 2:
             return list(self._runs())
         out = bytearray(self.nbytes)
-        self.write(memoryview(out))
+        self.write(memoryview(out), _NO_HASHES)
         return [out]
 
 
@@ -1122,10 +1129,6 @@ def _write_then(out: memoryview, parts: Iterable[Buffer], done: _Hashes, chunks:
     """`_write_back_to_back`, then `done.copied` for `chunks`, whose bytes `parts` held."""
     _write_back_to_back(out, parts)
     done.copied(*chunks)
-
-
-def _nothing(*chunks: int) -> None:
-    """No one to tell that chunks were copied."""
 
 
 def _write_back_to_back(out: memoryview, parts: Iterable[Buffer]) -> None:
