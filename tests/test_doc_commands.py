@@ -180,3 +180,51 @@ def test_readme_managed_proxy_starts_and_answers(tmp_path: Path) -> None:
         assert status == 200 and answer["tokens_predicted"] >= 1, answer
     finally:
         proxy.stop()
+
+
+def _attach_pair(page: Path) -> tuple[list[str], list[str]]:
+    """The page's attach example: its `llama-server` command and the `sippcache proxy --upstream` one."""
+    lines = [shlex.split(line) for _, line in shell_blocks(page)]
+    server = next(words for words in lines if words and words[0] == "llama-server")
+    proxy = next(words for words in lines if words[:2] == ["sippcache", "proxy"] and "--upstream" in words)
+    return server, proxy
+
+
+def test_proxy_attach_example_starts_and_answers(tmp_path: Path) -> None:
+    """docs/proxy.md's attach example as spelled, placeholders filled (the model, a free port for
+    8080, a folder for /dev/shm/slots, the store): llama-server takes its flags, the proxy's start
+    checks pass (the probe slot save lands in --slot-dir), and a completion is answered through it."""
+    from tests.proxy_tools import LlamaServer, ProxyServer, llama_server_binary
+    from tests.servers import free_port
+    from tests.tinymodel import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model.gguf", n_ctx_train=8192)
+    port = free_port()
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    filled = {"model.gguf": str(model), "8080": str(port), "/dev/shm/slots": str(slots)}
+    filled["lmdb:///var/cache/sipp"] = f"lmdb://{tmp_path}/store"
+
+    def fill(words: list[str]) -> list[str]:
+        out = []
+        for word in words:
+            for placeholder, value in filled.items():
+                word = word.replace(placeholder, value)
+            out.append(word)
+        return out
+
+    server_words, proxy_words = _attach_pair(ROOT / "docs" / "proxy.md")
+    server = LlamaServer(model, tmp_path / "llama-server.log", port=port)
+    server.argv = [str(llama_server_binary()), *fill(server_words[1:]), "-c", "4096"]
+    program = [str(Path(sys.executable).parent / "sippcache"), "proxy"]
+    try:
+        server.start()
+        proxy = ProxyServer(fill(proxy_words[2:]), tmp_path / "proxy.log", program=program)
+        try:
+            proxy.wait_ready()
+            status, _, answer = proxy.post("/completion", {"prompt": "The keeper's log", "n_predict": 4})
+            assert status == 200 and answer["tokens_predicted"] >= 1, answer
+        finally:
+            proxy.stop()
+    finally:
+        server.stop()

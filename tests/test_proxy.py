@@ -195,6 +195,30 @@ def test_reuse_in_metrics_is_what_llama_server_reported(procs: Any, model: Path,
     assert metric(proxy, "sippcache_proxy_saves_total") == 2
 
 
+@pytest.mark.parametrize("user_flags", [(), ("--cache-ram", "64")], ids=["managed", "user-set-cache-ram"])
+def test_the_managed_llama_server_keeps_no_ram_copy_of_a_displaced_state(
+    procs: Any, model: Path, tmp_path: Path, user_flags: tuple[str, ...]
+) -> None:
+    """llama-server's own prompt cache (--cache-ram, 8 GiB by default) copies a slot's state into new
+    host memory whenever a request for another prompt takes the slot, before that request starts:
+    on an H200, 200 ms of a 32K-token cold request's time to first token for a 269 MB state. The
+    store is the proxy's cache, so its llama-server runs with --cache-ram 0; a user's own
+    --cache-ram after `--` still wins. Seen here through reuse: with restores off, a prompt that
+    came back after another took its slot is computed again, unless llama-server kept a copy."""
+    base = managed(model, f"lmdb://{tmp_path}/store", "--restore", "never")
+    proxy = procs([*base, *user_flags])
+    first = "The keeper wrote of the ships that passed the cape in the autumn storms. " * 6
+    other = "A lighthouse stands on the northern rock; its lamp turns all night long. " * 6
+    complete(proxy.url, first)
+    complete(proxy.url, other)  # takes the one slot
+    _, reused, timings = complete(proxy.url, first)
+    assert reused == timings["cache_n"]
+    if user_flags:
+        assert reused >= len(first) - 8, timings  # llama-server kept the state it displaced: the test sees it
+    else:
+        assert reused < 8, timings  # computed again: no copy was made on the way
+
+
 # -- restarts, new conversations, replicas -------------------------------------------------------------
 
 

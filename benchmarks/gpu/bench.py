@@ -406,8 +406,9 @@ def server_args(shape: str) -> list[str]:
 def start_llama_server(model: str, slot_dir: str, log: str, args: list[str]) -> tuple[subprocess.Popen, Server]:
     port = free_port()
     argv = [LS, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", str(CTX), "-np", "1"]
-    # the proxy's own flags (docs/proxy.md: --no-cache-idle-slots, --swa-full, the latter ignored for llama);
-    # --cache-ram 0 so that a prompt after an erase is computed cold, not served from llama-server's RAM cache
+    # the flags the proxy gives its own llama-server (docs/proxy.md: --no-cache-idle-slots, --swa-full, the
+    # latter ignored for llama, and --cache-ram 0: a prompt after an erase is computed cold, not served from
+    # llama-server's RAM cache, and no displaced state is copied there on a request's path)
     argv += ["--slot-save-path", slot_dir + os.sep, "--no-cache-idle-slots", "--swa-full", "--cache-ram", "0"]
     proc, server, took = launch([*argv, *args], port, log)
     say(f"llama-server ready in {took:.1f} s (pid {proc.pid})")
