@@ -73,3 +73,54 @@ def test_states_copied_into_reused_buffers_restore_exactly(
             assert reused >= len(tokens) - 1  # the prompt's end: restored but its last token
         _, split = reference_logits(make_llama, tiny_model, tokens + [7], (reused,))
         np.testing.assert_array_equal(last_logits(llm), split)
+
+
+def _resident_kib(path: Path) -> int:
+    """The resident KiB of this process's mapping of `path` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.endswith(str(path)):
+            return next(int(r.split()[1]) for r in lines[i + 1 :] if r.startswith("Rss:"))
+    raise AssertionError(f"{path} is not mapped")
+
+
+def test_populate_makes_a_mappings_pages_present_while_other_threads_run(tmp_path: Path) -> None:
+    """The proxy makes its staging files ready this way, in a worker thread at start: in one call
+    (``mmap(MAP_POPULATE)``) the GIL was held throughout, and its event loop waited (a restarted
+    proxy's first request, 350-580 ms on an H200 host). Here the pages are all present after, and
+    the main thread ran while they were being made."""
+    import os
+    import threading
+
+    from sippcache.buffers import populate
+
+    folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    path = folder / f"sippcache-test-populate-{os.getpid()}"
+    size = 64 << 20
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        assert _resident_kib(path) < 1024  # nothing made yet
+        began, ended = threading.Event(), threading.Event()
+
+        def make() -> None:
+            began.set()
+            populate(mapping)
+            ended.set()
+
+        worker = threading.Thread(target=make)
+        worker.start()
+        began.wait()
+        seen = set()
+        while not ended.is_set():
+            seen.add(_resident_kib(path))
+        worker.join()
+        assert _resident_kib(path) == size // 1024  # every page present
+        # This thread ran while they were being made (it saw some, not all): one call holding the
+        # GIL throughout would have let it see only none or all.
+        assert any(0 < kib < size // 1024 for kib in seen), sorted(seen)
+        mapping.close()
+    finally:
+        os.close(fd)
+        path.unlink()

@@ -39,7 +39,7 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
-from .. import helpers
+from .. import buffers, helpers
 from .. import tokens as _tokens
 from ..buffers import StateBuffers
 from ..chunks import Assembled, ChunkedStates
@@ -204,26 +204,15 @@ def check_prompt(tokens: _tokens.Tokens, n_vocab: int, *, what: str = "") -> lis
     return ids
 
 
-#: Linux's madvise(2) advice that makes a mapping's pages writable now (5.14 and later).
-MADV_POPULATE_WRITE = 23
-#: Pages are made a slice of this many bytes at a time: each call holds the GIL that long only.
-POPULATE_SLICE = 8 << 20
-
-
 def _anonymous(nbytes: int, *, populate: bool = False) -> mmap.mmap:
     """`nbytes` of anonymous memory (not zeroed by Python, as a bytearray is), in huge pages where
     the kernel has them (a 2 MB page faulted in at a time); with `populate`, its pages made now
-    (`MADV_POPULATE_WRITE`, else a write to each), a slice at a time."""
+    (`buffers.populate`)."""
     buffer = mmap.mmap(-1, max(nbytes, 1))
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buffer.madvise(mmap.MADV_HUGEPAGE)
     if populate:
-        pages = np.frombuffer(buffer, dtype=np.uint8)
-        for start in range(0, len(buffer), POPULATE_SLICE):
-            try:
-                buffer.madvise(MADV_POPULATE_WRITE, start, min(POPULATE_SLICE, len(buffer) - start))
-            except (OSError, ValueError):  # before Linux 5.14, or elsewhere
-                pages[start : start + POPULATE_SLICE : mmap.PAGESIZE] = 0
+        buffers.populate(buffer)
     return buffer
 
 

@@ -59,6 +59,7 @@ from typing import Any
 import xxhash
 
 from .. import chunks
+from ..buffers import populate
 from ..errors import SippcacheError
 from ..modelfile import MemoryKind
 from ..processes import process_exists
@@ -427,7 +428,8 @@ class StagingFile:
         stat = os.fstat(fd)
         if self._mapped is None or len(self._mapped) < size or self._file != (stat.st_dev, stat.st_ino):
             self._unmap()
-            self._mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+            self._mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            populate(self._mapped)  # a slice at a time: the event loop runs meanwhile
             self._file = (stat.st_dev, stat.st_ino)
         return self._mapped
 
@@ -464,11 +466,6 @@ class StagingFile:
                 mapped.close()
             except BufferError:  # views of it in a traceback: unmapped when they go
                 pass
-
-
-#: A new mapping's pages are made present at once (Linux): a fault per page as a copy reaches it
-#: costs more than the copy.
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def remove_stale_files(directory: str, prefixes: Sequence[str]) -> int:
