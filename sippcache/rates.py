@@ -25,7 +25,11 @@ So whoever restores (the proxy, for each llama-server behind it) asks
   bytes, once more than a restore does, so this errs on the side of
   computing: a new place does not restore blindly where restoring loses (on
   an H200 a proxy restarted with no restore measured restored every
-  follow-up, up to 5x slower than computing);
+  follow-up, up to 5x slower than computing). Where the caller knows the
+  server's own part of a save (llama-server's ``timings.save_ms``), a restore
+  is priced at `RESTORE_PER_SERVER_SAVE` times that part instead: the store
+  write is slower than a store read by more than the server's load and the
+  staging differ, and priced whole it declined restores that won;
 - the state size per token, from restores and saves, for a caller that knows
   how many tokens a stored state holds but not its bytes.
 
@@ -132,6 +136,15 @@ INEFFECTIVE_SHARE = 0.5
 WASTED_IN_A_ROW = 2
 #: A kept place's file is written at most this often (seconds) by `RestoreRates.flush`.
 KEEP_EVERY = 10.0
+#: An unmeasured restore is priced at this many times the server's own part of a save of as many
+#: bytes, where the caller knows that part. On an H200 (2026-11-28, docs/proxy.md) the proxy's
+#: whole restores (store read, staging, llama-server's load, the calls around them) took 1.3-1.9x
+#: llama-server's save of the same state, and a restarted proxy's first one 4.5-6.9x; the whole
+#: save (with framing and the LMDB write) took 3-6x the server's part, and priced so, the one
+#: restore that won clearly (1.18x, 32K tokens) was declined. 2.2 is chosen on that one run's nine
+#: rows: priced so, restoring is chosen exactly where it won by more than 5%
+#: (`test_restores_priced_from_the_servers_save_part_follow_the_h200_run`).
+RESTORE_PER_SERVER_SAVE = 2.2
 #: The version of a kept place's file; a file of another version is not read.
 KEPT_VERSION = 1
 
@@ -174,7 +187,7 @@ class Measured:
     bytes_per_token: float | None
     prefill_samples: int
     restore_samples: int
-    save_bytes_per_second: float | None = None
+    save_bytes_per_second: float | None = None  # as the saves price a restore (`record_save`)
     save_samples: int = 0
 
 
@@ -449,16 +462,26 @@ class RestoreRates:
         return True
 
     def record_save(
-        self, place: str, *, nbytes: int, seconds: float, tokens: int = 0, written: int | None = None
+        self,
+        place: str,
+        *,
+        nbytes: int,
+        seconds: float,
+        tokens: int = 0,
+        written: int | None = None,
+        server_seconds: float | None = None,
     ) -> bool:
         """A whole save at `place`: a state of `nbytes` bytes, taken from the server and stored in
         `seconds` (what prices a restore until one is measured there), of which the store lacked
-        `written` bytes (None: all). With its `tokens`, its size is counted too (`record_size`; a
-        caller that counted it when the state was taken gives none), even where the sample is
-        dropped: no bytes, a time that is no time, or a save that wrote less than half its state
-        (a chat's next turn, its chunks stored before: its time is not that of moving the state).
-        False when it is."""
+        `written` bytes (None: all); `server_seconds`, where known, the server's own part of it
+        (a restore is then priced at `RESTORE_PER_SERVER_SAVE` times that part). With its
+        `tokens`, its size is counted too (`record_size`; a caller that counted it when the state
+        was taken gives none), even where the sample is dropped: no bytes, a time that is no time,
+        or a save that wrote less than half its state (a chat's next turn, its chunks stored
+        before: its time is not that of moving the state). False when it is."""
         self.record_size(place, tokens, nbytes)
+        if server_seconds is not None and math.isfinite(server_seconds) and server_seconds > 0:
+            seconds = RESTORE_PER_SERVER_SAVE * server_seconds
         if nbytes <= 0 or not (math.isfinite(seconds) and seconds > 0):
             return False
         if written is not None and written < nbytes / 2:

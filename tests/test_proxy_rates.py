@@ -28,7 +28,7 @@ from sippcache.proxy.metrics import ProxyMetrics
 from sippcache.proxy.slots import Origin, SlotTable
 from sippcache.proxy.store import Restored, SlotStore
 from sippcache.proxy.upstream import Upstream
-from sippcache.rates import KEEP_EVERY, MIN_PREFILL_TOKENS, WINDOW, RestoreRates
+from sippcache.rates import KEEP_EVERY, MIN_PREFILL_TOKENS, RESTORE_PER_SERVER_SAVE, WINDOW, RestoreRates
 from tests.proxy_tools import LlamaServer, ProxyServer, llama_server_binary, metric, settle
 from tests.servers import parse_metrics
 
@@ -167,6 +167,73 @@ def test_until_a_restore_is_measured_it_is_priced_as_a_save_of_its_bytes() -> No
     assert rates.measured(HERE).save_samples == 1 and rates.measured(HERE).save_bytes_per_second == pytest.approx(
         gb / 1.5
     )
+
+
+def test_a_save_with_the_servers_part_prices_a_restore_from_that_part() -> None:
+    """Where llama-server said how long its own part of a save took (`timings.save_ms`), an
+    unmeasured restore is priced at `RESTORE_PER_SERVER_SAVE` times that part, not at the whole
+    save (framing and the store write are not what a restore does)."""
+    gb = 10**9
+    rates = RestoreRates()
+    rates.record_prefill(HERE, 32768, 0.8)
+    assert rates.record_save(HERE, nbytes=gb, seconds=3.0, tokens=32768, server_seconds=0.3)
+    done = rates.decide(HERE, tokens=32768, nbytes=gb)
+    assert done and done.reason == "faster_than_prefill" and done.from_saves
+    assert done.restore_seconds == pytest.approx(RESTORE_PER_SERVER_SAVE * 0.3)
+    whole = RestoreRates()
+    whole.record_prefill(HERE, 32768, 0.8)
+    whole.record_save(HERE, nbytes=gb, seconds=3.0, tokens=32768, server_seconds=None)  # not said: the whole save
+    assert whole.decide(HERE, tokens=32768, nbytes=gb).restore_seconds == pytest.approx(3.0)
+    assert not whole.record_save(HERE, nbytes=gb, seconds=0.0, tokens=32768, server_seconds=0.0)  # no time
+
+
+# Measured on an H200 (2026-11-28, `benchmarks/gpu/run.sh`; docs/proxy.md's table), per shape: the
+# first proxy's warm-up (512 tokens) and cold prefills (llama-server's prompt_n, prompt_ms), and its
+# saves of each prompt's state (tokens, state bytes, save + store seconds, llama-server's own save
+# seconds); then the restarted proxy's warm-up. A restore (`--restore always`) won by more than 5%
+# only for 4 of Llama-3-70B's layers at 32K tokens (726 ms against 859 ms cold); it was a wash for
+# 8K of both and for 32K q8_0 (0.99x-1.05x), and lost on every other row.
+H200_RUN = {
+    "8b-slice": {
+        "warmups": [(512, 0.0856), (512, 0.1094)],
+        "prefills": [(2046, 0.0298), (8190, 0.1145), (32766, 0.6391)],
+        "saves": [(2048, 67_141_876, 0.1693, 0.0420), (8192, 268_566_772, 0.6219, 0.1235)]
+        + [(32768, 1_074_266_356, 3.0006, 0.5105)],
+    },
+    "8b-slice:q8_0": {
+        "warmups": [(512, 0.1109), (512, 0.1107)],
+        "prefills": [(2046, 0.0358), (8190, 0.1172), (32766, 0.6944)],
+        "saves": [(2048, 35_684_596, 0.1077, 0.0176), (8192, 142_737_652, 0.3797, 0.0799)]
+        + [(32768, 570_949_876, 1.5968, 0.3362)],
+    },
+    "70b-slice": {
+        "warmups": [(512, 0.2044), (512, 0.1746)],
+        "prefills": [(2046, 0.0363), (8190, 0.1407), (32766, 0.7732)],
+        "saves": [(2048, 33_587_348, 0.0964, 0.0220), (8192, 134_348_948, 0.3686, 0.0874)]
+        + [(32768, 537_395_348, 1.5616, 0.3349)],
+    },
+}
+
+
+@pytest.mark.parametrize("priced", ["server_part", "whole_save"])
+def test_restores_priced_from_the_servers_save_part_follow_the_h200_run(priced: str) -> None:
+    """Replayed, the H200 run's samples make the restarted proxy restore where restoring won
+    clearly and compute elsewhere; priced from the whole saves (as it was on the GPU), every
+    restore was declined."""
+    restored = set()
+    for shape, run in H200_RUN.items():
+        rates = RestoreRates()
+        for tokens, seconds in [run["warmups"][0], *run["prefills"], run["warmups"][1]]:
+            rates.record_prefill(HERE, tokens, seconds)
+        for tokens, nbytes, seconds, server in run["saves"]:
+            server_seconds = server if priced == "server_part" else None
+            assert rates.record_save(HERE, nbytes=nbytes, seconds=seconds, tokens=tokens, server_seconds=server_seconds)
+        for tokens, _, _, _ in run["saves"]:  # the follow-ups, in the run's order
+            decision = rates.decide(HERE, tokens=tokens, nbytes=rates.size_of(HERE, tokens))
+            if decision:
+                restored.add((shape, tokens))
+                break  # measured from then on: the run's later rows would be priced from that restore
+    assert restored == ({("70b-slice", 32768)} if priced == "server_part" else set())
 
 
 def test_a_save_that_wrote_little_of_its_state_prices_nothing() -> None:
@@ -568,6 +635,33 @@ def stored_first_turn(restarted: Callable[[], LlamaServer], slots: Path, cache: 
         assert counted(proxy, "sippcache_proxy_saves_total") == 1
 
     asyncio.run(first())
+
+
+def test_a_save_is_split_by_who_spent_it_and_prices_restores_from_llama_servers_part(
+    restarted: Any, tmp_path: Path
+) -> None:
+    """The proxy reads llama-server's own save time from the slot save's answer: /metrics split the
+    save (sippcache_proxy_save_part_seconds), and an unmeasured restore is priced from that part."""
+    server = restarted()
+    rates = RestoreRates()
+
+    async def first() -> Proxy:
+        async with in_process(server.url, tmp_path / "slots", sippcache.open("ram://"), rates) as (proxy, front):
+            await ask(front, FIRST)
+        return proxy
+
+    proxy = asyncio.run(first())
+    url = server.url
+    assert counted(proxy, "sippcache_proxy_saves_total") == 1
+    own = {p: counted(proxy, "sippcache_proxy_save_part_seconds_sum", part=p) for p in PARTS}
+    assert all(counted(proxy, "sippcache_proxy_save_part_seconds_count", part=p) == 1 for p in PARTS)
+    assert own["llama_server"] > 0 and own["sippcache"] >= 0
+    whole = counted(proxy, "sippcache_proxy_save_seconds_sum")
+    assert own["llama_server"] + own["sippcache"] == pytest.approx(whole)
+    state = rates.largest_state(url)
+    assert state is not None and rates.measured(url).save_samples == 1
+    priced = state / rates.measured(url).save_bytes_per_second  # type: ignore[operator]
+    assert priced == pytest.approx(RESTORE_PER_SERVER_SAVE * own["llama_server"])
 
 
 def test_a_restore_preset_slower_than_prefill_is_skipped(restarted: Any, tmp_path: Path) -> None:

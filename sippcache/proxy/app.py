@@ -552,9 +552,13 @@ class Proxy:
                 seconds=saved.seconds,
                 tokens=len(saved.tokens),
                 written=saved.nbytes,
+                server_seconds=saved.saved,  # an unmeasured restore is priced from llama-server's part
             )
             self.metrics.saves.labels(url).inc()
             self.metrics.save_seconds.labels(url).observe(saved.seconds)
+            if saved.saved is not None:
+                self.metrics.save_part_seconds.labels(url, "llama_server").observe(saved.saved)
+                self.metrics.save_part_seconds.labels(url, "sippcache").observe(max(0.0, saved.seconds - saved.saved))
             self.metrics.bytes_stored.labels(url).inc(saved.nbytes)
 
     async def _lost(self, slot: Slot, exc: BaseException) -> None:

@@ -74,6 +74,14 @@ class ProxyMetrics:
         self.save_seconds = Histogram(
             "sippcache_proxy_save_seconds", "Slot save + store write.", ["upstream"], registry=registry
         )
+        self.save_part_seconds = Histogram(
+            "sippcache_proxy_save_part_seconds",
+            "A save's time by who spent it: llama_server (its own write of the slot file, its "
+            "timings.save_ms) and sippcache (the rest of save_seconds: the HTTP call, the file read, "
+            "framing, the store write).",
+            ["upstream", "part"],
+            registry=registry,
+        )
         self.bytes_stored = Counter(
             "sippcache_proxy_stored_bytes", "Bytes of entries written to the store.", ["upstream"], registry=registry
         )

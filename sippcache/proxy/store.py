@@ -129,17 +129,20 @@ class Snapshot:
     tokens: tuple[int, ...]
     prompt: int
     started: float
+    saved: float | None = None  # llama-server's own save, as it reported it (timings.save_ms)
 
 
 @dataclass(frozen=True)
 class Saved:
     """A slot state written to the store: `nbytes` written (the new chunks and the tail, or the
-    whole entry), `state_bytes` the state's own size."""
+    whole entry), `state_bytes` the state's own size; `seconds` from the save's start, of which
+    llama-server's own save took `saved` (None: it did not say)."""
 
     tokens: tuple[int, ...]
     nbytes: int
     seconds: float
     state_bytes: int = 0
+    saved: float | None = None
 
 
 class SlotStore:
@@ -325,12 +328,12 @@ class SlotStore:
         started = time.perf_counter()
         path = os.path.join(self.staging, f"{SAVE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.slot")
         try:
-            await upstream.slot_action(slot, "save", os.path.basename(path))
+            answer = await upstream.slot_action(slot, "save", os.path.basename(path))
             tokens = await asyncio.to_thread(slotfile.read_tokens, path)
         except BaseException:
             _remove(path)
             raise
-        return Snapshot(path, tokens, min(prompt, len(tokens)), started)
+        return Snapshot(path, tokens, min(prompt, len(tokens)), started, _reported_seconds(answer, "save_ms"))
 
     def keep(self, snapshot: Snapshot, supersedes: Origin | None, scope: str) -> Saved | None:
         """Store a snapshot unless it is too short (blocking: run it in a worker thread): as chunks
@@ -347,7 +350,8 @@ class SlotStore:
             return None
         finally:
             _remove(snapshot.path)
-        return Saved(stored.tokens, stored.nbytes, time.perf_counter() - snapshot.started, stored.state_bytes)
+        seconds = time.perf_counter() - snapshot.started
+        return Saved(stored.tokens, stored.nbytes, seconds, stored.state_bytes, snapshot.saved)
 
     def _store(self, snapshot: Snapshot, supersedes: Origin | None, scope: str) -> chunks.Stored:
         """A saved slot file into the store. The file is mapped, not read: a whole entry copies the
