@@ -375,13 +375,16 @@ def test_a_deferred_restore_leaves_the_payload_checks_to_check(llm: Any, cache: 
         assert checked.unchecked == [] and secret.check(checked) and checked.state == data
 
 
-def test_write_checked_checks_each_chunk_as_it_is_copied(
-    llm: Any, cache: sippcache.CacheBackend, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("threads", [1, chunks.CHECK_THREADS], ids=["as-copied", "meanwhile"])
+def test_write_checked_checks_each_chunk_as_it_is_copied_or_meanwhile(
+    llm: Any, cache: sippcache.CacheBackend, monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
-    """`write_checked` writes a deferred restore's state and checks its payloads: each chunk's
-    hashed as it is copied and compared with its header's checksum (only the tail's frame is
-    checked whole), a whole entry's meanwhile. A damaged chunk, tail or whole entry fails it
+    """`write_checked` writes a deferred restore's state and checks its payloads: with one thread
+    to check (`check_threads`), each chunk's hashed as it is copied and compared with its header's
+    checksum (only the tail's frame is checked whole); with several, every frame on them while the
+    state is joined; a whole entry's meanwhile. A damaged chunk, tail or whole entry fails it
     (deleted, counted)."""
+    monkeypatch.setattr(chunks, "check_threads", lambda: threads)
     tokens = prompt(500)
     data = state_of(llm, tokens)
     store = states(cache)
@@ -395,7 +398,10 @@ def test_write_checked_checks_each_chunk_as_it_is_copied(
         out = bytearray(intact.nbytes)
         assert intact.joined_chunks == len(intact.unchecked) == 1 + (500 - 1) // C
         assert store.write_checked(intact, memoryview(out)) and out == data
-    assert checked == [1]  # the tail
+    if threads == 1:
+        assert checked == [1]  # the tail
+    else:  # every frame, shared among the threads
+        assert len(checked) == threads and sum(checked) == 1 + (500 - 1) // C
     chunk_namespace = entries(cache)[0][0].namespace
     for key, namespace in ((tokens[: 3 * C], chunk_namespace), (tokens, NS)):  # a chunk, then the tail
         with cache.lookup(key, namespace=namespace) as match:  # type: ignore[union-attr]
