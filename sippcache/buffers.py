@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import threading
 import weakref
+from collections.abc import Callable
 
 __all__ = ["MADV_POPULATE_WRITE", "POPULATE_SLICE", "StateBuffers", "populate"]
 
@@ -21,19 +22,23 @@ MADV_POPULATE_WRITE = 23
 POPULATE_SLICE = 2 << 20
 
 
-def populate(buffer: mmap.mmap) -> None:
+def populate(buffer: mmap.mmap, stop: Callable[[], bool] | None = None) -> bool:
     """Make every page of the writable mapping `buffer` present now (`MADV_POPULATE_WRITE`, else
-    a write to each page: the bytes are to be overwritten), a slice at a time. A page fault per
-    4 KiB as a copy reaches them costs more than the copy; and one call for the whole mapping
-    (``mmap(MAP_POPULATE)``) holds the GIL throughout, so every other thread, the proxy's event
-    loop too, waits: 2.2 s for 1 GiB of /dev/shm on this project's machines, and on an H200 host
-    a restarted proxy's first request waited 350-580 ms for its staging files."""
+    a write to each page: the bytes are to be overwritten), a slice at a time; `stop`, asked
+    before each slice, ends it there when it says True. True when every page was made. A page
+    fault per 4 KiB as a copy reaches them costs more than the copy; and one call for the whole
+    mapping (``mmap(MAP_POPULATE)``) holds the GIL throughout, so every other thread, the proxy's
+    event loop too, waits: 2.2 s for 1 GiB of /dev/shm on this project's machines, and on an H200
+    host a restarted proxy's first request waited 350-580 ms, likely for its staging files."""
     for start in range(0, len(buffer), POPULATE_SLICE):
+        if stop is not None and stop():
+            return False
         size = min(POPULATE_SLICE, len(buffer) - start)
         try:
             buffer.madvise(MADV_POPULATE_WRITE, start, size)
         except (OSError, ValueError, AttributeError):  # before Linux 5.14, or elsewhere
             buffer[start : start + size : mmap.PAGESIZE] = bytes(len(range(0, size, mmap.PAGESIZE)))
+    return True
 
 
 class StateBuffers:

@@ -22,7 +22,7 @@ from sippcache import chunks
 from sippcache import stateformat as sf
 from sippcache.proxy import slotfile
 from sippcache.proxy.slots import Origin
-from sippcache.proxy.store import SUPERSEDE_SLACK, Saved, SlotStore, Snapshot, remove_stale_files
+from sippcache.proxy.store import SUPERSEDE_SLACK, Saved, SlotStore, Snapshot, StagingFile, remove_stale_files
 
 SYSTEM = tuple(range(1000, 1400))  # a 400-token system prompt
 
@@ -185,6 +185,45 @@ def test_a_staging_file_made_ahead_is_written_in_place(store: SlotStore, caplog:
     store.staging = str(blocker)
     store.prepare(url, 1, 50_000)
     assert "cannot make the staging file" in caplog.text
+
+
+def test_a_restore_does_not_wait_for_its_staging_file_to_be_made_ahead(tmp_path: Path) -> None:
+    """A restarted proxy makes each slot's staging file ahead, in a worker thread (`prepare`): a
+    gigabyte takes it a second or more. A restore that comes meanwhile takes the file as far as it
+    got (the making ahead gives way at its next slice) instead of waiting for all of it, and
+    writes its state whole; with no restore meanwhile, the file is made whole."""
+    import shutil
+    import tempfile
+    import threading
+
+    folder = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp_path)  # as the proxy's
+    store = SlotStore(sippcache.open("ram://"), fingerprint="f", facts={}, kind="full", staging=folder, min_tokens=16)
+    try:
+        state = bytes(range(250)) * 160
+        path = Path(folder) / "in.slot"
+        path.write_bytes(b"".join(slotfile.build(4, (*SYSTEM, 1), state)))
+        assert store.keep(Snapshot(str(path), (*SYSTEM, 1), len(SYSTEM) + 1, time.perf_counter()), None, "")
+        url = "http://127.0.0.1:1"
+        target = store.restore_file(url, 0)
+        staging = store._staging_files[target]
+        result: list[bool] = []
+        worker = threading.Thread(target=lambda: result.append(staging.reserve(1 << 30)))
+        worker.start()
+        while not os.path.exists(target) or os.stat(target).st_size == 0:
+            assert worker.is_alive(), "the file was not made"
+            time.sleep(0.001)
+        assert store._stage((*SYSTEM, 1, 7), store.namespace(""), target) is not None
+        worker.join()
+        assert result == [False]  # it gave way to the restore
+        assert bytes(slotfile.parse(Path(target).read_bytes()).state) == state
+        store.close()
+        whole = StagingFile(os.path.join(folder, "whole.slot"))
+        assert whole.reserve(8 << 20)  # nothing came meanwhile: made whole
+        assert os.stat(whole.path).st_blocks * 512 >= 8 << 20
+        whole.close()
+    finally:
+        store.close()
+        shutil.rmtree(folder)
 
 
 def test_slot_files_a_proxy_killed_outright_left_are_removed(tmp_path: Path) -> None:

@@ -90,6 +90,9 @@ SUPERSEDE_SLACK = 32
 #: The names of the slot files a proxy process makes in a staging directory, its pid after them:
 #: a save's (removed once stored) and each slot's restore file (removed when the proxy exits).
 SAVE_PREFIX, RESTORE_PREFIX = "sippcache-save-", "sippcache-restore-"
+#: A staging file made ahead (`StagingFile.reserve`) is allocated this many bytes at a time: a
+#: restore that comes meanwhile waits for one such step at most, not for the whole file.
+ALLOCATE_SLICE = 64 << 20
 #: What a proxy entry's payload is: one llama.cpp sequence state (`llama_state_seq_get_data`'s form).
 #: Its chunks and tails are of kinds ``llama-server.seq.chunk`` and ``llama-server.seq.tail``.
 KIND = "llama-server.seq"
@@ -402,21 +405,28 @@ class StagingFile:
         self._mapped: mmap.mmap | None = None
         self._file: tuple[int, int] = (0, 0)  # the mapped file's (device, inode)
         self._lock = threading.Lock()  # a restore's write, and `reserve` from the proxy's start
+        self._wanted = threading.Event()  # a restore waits for the lock: `reserve` gives way
 
-    def reserve(self, size: int) -> None:
+    def reserve(self, size: int) -> bool:
         """Make the file at least `size` bytes, its pages allocated and mapped, ahead of a restore
-        (`SlotStore.prepare`). Nothing is written into it, and a file a restore wrote (or one made
-        ahead already) is left as it is: llama-server may be reading it."""
+        (`SlotStore.prepare`), a slice at a time. Nothing is written into it, and a file a restore
+        wrote (or one made ahead already) is left as it is: llama-server may be reading it. A
+        restore that comes meanwhile does not wait for all of it (a gigabyte takes a second or
+        more): the file is left as far as it got, for that restore to make the rest, and False is
+        returned."""
         with self._lock:
             if self._mapped is not None:
-                return
+                return True
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
-                if os.fstat(fd).st_size < size:
-                    os.posix_fallocate(fd, 0, size)  # the pages themselves, not a sparse file
-                self._map(fd, size)
+                for start in range(os.fstat(fd).st_size, size, ALLOCATE_SLICE):  # pages, not a sparse file
+                    if self._wanted.is_set():
+                        return False
+                    os.posix_fallocate(fd, start, min(ALLOCATE_SLICE, size - start))
+                self._map(fd, size, self._wanted.is_set)
             finally:
                 os.close(fd)
+            return not self._wanted.is_set()
 
     def write(self, head: bytes, nbytes: int, fill: Callable[[memoryview], bool]) -> bool:
         """Make the file `head` (`slotfile.build`'s header and tokens) and then a state of `nbytes`
@@ -424,16 +434,19 @@ class StagingFile:
         there, from chunks: `ChunkedStates.write_checked`), its 8-byte header then overwritten by
         the end of `head`. False if `fill` says the state is not to be used (the file is then
         left incomplete)."""
+        self._wanted.set()  # a `reserve` under way stops at its next slice
         with self._lock:
+            self._wanted.clear()
             return self._write(head, nbytes, fill)
 
-    def _map(self, fd: int, size: int) -> mmap.mmap:
-        """The mapping of `fd`, `size` bytes at least: the one kept if it is that file and as large."""
+    def _map(self, fd: int, size: int, stop: Callable[[], bool] | None = None) -> mmap.mmap:
+        """The mapping of `fd`, `size` bytes at least: the one kept if it is that file and as large
+        (a new one's pages made, until `stop` says so)."""
         stat = os.fstat(fd)
         if self._mapped is None or len(self._mapped) < size or self._file != (stat.st_dev, stat.st_ino):
             self._unmap()
             self._mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-            populate(self._mapped)  # a slice at a time: the event loop runs meanwhile
+            populate(self._mapped, stop)  # a slice at a time: the event loop runs meanwhile
             self._file = (stat.st_dev, stat.st_ino)
         return self._mapped
 
