@@ -765,7 +765,8 @@ def summary() -> None:
             m1 = q1.get("metrics", {})
             lines.append(
                 f"  N={n}: req1 TTFT {q1.get('ttft_ms')} ms (its text's /tokenize alone {q1.get('tokenize_ms')} ms), "
-                f"save+store {m1.get('save_seconds_sum')} s, "
+                f"save+store {m1.get('save_seconds_sum')} s "
+                f"(llama-server's part {m1.get('save_part_seconds_sum.llama_server')} s), "
                 f"{m1.get('stored_bytes_total', 0) / 1e6:.1f} MB stored | "
                 f"raw: cold TTFT {run.get('raw_cold_req2_ttft_ms')} ms, "
                 f"restore+TTFT {run.get('raw_restore_plus_req2_ttft_ms')} ms, restore {run.get('raw_restore_ms')} ms, "
