@@ -27,9 +27,9 @@ So whoever restores (the proxy, for each llama-server behind it) asks
   an H200 a proxy restarted with no restore measured restored every
   follow-up, up to 5x slower than computing). Where the caller knows the
   server's own part of a save (llama-server's ``timings.save_ms``), a restore
-  is priced at `RESTORE_PER_SERVER_SAVE` times that part instead: the store
-  write is slower than a store read by more than the server's load and the
-  staging differ, and priced whole it declined restores that won;
+  is priced at `RESTORE_PER_SERVER_SAVE` times that part instead: the whole
+  save also counts framing and a store write, which a restore does not do,
+  and priced by it, restores that won were declined;
 - the state size per token, from restores and saves, for a caller that knows
   how many tokens a stored state holds but not its bytes.
 
