@@ -51,6 +51,20 @@ def smollm2_model() -> Path:
 
 
 @pytest.fixture
+def ram_dir(tmp_path: Path) -> Iterator[Path]:
+    """A folder where the proxy would stage slot files: in /dev/shm where it has 2 GiB free (a
+    container's is often 64 MB), else the test's own folder on disk. Removed at teardown."""
+    import shutil
+    import tempfile
+
+    shm = Path("/dev/shm")
+    room = os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize if shm.is_dir() else 0
+    folder = Path(tempfile.mkdtemp(dir=shm if room >= 2 << 30 else tmp_path))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
 def opened() -> Iterator[list[object]]:
     """Caches a test opens (append them); closed at teardown."""
     handles: list[object] = []

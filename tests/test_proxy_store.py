@@ -187,16 +187,14 @@ def test_a_staging_file_made_ahead_is_written_in_place(store: SlotStore, caplog:
     assert "cannot make the staging file" in caplog.text
 
 
-def test_a_restore_does_not_wait_for_its_staging_file_to_be_made_ahead(tmp_path: Path) -> None:
+def test_a_restore_does_not_wait_for_its_staging_file_to_be_made_ahead(ram_dir: Path) -> None:
     """A restarted proxy makes each slot's staging file ahead, in a worker thread (`prepare`): a
     gigabyte takes it a second or more. A restore that comes meanwhile takes the file as far as it
     got (the making ahead gives way at its next slice) instead of waiting for all of it, and
     writes its state whole; with no restore meanwhile, the file is made whole."""
-    import shutil
-    import tempfile
     import threading
 
-    folder = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp_path)  # as the proxy's
+    folder = str(ram_dir)
     store = SlotStore(sippcache.open("ram://"), fingerprint="f", facts={}, kind="full", staging=folder, min_tokens=16)
     try:
         state = bytes(range(250)) * 160
@@ -223,7 +221,6 @@ def test_a_restore_does_not_wait_for_its_staging_file_to_be_made_ahead(tmp_path:
         whole.close()
     finally:
         store.close()
-        shutil.rmtree(folder)
 
 
 def test_slot_files_a_proxy_killed_outright_left_are_removed(tmp_path: Path) -> None:

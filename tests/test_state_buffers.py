@@ -84,7 +84,7 @@ def _resident_kib(path: Path) -> int:
     raise AssertionError(f"{path} is not mapped")
 
 
-def test_populate_makes_a_mappings_pages_present_while_other_threads_run(tmp_path: Path) -> None:
+def test_populate_makes_a_mappings_pages_present_while_other_threads_run(ram_dir: Path) -> None:
     """The proxy makes its staging files ready this way, in a worker thread at start: in one call
     (``mmap(MAP_POPULATE)``) the GIL was held throughout, and its event loop waited (a restarted
     proxy's first request, 350-580 ms on an H200 host). Here the pages are all present after, and
@@ -94,8 +94,7 @@ def test_populate_makes_a_mappings_pages_present_while_other_threads_run(tmp_pat
 
     from sippcache.buffers import populate
 
-    folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    path = folder / f"sippcache-test-populate-{os.getpid()}"
+    path = ram_dir / "populated"
     size = 64 << 20
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
