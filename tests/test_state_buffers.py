@@ -88,38 +88,40 @@ def test_populate_makes_a_mappings_pages_present_while_other_threads_run(ram_dir
     """The proxy makes its staging files ready this way, in a worker thread at start: in one call
     (``mmap(MAP_POPULATE)``) the GIL was held throughout, and its event loop waited (a restarted
     proxy's first request, 350-580 ms on an H200 host). Here the pages are all present after, and
-    the main thread ran while they were being made."""
+    the main thread ran between the slices (a count it keeps went up from one slice to a later one:
+    asked before each slice, `stop` notes it)."""
     import os
+    import sys
     import threading
 
     from sippcache.buffers import populate
 
     path = ram_dir / "populated"
-    size = 64 << 20
+    size = 256 << 20
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    switch = sys.getswitchinterval()
     try:
         os.ftruncate(fd, size)
         mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         assert _resident_kib(path) < 1024  # nothing made yet
-        began, ended = threading.Event(), threading.Event()
+        count, marks = [0], []
+        ended = threading.Event()
 
         def make() -> None:
-            began.set()
-            populate(mapping)
+            assert populate(mapping, stop=lambda: marks.append(count[0]) or False)
             ended.set()
 
+        sys.setswitchinterval(0.0005)  # the GIL changes hands often: any slice boundary lets it go
         worker = threading.Thread(target=make)
         worker.start()
-        began.wait()
-        seen = set()
         while not ended.is_set():
-            seen.add(_resident_kib(path))
+            count[0] += 1
         worker.join()
         assert _resident_kib(path) == size // 1024  # every page present
-        # This thread ran while they were being made (it saw some, not all): one call holding the
-        # GIL throughout would have let it see only none or all.
-        assert any(0 < kib < size // 1024 for kib in seen), sorted(seen)
+        assert len(marks) == size // (2 << 20)  # asked before each 2 MiB slice
+        assert marks[-1] > marks[0], marks[:8]  # this thread ran meanwhile
         mapping.close()
     finally:
+        sys.setswitchinterval(switch)
         os.close(fd)
         path.unlink()
