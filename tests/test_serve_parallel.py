@@ -487,9 +487,14 @@ def test_interrupt_requests_when_asked_ends_the_oldest_stream_for_a_waiting_one(
         )
 
     # The oldest may run far longer than the others: cut, it ends long before that, however slow
-    # the machine is in sending the waiting request (with 120 tokens, it once ended first).
-    oldest, other = stream(100, max_tokens=800), stream(200)
-    oldest_chunks, other_chunks = [next(iter(oldest))], [next(iter(other))]
+    # the machine is in sending the waiting request (with 120 tokens, it once ended first). It is
+    # the oldest job once its first token is out: a response's headers come before its job is
+    # submitted, so two requests sent back to back may start in either order (the other one was
+    # then cut, and this one ran to its end: twice in full runs under load).
+    oldest = stream(100, max_tokens=800)
+    oldest_chunks = [next(iter(oldest))]
+    other = stream(200)
+    other_chunks = [next(iter(other))]
     waiting = stream(300)  # no slot: it waits, and the oldest stream is ended for it
     oldest_chunks += list(oldest)
     other_chunks += list(other)
