@@ -214,7 +214,6 @@ def test_a_restore_does_not_wait_for_its_staging_file_to_be_made_ahead(ram_dir: 
         worker.join()
         assert result == [False]  # it gave way to the restore
         assert bytes(slotfile.parse(Path(target).read_bytes()).state) == state
-        store.close()
         whole = StagingFile(os.path.join(folder, "whole.slot"))
         assert whole.reserve(8 << 20)  # nothing came meanwhile: made whole
         assert os.stat(whole.path).st_blocks * 512 >= 8 << 20
