@@ -300,6 +300,8 @@ async def _connect(
 ) -> tuple[list[Upstream], list[UpstreamInfo]]:
     upstreams = [Upstream(url, client, api_key) for url in urls]
     infos = [await check_upstream(u, slot_dir) for u in upstreams]
+    for upstream, info in zip(upstreams, infos, strict=True):
+        upstream.multimodal = info.multimodal
     if len({(i.model_path, i.build_info) for i in infos}) > 1:
         raise ProxyError("the upstreams serve different models or builds: one proxy fronts one model")
     return upstreams, infos

@@ -43,6 +43,7 @@ class UpstreamInfo:
     model_path: str
     build_info: str
     model_meta: dict[str, Any]
+    multimodal: bool = False  # a projector is loaded (--mmproj): /v1/completions reads its prompt as text
 
 
 class Upstream:
@@ -52,6 +53,7 @@ class Upstream:
         self.url = url.rstrip("/")
         self.client = client
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.multimodal = False  # from its /props (`UpstreamInfo`), once connected
 
     def __repr__(self) -> str:
         return f"Upstream({self.url!r})"
@@ -78,6 +80,7 @@ class Upstream:
             model_path=str(props.get("model_path") or ""),
             build_info=str(props.get("build_info") or ""),
             model_meta={k: v for k, v in meta.items() if isinstance(v, (int, float, str))},
+            multimodal=any(bool(v) for v in (props.get("modalities") or {}).values()),
         )
 
     async def healthy(self) -> bool:
