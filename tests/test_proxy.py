@@ -21,6 +21,7 @@ import pytest
 import sippcache
 from sippcache import chunks, frame
 from sippcache.proxy.cli import STAGING_PREFIX, _staging_base
+from sippcache.proxy.prompts import RETOKENIZED
 from sippcache.testing.bounded import join_all
 from tests.proxy_tools import LlamaServer, ProxyServer, metric, settle
 
@@ -461,6 +462,31 @@ def test_gemma_follow_up_after_a_restart_reuses_the_stored_state(procs: Any, gem
     assert total > 1500 and reused == timings["cache_n"] >= total - 40, timings
     reference = procs(gemma_model, "-c", "4096", "-np", "1", llama=True)  # llama-server's own defaults
     assert got == chat(reference.url, follow, cache_prompt=False)[0]
+
+
+@pytest.mark.gemma
+def test_gemma_chat_turns_are_tokenized_past_the_last_prompt_and_reuse_all_of_it(
+    procs: Any, gemma_model: Path, tmp_path: Path
+) -> None:
+    """A conversation's next prompt begins with its last one: the proxy has llama-server tokenize
+    only the new text (sippcache.proxy.prompts), and its tokens still find all the slot holds."""
+    document = " ".join(f"Day {d}: the brig Eider passed at {d % 12 + 1} o'clock under a grey sky." for d in range(60))
+    messages = [{"role": "user", "content": f"{document}\n\nWhich ship passed on day 7?"}]
+    proxy = procs(managed(gemma_model, f"lmdb://{tmp_path}/store"))
+    reference = procs(gemma_model, "-c", "4096", "-np", "1", "--swa-full", llama=True)  # as the proxy runs it
+    seen: list[dict[str, Any]] = []
+    for question in ("And on day 9?", "And the sky?"):
+        answer, reused, timings = chat(proxy.url, messages)
+        assert answer == chat(reference.url, messages, cache_prompt=False)[0]
+        if seen:  # all the turn before held, but the end of its answer as it tokenizes back
+            assert reused == timings["cache_n"] >= seen[-1]["cache_n"] + seen[-1]["prompt_n"] - 4, (seen, timings)
+        seen.append(timings)
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+    first_prompt = seen[0]["cache_n"] + seen[0]["prompt_n"]
+    # The second prompt's tokens: the first's but its last few, known; the rest tokenized.
+    assert metric(proxy, "sippcache_proxy_chat_prompt_tokens_total", how="known") == first_prompt - RETOKENIZED
+    tokenized = metric(proxy, "sippcache_proxy_chat_prompt_tokens_total", how="tokenized")
+    assert first_prompt < tokenized < first_prompt + 100
 
 
 def test_a_client_that_hangs_up_frees_its_slot(procs: Any, model: Path, tmp_path: Path) -> None:

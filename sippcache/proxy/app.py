@@ -3,7 +3,8 @@
 A completion request (``/v1/chat/completions``, ``/v1/completions``,
 ``/completion``) flows like this::
 
-    client ──> tokens (llama-server's /apply-template + /tokenize: its template, its tokenizer)
+    client ──> tokens (llama-server's /apply-template + /tokenize: its template, its tokenizer;
+               a chat's text past the last prompt text it begins with: sippcache.proxy.prompts)
            ──> wait while a request in flight computes a long prefix of it that nothing holds yet
            ──> a slot (SlotTable: the idle slot holding the longest prefix, else the least loaded server)
            ──> restore the store's best state into it when that beats what the slot holds, and
@@ -56,6 +57,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..rates import INEFFECTIVE_SHARE, RestoreRates
 from .metrics import ProxyMetrics
+from .prompts import KnownPrompts
 from .slots import NoServer, Origin, QueueFull, Slot, SlotTable, common_prefix, reusable
 from .store import Restored, SlotStore, Snapshot
 from .upstream import Upstream, UpstreamDown, UpstreamRefused
@@ -160,6 +162,7 @@ class Proxy:
         self.slots = slots
         self.store = store
         self.metrics = metrics
+        self.prompts = KnownPrompts()
         self.client = client
         for upstream in upstreams:
             metrics.upstream_up.labels(upstream.url).set(1)
@@ -272,7 +275,10 @@ class Proxy:
         if how == "chat":
             if not isinstance(payload.get("messages"), list):
                 return None
-            return await upstream.tokenize(await upstream.apply_template(payload))
+            tokens, known = await self.prompts.tokens(upstream, await upstream.apply_template(payload))
+            self.metrics.prompt_tokenizing.labels("tokenized").inc(len(tokens) - known)
+            self.metrics.prompt_tokenizing.labels("known").inc(known)
+            return tokens
         prompt = payload.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]

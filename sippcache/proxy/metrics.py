@@ -32,6 +32,13 @@ class ProxyMetrics:
             ["upstream", "how"],
             registry=registry,
         )
+        self.prompt_tokenizing = Counter(
+            "sippcache_proxy_chat_prompt_tokens",
+            "A chat prompt's tokens as the proxy got them: tokenized by llama-server for it, or known"
+            " (the tokens of an earlier prompt text this one begins with: sippcache.proxy.prompts).",
+            ["how"],
+            registry=registry,
+        )
         self.restores = Counter(
             "sippcache_proxy_restores",
             "Stored states loaded into a slot (ok) or refused by llama-server (refused: the entry is kept).",

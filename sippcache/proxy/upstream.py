@@ -90,10 +90,16 @@ class Upstream:
             return False
         return True
 
-    async def tokenize(self, text: str) -> list[int]:
-        """`text` as llama-server tokenizes a prompt (special tokens parsed, BOS added as it adds it)."""
-        answer = await self.call("POST", "/tokenize", {"content": text, "add_special": True, "parse_special": True})
+    async def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+        """`text` as llama-server tokenizes a prompt (special tokens parsed, BOS added as it adds it;
+        with `special` False, as the text after a prompt's start: no BOS)."""
+        answer = await self.call("POST", "/tokenize", {"content": text, "add_special": special, "parse_special": True})
         return [int(t) for t in answer["tokens"]]
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        """The text of `tokens`, each token's piece (special tokens' too) back to back."""
+        answer = await self.call("POST", "/detokenize", {"tokens": tokens})
+        return str(answer["content"])
 
     async def apply_template(self, request: dict[str, Any]) -> str:
         """The prompt text llama-server makes of a chat request (its template, tools and options)."""
