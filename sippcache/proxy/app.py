@@ -761,9 +761,9 @@ def _forwarded(headers: Any) -> dict[str, str]:
 def _ids_for_text(path: str, how: str, upstream: Upstream) -> bool:
     """Whether a completion's prompt goes to llama-server as the token ids the proxy had it make
     (`_prompt_tokens`; the same ids, it tokenizes a text prompt with the same flags): it would
-    tokenize the text again, in its time to first token (gemma-3 at 30K tokens: 117 ms a request,
-    docs/proxy.md). Not for a chat (no token-id form), nor for /v1/completions on a server with a
-    projector (it reads that prompt as text)."""
+    tokenize the text again, in its time to first token (at 29.5K tokens of gemma-3 that added
+    132 ms: benchmarks/prompt_ids.py). Not for a chat (no token-id form), nor for
+    /v1/completions on a server with a projector (it reads that prompt as text)."""
     return how == "completion" and (path == "/completion" or not upstream.multimodal)
 
 
