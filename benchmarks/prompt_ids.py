@@ -87,6 +87,12 @@ def post(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
     return answer, (time.perf_counter() - start) * 1000
 
 
+def tokenize(url: str, text: str) -> tuple[list[int], float]:
+    """(`text`'s tokens as llama-server at `url` tokenizes a prompt, as the proxy asks; wall ms)."""
+    answer, took = post(url + "/tokenize", {"content": text, "add_special": True, "parse_special": True})
+    return answer["tokens"], took
+
+
 def prompt_text(tokens: int, seed: int) -> str:
     """Words enough for about `tokens` tokens of gemma-3 (one a word, near enough)."""
     rng = random.Random(seed)
@@ -123,12 +129,11 @@ def main() -> int:
 
 def measure(direct: str, proxied: str, words: int, rounds: int) -> dict[str, Any]:
     text = prompt_text(words, words)
-    ids = post(direct + "/tokenize", {"content": text, "add_special": True, "parse_special": True})[0]["tokens"]
+    ids = tokenize(direct, text)[0]
     body = {"n_predict": 1, "temperature": 0, "cache_prompt": True}
 
     def before() -> float:
-        took = post(direct + "/tokenize", {"content": text, "add_special": True, "parse_special": True})[1]
-        return took + post(direct + "/completion", {**body, "prompt": text})[1]
+        return tokenize(direct, text)[1] + post(direct + "/completion", {**body, "prompt": text})[1]
 
     ways: dict[str, Callable[[], float]] = {
         "direct, text": lambda: post(direct + "/completion", {**body, "prompt": text})[1],
@@ -164,7 +169,7 @@ def measure_chat(direct: str, proxied: str, words: int, rounds: int) -> dict[str
 
     def before(messages: list[dict[str, str]]) -> float:
         text, took = post(direct + "/apply-template", {"messages": messages})
-        took += post(direct + "/tokenize", {"content": text["prompt"], "add_special": True, "parse_special": True})[1]
+        took += tokenize(direct, text["prompt"])[1]
         return took + outside(direct, messages)
 
     ways: dict[str, Callable[[list[dict[str, str]]], float]] = {
