@@ -10,11 +10,12 @@ them before a backend copies them into its own storage (`sippcache.frame.encode_
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import weakref
 from collections.abc import Callable
 
-__all__ = ["MADV_POPULATE_WRITE", "POPULATE_SLICE", "StateBuffers", "populate"]
+__all__ = ["MADV_POPULATE_WRITE", "POPULATE_SLICE", "StateBuffers", "allocate", "populate"]
 
 #: Linux's madvise(2) advice that makes a mapping's pages present and writable now (5.14 and later).
 MADV_POPULATE_WRITE = 23
@@ -39,6 +40,22 @@ def populate(buffer: mmap.mmap, stop: Callable[[], bool] | None = None) -> bool:
         except (OSError, ValueError, AttributeError):  # before Linux 5.14, or elsewhere
             buffer[start : start + size : mmap.PAGESIZE] = bytes(len(range(0, size, mmap.PAGESIZE)))
     return True
+
+
+def allocate(fd: int, offset: int, length: int) -> None:
+    """Give bytes `offset` to `offset + length` of the file `fd` their blocks now, the file growing
+    to hold them, or raise OSError (ENOSPC: no room). Before a file is mapped and copied into: a
+    page its file system cannot allocate when a copy first writes it is a SIGBUS, which kills the
+    process (a container's /dev/shm is 64 MB unless it is given more, and a state can be a
+    gigabyte). Where there is no posix_fallocate (macOS), zeros are written, which allocates too."""
+    if length <= 0:
+        return
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, offset, length)
+        return
+    zeros = bytes(min(length, POPULATE_SLICE))
+    for start in range(offset, offset + length, len(zeros)):
+        os.pwrite(fd, zeros[: min(len(zeros), offset + length - start)], start)
 
 
 class StateBuffers:

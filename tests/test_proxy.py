@@ -9,6 +9,8 @@ import glob
 import http.client
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -42,17 +44,17 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    """Start proxies (`procs(args)`) and plain llama-servers (`procs(model, *args, llama=True)`);
-    all stopped at teardown."""
+    """Start proxies (`procs(args)`, `program`: the command that runs `-m sippcache.proxy`'s
+    arguments) and plain llama-servers (`procs(model, *args, llama=True)`); all stopped at teardown."""
     started: list[Any] = []
 
-    def start(*args: Any, llama: bool = False, port: int | None = None) -> Any:
+    def start(*args: Any, llama: bool = False, port: int | None = None, program: list[str] | None = None) -> Any:
         log = tmp_path / f"proc-{len(started)}.log"
         if llama:
             server: Any = LlamaServer(args[0], log, *args[1:], port=port)
             started.append(server)
             return server.start()
-        proxy = ProxyServer(list(args[0]), log)
+        proxy = ProxyServer(list(args[0]), log, program=program)
         started.append(proxy)
         return proxy.wait_ready()
 
@@ -180,6 +182,50 @@ def test_a_hit_after_a_restart_equals_the_cold_answer(procs: Any, model: Path, t
         assert answer == expected
         assert reused == timings["cache_n"] > 800, (reused, timings)  # the stored system prompt, restored
         assert timings["prompt_n"] < 100, timings
+
+
+def test_a_managed_proxy_whose_dev_shm_has_no_room_stages_on_disk(procs: Any, model: Path, tmp_path: Path) -> None:
+    """A container's /dev/shm is 64 MB unless it is given more: too small for the slot files a proxy
+    stages (llama-server's saves failed there, and a restore copied into pages the tmpfs could not
+    allocate, a SIGBUS). A managed proxy whose /dev/shm has under a gigabyte free stages in the
+    temporary directory, and says so: a restarted one restores the stored state, and answers as
+    llama-server alone. Here /dev/shm is a 256 KiB tmpfs (a private mount namespace) and the
+    state about 460 KB."""
+    from tests.proxy_tools import in_small_tmpfs
+
+    small_shm = [*in_small_tmpfs("/dev/shm", "256k"), sys.executable, "-m", "sippcache.proxy"]
+    cache = f"lmdb://{tmp_path}/store"
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    first = conversation("which ship passed first?")
+    proxy = procs(managed(model, cache), program=small_shm)
+    chat(proxy.url, first)
+    settle(proxy)
+    proxy.stop()
+    assert "/dev/shm has 0 MiB free (under 1024 MiB): slot files go through" in proxy.log_tail()
+
+    proxy = procs(managed(model, cache), program=small_shm)
+    answer, reused, timings = chat(proxy.url, first)
+    assert answer == chat(reference.url, first, cache_prompt=False)[0]
+    assert reused == timings["cache_n"] > 800, (reused, timings)  # the stored state, restored
+
+
+def test_a_slot_folder_without_room_for_a_large_state_is_warned_of(tmp_path: Path, caplog: Any) -> None:
+    """Attach mode: the servers' --slot-save-path is the user's; one with under a gigabyte free
+    (here a 1 MiB tmpfs) is named at start, with what follows from it."""
+    from sippcache.proxy.cli import _warn_if_cramped
+    from tests.proxy_tools import in_small_tmpfs
+
+    code = "import logging, sys; logging.basicConfig(); from sippcache.proxy.cli import _warn_if_cramped; "
+    code += "_warn_if_cramped(sys.argv[1])"
+    small = tmp_path / "slots"
+    small.mkdir()
+    done = subprocess.run(
+        [*in_small_tmpfs(str(small), "1m"), sys.executable, "-c", code, str(small)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"{small} has 1 MiB free: a state larger than that is neither saved nor restored" in done.stderr
+    _warn_if_cramped(str(tmp_path))  # this machine's disk, with room: no warning
+    assert "neither saved nor restored" not in caplog.text
 
 
 def test_reuse_in_metrics_is_what_llama_server_reported(procs: Any, model: Path, tmp_path: Path) -> None:

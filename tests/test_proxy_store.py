@@ -6,6 +6,7 @@ file llama-server wrote; what stateformat cannot cut, and entries stored whole, 
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import subprocess
@@ -220,6 +221,48 @@ def test_a_restore_does_not_wait_for_its_staging_file_to_be_made_ahead(ram_dir: 
         whole.close()
     finally:
         store.close()
+
+
+def test_a_restore_into_a_folder_without_room_for_its_state_is_a_miss_not_a_crash(tmp_path: Path) -> None:
+    """A staging folder too small for a state (a container's /dev/shm is 64 MB unless it is given
+    more): the staging file's pages are allocated before the state is copied into its mapping, so
+    no room is an OSError (a miss, counted, the file removed), where a copy into a page the tmpfs
+    could not allocate was a SIGBUS that killed the proxy. A state that fits then restores there.
+    Run in a private mount namespace whose folder is a 1 MiB tmpfs."""
+    from tests.proxy_tools import in_small_tmpfs
+
+    small = tmp_path / "small"
+    small.mkdir()
+    code = """if True:
+        import json, os, sys, time
+        import sippcache
+        from sippcache.proxy import slotfile
+        from sippcache.proxy.store import SlotStore, Snapshot
+        disk, small = sys.argv[1:]
+        store = SlotStore(sippcache.open("ram://"), fingerprint="f", facts={}, kind="full", staging=disk, min_tokens=16)
+        system = tuple(range(1000, 1400))
+        for n, size in ((1, 2 << 20), (2, 256 << 10)):
+            path = os.path.join(disk, f"in-{n}.slot")
+            with open(path, "wb") as f:
+                f.writelines(slotfile.build(4, (*system, n), bytes([n]) * size))
+            assert store.keep(Snapshot(path, (*system, n), 401, time.perf_counter()), None, "") is not None
+        target = os.path.join(small, "restore.slot")
+        big = store._stage((*system, 1, 7), store.namespace(""), target)
+        out = {"big": big is not None, "errors": store.errors, "left": os.path.exists(target)}
+        fits = store._stage((*system, 2, 7), store.namespace(""), target)
+        with open(target, "rb") as f:
+            out["fits"] = fits is not None and bytes(slotfile.parse(f.read()).state) == bytes([2]) * (256 << 10)
+        store.close()
+        print(json.dumps(out))
+    """
+    done = subprocess.run(
+        [*in_small_tmpfs(str(small), "1m"), sys.executable, "-c", code, str(tmp_path), str(small)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7: SIGBUS
+    assert json.loads(done.stdout.splitlines()[-1]) == {"big": False, "errors": 1, "left": False, "fits": True}
 
 
 def test_slot_files_a_proxy_killed_outright_left_are_removed(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ never-cached path's)."""
 from __future__ import annotations
 
 import mmap
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sippcache.buffers import StateBuffers
+from sippcache.buffers import StateBuffers, allocate
 from sippcache.llama import PrefixCache
 from tests.llama_tools import last_logits, reference_logits
 
@@ -125,3 +126,23 @@ def test_populate_makes_a_mappings_pages_present_while_other_threads_run(ram_dir
         sys.setswitchinterval(switch)
         os.close(fd)
         path.unlink()
+
+
+@pytest.mark.parametrize("fallocate", [True, False], ids=["posix_fallocate", "zeros written (macOS)"])
+def test_allocate_grows_a_file_with_its_blocks_made(tmp_path: Path, monkeypatch: Any, fallocate: bool) -> None:
+    """What a file's mapping is written through gets its blocks first (a page a file system cannot
+    allocate when a copy reaches it is a SIGBUS); where there is no posix_fallocate, by writing zeros."""
+    if not fallocate:
+        monkeypatch.delattr(os, "posix_fallocate", raising=False)
+    path = tmp_path / "staging.slot"
+    path.write_bytes(b"abc")
+    length = 5 << 20 | 7  # past a slice of zeros, and not a multiple of one
+    fd = os.open(path, os.O_RDWR)
+    try:
+        allocate(fd, 3, length)
+        allocate(fd, 0, 0)  # nothing to do
+    finally:
+        os.close(fd)
+    data = path.read_bytes()
+    assert data[:3] == b"abc" and len(data) == 3 + length and data[3:] == bytes(length)
+    assert os.stat(path).st_blocks * 512 >= len(data)  # blocks, not a hole

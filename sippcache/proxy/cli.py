@@ -43,6 +43,8 @@ from .slots import SlotTable
 from .store import SlotStore, remove_stale_files
 from .upstream import Upstream, UpstreamError, UpstreamInfo
 
+log = logging.getLogger(__name__)
+
 __all__ = ["ProxyError", "build_parser", "main"]
 
 #: Flags the managed llama-server always gets: slots that stay as the proxy left them
@@ -157,9 +159,50 @@ def _free_port() -> int:
 STAGING_PREFIX = "sippcache-proxy-"
 
 
+#: Managed proxies stage slot files in RAM here, where it has `RAM_DISK_ROOM` bytes free.
+RAM_DISK = "/dev/shm"
+#: A gigabyte: a state of 8K tokens of an 8B model in f16. A container's /dev/shm is 64 MB unless it
+#: is given more: staged there, the states a proxy saves and restores would not fit.
+RAM_DISK_ROOM = 1 << 30
+
+
 def _staging_base() -> str:
-    """Where managed proxies make their staging directories: in RAM where the machine has a tmpfs."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    """Where managed proxies make their staging directories: in RAM where the machine has a tmpfs
+    with room for states, else the temporary directory (a disk's page cache)."""
+    base = tempfile.gettempdir()
+    if not os.path.isdir(RAM_DISK):
+        return base
+    room = _room(RAM_DISK)
+    if room >= RAM_DISK_ROOM and os.access(RAM_DISK, os.W_OK):
+        return RAM_DISK
+    log.info(
+        "sippcache proxy: %s has %d MiB free (under %d MiB): slot files go through %s",
+        RAM_DISK,
+        room >> 20,
+        RAM_DISK_ROOM >> 20,
+        base,
+    )
+    return base
+
+
+def _room(folder: str) -> int:
+    """Bytes free for this user in `folder` (0 where it cannot be told)."""
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return 0
+    return stat.f_bavail * stat.f_frsize
+
+
+def _warn_if_cramped(folder: str) -> None:
+    """A warning where the folder slot files go through has room for less than a large state."""
+    room = _room(folder)
+    if room < RAM_DISK_ROOM:
+        log.warning(
+            "sippcache proxy: %s has %d MiB free: a state larger than that is neither saved nor restored",
+            folder,
+            room >> 20,
+        )
 
 
 def _staging_dir() -> str:
@@ -339,6 +382,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         _fail(str(exc))
     managed: _Managed | None = None
     staging = _staging_dir() if args.llama_server else os.path.abspath(args.slot_dir)
+    _warn_if_cramped(staging)
     try:
         cache = registry.open(args.cache)
     except Exception as exc:

@@ -59,7 +59,7 @@ from typing import Any
 import xxhash
 
 from .. import chunks
-from ..buffers import populate
+from ..buffers import allocate, populate
 from ..errors import SippcacheError
 from ..modelfile import MemoryKind
 from ..processes import process_exists
@@ -422,7 +422,7 @@ class StagingFile:
                 for start in range(os.fstat(fd).st_size, size, ALLOCATE_SLICE):  # pages, not a sparse file
                     if self._wanted.is_set():
                         return False
-                    os.posix_fallocate(fd, start, min(ALLOCATE_SLICE, size - start))
+                    allocate(fd, start, min(ALLOCATE_SLICE, size - start))
                 self._map(fd, size, self._wanted.is_set)
             finally:
                 os.close(fd)
@@ -455,7 +455,10 @@ class StagingFile:
         size = start + nbytes
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size != size:
+            have = os.fstat(fd).st_size
+            if size > have:  # the pages it grows by, made first: no room is then an OSError, not a SIGBUS
+                allocate(fd, have, size - have)
+            elif size < have:
                 os.ftruncate(fd, size)
             mapped = self._map(fd, size)
         finally:
