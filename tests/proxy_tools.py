@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -15,8 +13,6 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from tests.servers import Server, free_port
 
@@ -37,30 +33,6 @@ def llama_server_binary() -> Path:
     if not os.access(path, os.X_OK):
         path.chmod(0o755)
     return path
-
-
-def in_small_tmpfs(folder: str, size: str) -> list[str]:
-    """A command prefix that runs a command in a private mount namespace where `folder` is a tmpfs
-    of `size` ("256k"): a folder that runs out of room, as a container's /dev/shm of 64 MB does,
-    while this machine's own mounts stay as they are. Skips the test where no such namespace can
-    be made here (no `unshare`; neither root nor user namespaces)."""
-    prefix = _namespace_prefix()
-    if prefix is None:
-        pytest.skip("cannot mount a tmpfs in a private mount namespace here (unshare, as root or in a user namespace)")
-    mount = 'mount -t tmpfs -o size="$1" tmpfs "$2" && shift 2 && exec "$@"'
-    return [*prefix, "sh", "-c", mount, "sh", size, folder]
-
-
-@functools.cache
-def _namespace_prefix() -> tuple[str, ...] | None:
-    """The `unshare` command that gives a private mount namespace on this machine, if one does."""
-    if shutil.which("unshare") is None:
-        return None
-    for prefix in (("unshare", "--mount"), ("unshare", "--mount", "--map-root-user")):
-        probe = subprocess.run([*prefix, "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"], capture_output=True)
-        if probe.returncode == 0:
-            return prefix
-    return None
 
 
 class ProxyServer(Server):

@@ -191,7 +191,7 @@ def test_a_managed_proxy_whose_dev_shm_has_no_room_stages_on_disk(procs: Any, mo
     temporary directory, and says so: a restarted one restores the stored state, and answers as
     llama-server alone. Here /dev/shm is a 256 KiB tmpfs (a private mount namespace) and the
     state about 460 KB."""
-    from tests.proxy_tools import in_small_tmpfs
+    from tests.filesystems import in_small_tmpfs
 
     small_shm = [*in_small_tmpfs("/dev/shm", "256k"), sys.executable, "-m", "sippcache.proxy"]
     cache = f"lmdb://{tmp_path}/store"
@@ -213,7 +213,7 @@ def test_a_slot_folder_without_room_for_a_large_state_is_warned_of(tmp_path: Pat
     """Attach mode: the servers' --slot-save-path is the user's; one with under a gigabyte free
     (here a 1 MiB tmpfs) is named at start, with what follows from it."""
     from sippcache.proxy.cli import _warn_if_cramped
-    from tests.proxy_tools import in_small_tmpfs
+    from tests.filesystems import in_small_tmpfs
 
     code = "import logging, sys; logging.basicConfig(); from sippcache.proxy.cli import _warn_if_cramped; "
     code += "_warn_if_cramped(sys.argv[1])"

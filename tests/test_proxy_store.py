@@ -229,7 +229,7 @@ def test_a_restore_into_a_folder_without_room_for_its_state_is_a_miss_not_a_cras
     no room is an OSError (a miss, counted, the file removed), where a copy into a page the tmpfs
     could not allocate was a SIGBUS that killed the proxy. A state that fits then restores there.
     Run in a private mount namespace whose folder is a 1 MiB tmpfs."""
-    from tests.proxy_tools import in_small_tmpfs
+    from tests.filesystems import in_small_tmpfs
 
     small = tmp_path / "small"
     small.mkdir()

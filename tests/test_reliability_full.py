@@ -3,7 +3,9 @@ keep working, and stores work again once there is room.
 
 The disk fills for real, from the process's point of view: a child process
 lowers its file-size limit (RLIMIT_FSIZE), so writes past it fail (EFBIG) the
-way they fail on a full disk, without needing a small filesystem.
+way they fail on a full disk, without needing a small filesystem. A store made
+on a disk already full is tried on one, a small tmpfs (`tests.filesystems`):
+there a write through a mapping fails as it does, with SIGBUS.
 """
 
 from __future__ import annotations
@@ -63,3 +65,46 @@ def test_full_disk_is_a_clear_refusal_and_the_cache_keeps_working(backend: str, 
             match = cache.lookup(list(entry.key), touch=False)
             assert match is not None and len(match.blob) == entry.size - 4 * len(entry.key)
             match.release()
+
+
+OPEN_ON_A_FULL_DISK = textwrap.dedent(
+    """
+    import json, os, sys
+    import sippcache
+    folder = sys.argv[1]
+    with open(os.path.join(folder, "filler"), "wb") as f:  # the disk fills, to its last block
+        try:
+            while True:
+                f.write(bytes(1 << 16))
+        except OSError:
+            pass
+    report = {}
+    for backend in ("lmdb", "diskcache"):
+        try:
+            sippcache.open(f"{backend}://{folder}/{backend}").close()
+            report[backend] = ["opened", ""]
+        except sippcache.SippcacheError as exc:
+            report[backend] = [type(exc).__name__, str(exc)]
+    print(json.dumps(report))
+    """
+)
+
+
+def test_a_store_made_on_a_full_disk_is_a_clear_refusal_not_a_crash(tmp_path: Path) -> None:
+    """LMDB makes its lock file with ftruncate and writes it through a shared mapping: on a full
+    disk, a SIGBUS killed the process; SQLite's "database or disk is full" read as a damaged
+    store (`CorruptStore`), which a user might delete. Both are `CacheFull` now, saying so."""
+    from tests.filesystems import in_small_tmpfs
+
+    folder = tmp_path / "full"
+    folder.mkdir()
+    done = subprocess.run(
+        [*in_small_tmpfs(str(folder), "1m"), sys.executable, "-c", OPEN_ON_A_FULL_DISK, str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7: SIGBUS
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["lmdb"][0] == "CacheFull" and "the disk is full" in report["lmdb"][1], report
+    assert report["diskcache"][0] == "CacheFull" and "the disk is full" in report["diskcache"][1], report

@@ -237,6 +237,11 @@ class _ReadOnlyTxn:
         raise ReadOnlyStore("this diskcache store is open read-only")
 
 
+def _disk_full(exc: sqlite3.OperationalError) -> bool:
+    """Whether SQLite failed for want of room ("database or disk is full"), not for damaged files."""
+    return "full" in str(exc)
+
+
 def _open_read_only(path: str) -> sqlite3.Connection:
     """A connection that cannot write `path`'s database (see the module docstring)."""
     uri = "file:" + quote(os.path.join(path, DATABASE))
@@ -329,6 +334,8 @@ class DiskCacheBackend(KVBackend):
     def _library_error(self, exc: BaseException) -> SippcacheError:
         text = str(exc)
         if isinstance(exc, sqlite3.OperationalError):
+            if _disk_full(exc):  # an OperationalError is a DatabaseError, but the files are not damaged
+                return CacheFull(f"{self.location}: could not write (the disk is full): {text}")
             if "readonly" in text or "unable to open" in text:
                 return ReadOnlyStore(
                     f"{self.path} is not writable by this user ({text}); open it with read_only=True to read it"
@@ -348,7 +355,7 @@ class DiskCacheBackend(KVBackend):
             for file_path in committed:
                 disk.remove(file_path)
         except sqlite3.OperationalError as exc:
-            if "full" in str(exc) or "disk I/O error" in str(exc):
+            if _disk_full(exc) or "disk I/O error" in str(exc):
                 raise CacheFull(f"{self.location}: could not write (disk full or failing): {exc}") from None
             raise
         except OSError as exc:  # a value file could not be written

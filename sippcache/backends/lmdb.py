@@ -196,6 +196,7 @@ def _open_environment(
         check_store_files(path, STORE_FILES)
     else:
         prepare_directory(path, STORE_FILES)
+        _check_room_for_lock_file(path, max_readers)
 
     def environment(lock: bool) -> lmdb.Environment:
         for map_size in map_sizes:
@@ -233,6 +234,25 @@ def _open_environment(
         if _denied(exc):
             raise ReadOnlyStore(_not_writable(path, exc)) from exc
         raise StoreError(f"{path}: cannot open the LMDB store: {exc}") from exc
+
+
+#: Bytes a reader's slot takes in LMDB's lock file (a cache line).
+READER_SLOT = 64
+#: Room a store needs beyond its readers' slots before LMDB makes its files: the lock file's
+#: header and the data file's first pages, with a margin.
+NEW_STORE_ROOM = 64 * 1024
+
+
+def _check_room_for_lock_file(path: str, max_readers: int) -> None:
+    """Raise `CacheFull` where LMDB would make its lock file with no room for it. LMDB sizes the
+    file with ftruncate and writes it through a shared mapping: on a full disk its first write
+    is a SIGBUS that kills the process, where a write to the data file is an error."""
+    if os.path.exists(os.path.join(path, "lock.mdb")):
+        return
+    stat = os.statvfs(path)
+    room, needed = stat.f_bavail * stat.f_frsize, READER_SLOT * max_readers + NEW_STORE_ROOM
+    if room < needed:
+        raise CacheFull(f"{path}: no room to make an LMDB store ({room} bytes free, {needed} needed): the disk is full")
 
 
 def _denied(exc: lmdb.Error) -> bool:
