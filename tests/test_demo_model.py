@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,8 @@ def partials(directory: Path) -> list[Path]:
 
 
 def test_partial_files_of_dead_processes_are_removed(tmp_path: Path) -> None:
+    """Also where a live process has the pid now but started after the file last changed: a
+    container gives a process the same pid at every start."""
     target = tmp_path / GEMMA_FILE_NAME
     target.write_bytes(b"an assembled model")  # so the call assembles nothing
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -47,6 +50,9 @@ def test_partial_files_of_dead_processes_are_removed(tmp_path: Path) -> None:
         stale, in_use = partial_path(target, dead.pid), partial_path(target, alive.pid)
         for path in (stale, in_use):
             path.write_bytes(b"half a model")
+        reused = partial_path(target, os.getpid())  # its pid given again, to this process, after it died
+        reused.write_bytes(b"half a model")
+        os.utime(reused, (time.time() - 3600, time.time() - 3600))
         unrelated = tmp_path / "notes.partial-1"
         unrelated.write_text("not ours")
         assert gemma_model_path(tmp_path) == target

@@ -269,7 +269,9 @@ def test_slot_files_a_proxy_killed_outright_left_are_removed(tmp_path: Path) -> 
     """A proxy killed outright (SIGKILL) leaves its save and restore files (gigabytes in RAM, kept
     until a reboot); the next store on the directory removes those whose process is gone, and
     keeps a live process's (another proxy's sharing the directory), older names without a pid,
-    and everything else. The managed proxies' staging directories are cleaned the same way."""
+    and everything else. A file last changed before the live process with its pid started was
+    another's, given the same pid (a container's proxy gets the same pid at each start): removed.
+    The managed proxies' staging directories are cleaned the same way."""
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
     gone, live = int(done.stdout), os.getpid()
     removed = [
@@ -284,8 +286,11 @@ def test_slot_files_a_proxy_killed_outright_left_are_removed(tmp_path: Path) -> 
         "sippcache-save-0a1b2c3d.slot",  # named before the pid was in the name
         f"model-{gone}-x.slot",
     ]
+    reused = f"sippcache-restore-{live}-77aa-0.slot"  # left before this process, given its pid, started
+    removed.append(reused)
     for name in removed + kept:
         (tmp_path / name).write_bytes(b"slot")
+    os.utime(tmp_path / reused, (time.time() - 3600, time.time() - 3600))
     SlotStore(sippcache.open("ram://"), fingerprint="f", facts={}, kind="full", staging=str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
     for name in (f"sippcache-proxy-{gone}-x1", f"sippcache-proxy-{live}-x2", "sippcache-proxy-ab_12"):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import MissingDependency
-from ..processes import process_exists
+from ..processes import written_by_a_live_process
 
 GEMMA_FILE_NAME = "gemma-3-270m-q4_k_m.gguf"
 SMOLLM2_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -147,5 +147,11 @@ def remove_stale_partials(target: Path) -> None:
     """Remove the partial files of `target` left by processes that no longer exist."""
     for path in target.parent.glob(target.with_suffix(".partial-*").name):
         match = _PARTIAL_PID.fullmatch(path.suffix)
-        if match is not None and not process_exists(int(match.group(1))):
+        if match is None:
+            continue
+        try:
+            changed = path.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if not written_by_a_live_process(int(match.group(1)), changed):
             path.unlink(missing_ok=True)

@@ -62,7 +62,7 @@ from .. import chunks
 from ..buffers import allocate, populate
 from ..errors import SippcacheError
 from ..modelfile import MemoryKind
-from ..processes import process_exists
+from ..processes import written_by_a_live_process
 from ..protocol import CacheBackend, Peek
 from . import slotfile
 from .slots import Origin, common_prefix, reusable
@@ -492,7 +492,9 @@ def remove_stale_files(directory: str, prefixes: Sequence[str]) -> int:
     """Remove the entries of `directory` named a prefix, a pid and "-" whose process is gone, and
     that this user owns: what a proxy killed outright (SIGKILL, a crash) left, slot files of up
     to gigabytes in RAM otherwise kept until a reboot. A live process's are kept, another
-    proxy's sharing the directory included. Returns how many were removed."""
+    proxy's sharing the directory included; an entry last changed before the process now
+    holding its pid started is not that process's (`written_by_a_live_process`). Returns how
+    many were removed."""
     removed = 0
     try:
         names = os.listdir(directory)
@@ -501,11 +503,12 @@ def remove_stale_files(directory: str, prefixes: Sequence[str]) -> int:
     for name in names:
         prefix = next((p for p in prefixes if name.startswith(p)), None)
         pid, dash, _ = name[len(prefix) :].partition("-") if prefix else ("", "", "")
-        if not (pid.isdigit() and dash) or process_exists(int(pid)):
+        if not (pid.isdigit() and dash):
             continue
         path = os.path.join(directory, name)
         try:
-            if os.lstat(path).st_uid != os.getuid():
+            stat = os.lstat(path)
+            if stat.st_uid != os.getuid() or written_by_a_live_process(int(pid), stat.st_mtime):
                 continue
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)
