@@ -201,7 +201,9 @@ def test_a_managed_proxy_whose_dev_shm_has_no_room_stages_on_disk(procs: Any, mo
     chat(proxy.url, first)
     settle(proxy)
     proxy.stop()
-    assert "/dev/shm has 0 MiB free (under 1024 MiB): slot files go through" in proxy.log_tail()
+    log = proxy.log_path.read_text()
+    assert "/dev/shm has 0 MiB free (under 1024 MiB): slot files go through" in log
+    assert f"cache lmdb://{tmp_path}/store)" in log  # the start line names the store
 
     proxy = procs(managed(model, cache), program=small_shm)
     answer, reused, timings = chat(proxy.url, first)

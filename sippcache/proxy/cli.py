@@ -477,7 +477,7 @@ async def _serve(
             f"sippcache proxy: http://{args.host}:{args.port} -> {', '.join(urls)} "
             f"({sum(i.slots for i in infos)} slots, {store.kind} memory, "
             f"{f'chunks of {store.chunk_tokens} tokens' if store.chunk_tokens else 'whole states'}, "
-            f"cache {getattr(cache, 'url', '')})",
+            f"cache {getattr(cache, 'location', type(cache).__name__)})",
             file=sys.stderr,
             flush=True,
         )
