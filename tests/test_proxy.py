@@ -362,6 +362,57 @@ def test_two_upstreams_behind_one_proxy_move_a_conversation_warm(procs: Any, mod
     assert metric(proxy, "sippcache_proxy_requests_total", upstream=b.url) >= 1
 
 
+def test_a_llama_server_run_as_another_user_restores_what_the_proxy_stages(
+    procs: Any, model: Path, tmp_path: Path
+) -> None:
+    """Attach mode with llama-server run as another user (a container of its own, the slot folder
+    shared): it reads the restore files the proxy writes, made 0644 as its own slot files are. Made
+    0600, it refused every restore ("Unable to restore slot") and nothing was ever reused."""
+    import pwd
+    import shutil
+    import tempfile
+
+    from tests.proxy_tools import llama_server_binary
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("running llama-server as another user needs root and setpriv")
+    nobody = pwd.getpwnam("nobody")
+    shared = Path(tempfile.mkdtemp(prefix="sippcache-users-", dir="/tmp"))  # tmp_path is root's alone
+    upstream: LlamaServer | None = None
+    try:
+        shared.chmod(0o755)
+        binary = shared / "bin" / llama_server_binary().name
+        shutil.copytree(llama_server_binary().parent, binary.parent)
+        shutil.copy(model, shared / "tiny.gguf")
+        (shared / "tiny.gguf").chmod(0o644)
+        slots = shared / "slots"
+        slots.mkdir()
+        slots.chmod(0o1777)
+        upstream = LlamaServer(shared / "tiny.gguf", tmp_path / "nobody.log", "-c", "4096", "-np", "1")
+        upstream.argv = [
+            *("setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups", str(binary)),
+            *upstream.argv[1:],
+            *("--slot-save-path", f"{slots}/", "--no-cache-idle-slots", "--cache-ram", "0"),
+        ]
+        upstream.start()
+        attach = ["--upstream", upstream.url, "--slot-dir", str(slots), "--cache", f"lmdb://{tmp_path}/store"]
+        first = conversation("which ship passed first?")
+        proxy = procs(attach)
+        chat(proxy.url, first)
+        settle(proxy)
+        proxy.stop()
+        with urllib.request.urlopen(urllib.request.Request(upstream.url + "/slots/0?action=erase", method="POST")):
+            pass  # the slot empty, as a restarted server's
+        proxy = procs(attach)
+        answer, reused, timings = chat(proxy.url, first)
+        assert reused == timings["cache_n"] > 800, (reused, timings, proxy.log_tail())
+        assert answer == chat(upstream.url, first, cache_prompt=False)[0]
+    finally:
+        if upstream is not None:
+            upstream.stop()
+        shutil.rmtree(shared, ignore_errors=True)
+
+
 # -- many clients -------------------------------------------------------------------------------------
 
 

@@ -90,6 +90,11 @@ SUPERSEDE_SLACK = 32
 #: The names of the slot files a proxy process makes in a staging directory, its pid after them:
 #: a save's (removed once stored) and each slot's restore file (removed when the proxy exits).
 SAVE_PREFIX, RESTORE_PREFIX = "sippcache-save-", "sippcache-restore-"
+#: A restore file's mode (less the umask): readable by a llama-server run as another user (a
+#: container of its own sharing the folder), as its own slot files are. Made 0600, every restore
+#: such a server was asked for was refused. Who else may read it is the folder's to say: a
+#: managed proxy's staging folder is its own (0700).
+STAGING_FILE_MODE = 0o644
 #: A staging file made ahead (`StagingFile.reserve`) is allocated this many bytes at a time: a
 #: restore that comes meanwhile waits for one such step at most, not for the whole file.
 ALLOCATE_SLICE = 64 << 20
@@ -417,7 +422,7 @@ class StagingFile:
         with self._lock:
             if self._mapped is not None:
                 return True
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, STAGING_FILE_MODE)
             try:
                 for start in range(os.fstat(fd).st_size, size, ALLOCATE_SLICE):  # pages, not a sparse file
                     if self._wanted.is_set():
@@ -453,7 +458,7 @@ class StagingFile:
     def _write(self, head: bytes, nbytes: int, fill: Callable[[memoryview], bool]) -> bool:
         start = len(head) - slotfile.SEQ_HEADER_BYTES
         size = start + nbytes
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, STAGING_FILE_MODE)
         try:
             have = os.fstat(fd).st_size
             if size > have:  # the pages it grows by, made first: no room is then an OSError, not a SIGBUS
