@@ -3,10 +3,24 @@ checking that directory before a backend opens its files in it."""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import stat
 
 from ..errors import CorruptStore, NoStore, ReadOnlyStore
+
+log = logging.getLogger(__name__)
+
+#: File systems a store's files must not be on: LMDB's documentation says not to use it on a
+#: remote file system at all (its locks and memory map are not shared there, even between two
+#: processes of one machine in some cases), and SQLite's locking is unreliable on them. A home
+#: folder on NFS, where the default store lives, is common on clusters.
+NETWORK_FILE_SYSTEMS = frozenset(
+    {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "fuse.glusterfs", "lustre", "gpfs", "beegfs"}
+    | {"fuse.sshfs", "afs", "9p"}
+)
+_warned: set[str] = set()
 
 
 def directory_path(scheme: str, location: str) -> str:
@@ -41,6 +55,36 @@ def prepare_directory(path: str, files: tuple[str, ...]) -> None:
     except PermissionError as exc:
         raise ReadOnlyStore(f"cannot create the cache directory {path}: {exc.strerror}") from exc
     check_store_files(path, files)
+    kind = network_file_system(path)
+    if kind is not None and path not in _warned:
+        _warned.add(path)
+        log.warning(
+            "sippcache: the store at %s is on a network file system (%s), where its locks and memory map are not "
+            "safe: keep it on a local disk (SIPPCACHE_URL, or the URL's path) or use Redis",
+            path,
+            kind,
+        )
+
+
+def network_file_system(path: str, mountinfo: str | None = None) -> str | None:
+    """The type of the file system `path` is on where it is a network one (`NETWORK_FILE_SYSTEMS`),
+    else None; read from `mountinfo` (/proc/self/mountinfo's text: Linux; elsewhere, None)."""
+    if mountinfo is None:
+        try:
+            with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+                mountinfo = f.read()
+        except OSError:
+            return None
+    real, longest, kind = os.path.realpath(path), -1, None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # "\040" is a space
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > longest:
+            longest, kind = len(point), fields[fields.index("-", 6) + 1]
+    return kind if kind in NETWORK_FILE_SYSTEMS else None
 
 
 def check_store_files(path: str, files: tuple[str, ...]) -> None:
