@@ -776,6 +776,27 @@ def test_every_memory_kind_extends_a_stored_state_after_a_restart(procs: Any, tm
         assert max(len(e.key) for e in store.entries()) > stored
 
 
+def test_a_slot_folder_whose_files_this_proxy_cannot_remove_is_refused_at_start(
+    procs: Any, model: Path, tmp_path: Path
+) -> None:
+    """Attach mode: llama-server's saves land in the folder, but this proxy may not remove them (a
+    folder of llama-server's user, with the sticky bit; here an append-only one, which not even
+    root may remove files from): they would pile up, gigabytes each. The proxy refuses to start,
+    saying what to change."""
+    import shutil
+
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+a", str(slots)]).returncode != 0:
+        pytest.skip("no chattr +a here (not root, or a file system without the flag)")
+    try:
+        upstream = procs(model, "-c", "4096", "-np", "1", "--slot-save-path", f"{slots}/", llama=True)
+        with pytest.raises(AssertionError, match=r"this proxy cannot remove the slot files .* run both as one user"):
+            procs(["--upstream", upstream.url, "--slot-dir", str(slots), "--cache", f"lmdb://{tmp_path}/s"])
+    finally:
+        subprocess.run(["chattr", "-a", str(slots)], check=True)
+
+
 @pytest.mark.parametrize("swa_full", [False, True], ids=["without-swa-full", "with-swa-full"])
 def test_attach_to_a_sliding_window_server_checks_it_extends_restores(
     procs: Any, tmp_path: Path, swa_full: bool

@@ -468,3 +468,22 @@ def test_whole_entries_of_earlier_proxies_restore_and_are_replaced(chunked: Slot
     keep_real(chunked, tiny_llm, turn2, 390, Origin(turn1, 290))
     assert state_keys(chunked) == [turn2] and len(chunk_keys(chunked)) == 6
     chunked.close()
+
+
+def test_a_slot_file_this_user_may_not_remove_is_logged_not_raised(tmp_path: Path, caplog: Any) -> None:
+    """A save file llama-server wrote where this proxy may not remove it (another user's folder, a
+    sticky bit; here an immutable file, which not even root may remove): the state was stored,
+    and the keep says so and logs the file that stays, rather than failing the save."""
+    import shutil
+
+    store = SlotStore(sippcache.open("ram://"), fingerprint="f", facts={}, kind="full", staging=str(tmp_path))
+    path = tmp_path / "sippcache-save-1-x.slot"
+    path.write_bytes(b"".join(slotfile.build(4, (*SYSTEM, 1), b"state" * 10)))
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(path)]).returncode != 0:
+        pytest.skip("no chattr +i here (not root, or a file system without the flag)")
+    try:
+        saved = store.keep(Snapshot(str(path), (*SYSTEM, 1), len(SYSTEM) + 1, time.perf_counter()), None, "")
+        assert saved is not None and keys(store) == {(*SYSTEM, 1)}
+        assert f"cannot remove the slot file {path} (it stays)" in caplog.text
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)

@@ -286,7 +286,13 @@ async def check_upstream(upstream: Upstream, slot_dir: str) -> UpstreamInfo:
     path = os.path.join(slot_dir, probe)
     if not os.path.exists(path):
         raise ProxyError(f"{upstream.url} saves slots elsewhere: start it with --slot-save-path {slot_dir}")
-    os.unlink(path)
+    try:
+        os.unlink(path)
+    except OSError as exc:
+        raise ProxyError(
+            f"this proxy cannot remove the slot files {upstream.url} writes in {slot_dir} ({exc.strerror}): run both "
+            "as one user, or give both a group that may write the folder, without the sticky bit"
+        ) from None
     return info
 
 

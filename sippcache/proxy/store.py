@@ -339,7 +339,7 @@ class SlotStore:
             answer = await upstream.slot_action(slot, "save", os.path.basename(path))
             tokens = await asyncio.to_thread(slotfile.read_tokens, path)
         except BaseException:
-            _remove(path)
+            _remove_slot_file(path)
             raise
         return Snapshot(path, tokens, min(prompt, len(tokens)), started, _reported_seconds(answer, "save_ms"))
 
@@ -357,7 +357,7 @@ class SlotStore:
             self._failed("save", exc)
             return None
         finally:
-            _remove(snapshot.path)
+            _remove_slot_file(snapshot.path)
         seconds = time.perf_counter() - snapshot.started
         return Saved(stored.tokens, stored.nbytes, seconds, stored.state_bytes, snapshot.saved)
 
@@ -482,7 +482,7 @@ class StagingFile:
         """Unmap and remove the file (a later `write` makes it again)."""
         with self._lock:
             self._unmap()
-            _remove(self.path)
+            _remove_slot_file(self.path)
 
     def _unmap(self) -> None:
         mapped, self._mapped = self._mapped, None
@@ -537,8 +537,13 @@ def _reported_seconds(answer: dict[str, Any], name: str) -> float | None:
     return None
 
 
-def _remove(path: str) -> None:
+def _remove_slot_file(path: str) -> None:
+    """Remove a slot file; one that cannot be (this user may not: a folder llama-server, run as
+    another user, owns, or one with the sticky bit) is logged, never raised: the state was stored
+    or the request answered either way."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError as exc:
+        log.warning("sippcache proxy: cannot remove the slot file %s (it stays): %s", path, exc)
