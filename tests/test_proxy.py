@@ -211,6 +211,18 @@ def test_a_managed_proxy_whose_dev_shm_has_no_room_stages_on_disk(procs: Any, mo
     assert reused == timings["cache_n"] > 800, (reused, timings)  # the stored state, restored
 
 
+def test_staging_files_made_ahead_take_at_most_half_the_folders_room() -> None:
+    """A restarted proxy makes each slot's staging file ahead, as large as the largest state it saw:
+    with many slots they would fill a RAM disk, and llama-server's saves into it would fail. Made
+    ahead, in order, while they take at most half the room; the rest at their first restore."""
+    from sippcache.proxy.cli import made_ahead
+
+    wanted = [("http://a", slot, 300 << 20) for slot in range(4)]
+    assert made_ahead(wanted, 2400 << 20) == wanted
+    assert made_ahead(wanted, 1000 << 20) == wanted[:1]
+    assert made_ahead(wanted, 500 << 20) == []
+
+
 def test_a_slot_folder_without_room_for_a_large_state_is_warned_of(tmp_path: Path, caplog: Any) -> None:
     """Attach mode: the servers' --slot-save-path is the user's; one with under a gigabyte free
     (here a 1 MiB tmpfs) is named at start, with what follows from it."""

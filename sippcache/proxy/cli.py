@@ -205,6 +205,20 @@ def _warn_if_cramped(folder: str) -> None:
         )
 
 
+def made_ahead(wanted: Sequence[tuple[str, int, int]], room: int) -> list[tuple[str, int, int]]:
+    """The slots (upstream URL, slot, bytes) whose staging files are made at start, in order, while
+    they take at most half the staging folder's `room`: made for every slot of a proxy with many
+    (each as large as the largest state seen), they would fill a RAM disk, and llama-server's
+    saves into it would fail. A slot left out makes its file at its first restore."""
+    budget, ahead = room // 2, []
+    for url, slot, nbytes in wanted:
+        if nbytes > budget:
+            break
+        budget -= nbytes
+        ahead.append((url, slot, nbytes))
+    return ahead
+
+
 def _staging_dir() -> str:
     """A private directory for slot files (those that proxies killed outright left are removed first)."""
     base = _staging_base()
@@ -471,11 +485,22 @@ async def _serve(
                 logging.getLogger("sippcache.proxy").info(
                     "restore rates of %s kept in %s (%d samples from before)", upstream.url, path, loaded
                 )
-        preparing = [  # each slot's staging file made for the largest state seen there, in the background
-            asyncio.create_task(asyncio.to_thread(store.prepare, upstream.url, slot, largest))
+        wanted = [
+            (upstream.url, slot, largest)
             for upstream, info in zip(upstreams, infos, strict=True)
             if (largest := proxy.rates.largest_state(upstream.url))
             for slot in range(info.slots)
+        ]
+        ahead = made_ahead(wanted, _room(staging))
+        if len(ahead) < len(wanted):
+            log.info(
+                "sippcache proxy: staging files made ahead for %d of %d slots (at most half of %s's room)",
+                len(ahead),
+                len(wanted),
+                staging,
+            )
+        preparing = [  # each slot's staging file made for the largest state seen there, in the background
+            asyncio.create_task(asyncio.to_thread(store.prepare, url, slot, largest)) for url, slot, largest in ahead
         ]
         config = uvicorn.Config(proxy, host=args.host, port=args.port, log_level="warning", lifespan="on")
         server = uvicorn.Server(config)
