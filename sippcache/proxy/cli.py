@@ -170,10 +170,10 @@ def _staging_base() -> str:
     """Where managed proxies make their staging directories: in RAM where the machine has a tmpfs
     with room for states, else the temporary directory (a disk's page cache)."""
     base = tempfile.gettempdir()
-    if not os.path.isdir(RAM_DISK):
+    if not (os.path.isdir(RAM_DISK) and os.access(RAM_DISK, os.W_OK)):
         return base
     room = _room(RAM_DISK)
-    if room >= RAM_DISK_ROOM and os.access(RAM_DISK, os.W_OK):
+    if room >= RAM_DISK_ROOM:
         return RAM_DISK
     log.info(
         "sippcache proxy: %s has %d MiB free (under %d MiB): slot files go through %s",
