@@ -438,16 +438,11 @@ def make_model(shape: str) -> dict | None:
     sys.path.insert(0, HERE)
     import mkmodel
 
-    path = os.path.join(os.environ.get("MODEL_DIR", "/dev/shm"), f"sipp-{shape}.gguf")
-    d = mkmodel.describe(shape)
-    need = 15 + d["params"] * 2 / 0.5e9  # generous: 0.5 GB/s
+    need = 15 + mkmodel.describe(shape)["params"] * 2 / 0.5e9  # generous: 0.5 GB/s
     if skip(f"{shape}: model", need):
         return None
-    if os.path.exists(path) and os.path.getsize(path) > 0:
-        d.update(path=path, file_bytes=os.path.getsize(path), write_s=0.0, reused=True)
-    else:
-        d = mkmodel.write(shape, path)
-    say(f"{shape}: model {d['file_bytes'] / 1e9:.2f} GB written in {d['write_s']} s -> {path}")
+    d = mkmodel.ensure(shape, os.environ.get("MODEL_DIR", "/dev/shm"))
+    say(f"{shape}: model {d['file_bytes'] / 1e9:.2f} GB written in {d['write_s']} s -> {d['path']}")
     return d
 
 

@@ -182,14 +182,9 @@ def make_model(shape: str) -> dict | None:
     sys.path.insert(0, HERE)
     import mkmodel
 
-    path = os.path.join(os.environ.get("MODEL_DIR", "/dev/shm"), f"sipp-{shape}.gguf")
-    described = mkmodel.describe(shape)
-    if skip(f"{shape}: model", 15 + described["params"] * 2 / 0.5e9):
+    if skip(f"{shape}: model", 15 + mkmodel.describe(shape)["params"] * 2 / 0.5e9):
         return None
-    if os.path.exists(path) and os.path.getsize(path) > 0:
-        described.update(path=path, file_bytes=os.path.getsize(path), write_s=0.0, reused=True)
-        return described
-    return mkmodel.write(shape, path)
+    return mkmodel.ensure(shape, os.environ.get("MODEL_DIR", "/dev/shm"))
 
 
 def brief(result: dict) -> dict:

@@ -139,6 +139,16 @@ def write(shape: str, path: str, seed: int = 0) -> dict:
     return d
 
 
+def ensure(shape: str, directory: str) -> dict:
+    """The model file of `shape` in `directory`: the one an earlier step wrote there, else written now."""
+    path = os.path.join(directory, f"sipp-{shape}.gguf")
+    if os.path.exists(path) and os.path.getsize(path) > 0:
+        d = describe(shape)
+        d.update(path=path, file_bytes=os.path.getsize(path), write_s=0.0, reused=True)
+        return d
+    return write(shape, path)
+
+
 def main() -> int:
     if len(sys.argv) != 3 or sys.argv[1] not in SHAPES:
         print(f"usage: python3 mkmodel.py {{{'|'.join(SHAPES)}}} PATH", file=sys.stderr)

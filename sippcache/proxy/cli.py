@@ -43,7 +43,7 @@ from .slots import SlotTable
 from .store import SlotStore, remove_stale_files
 from .upstream import Upstream, UpstreamError, UpstreamInfo
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("sippcache.proxy")
 
 __all__ = ["ProxyError", "build_parser", "main"]
 
@@ -482,9 +482,7 @@ async def _serve(
                     place = "managed\n" + "\n".join([args.llama_server, args.model, *args.server_args])
                 path = rates_file(args.rates_dir, digest, place)
                 loaded = proxy.rates.keep(upstream.url, path)
-                logging.getLogger("sippcache.proxy").info(
-                    "restore rates of %s kept in %s (%d samples from before)", upstream.url, path, loaded
-                )
+                log.info("restore rates of %s kept in %s (%d samples from before)", upstream.url, path, loaded)
         wanted = [
             (upstream.url, slot, largest)
             for upstream, info in zip(upstreams, infos, strict=True)
