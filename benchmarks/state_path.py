@@ -19,7 +19,9 @@ them as GB/s and as a ratio to a plain memory copy of the same bytes measured in
 - the proxy (`sippcache.proxy.store.SlotStore`, kind "full") on each backend: ``keep`` of a slot
   file in llama-server's format (read + framing + store write; the file is written untimed first)
   and ``_stage`` of the entry (lookup + decode + writing the staging slot file: one per slot, as
-  the proxy keeps it, so the first restore, which creates it, is untimed); beside them, the same
+  the proxy keeps it, so the first restore, which creates it, is untimed), and ``_stage`` right
+  after a restore of a state a quarter as long (the file left long; beside it, cut to each state's
+  length, as for slot-file version 1 and before 2026-11-28); beside them, the same
   save and restore as the proxy made them before 2026-11-27 (a read into a new buffer and two more
   copies; a new staging file per restore), the alternative measured in the same run. Whole states
   (``--chunk-tokens 0``), then in chunks: a save into an empty store (every chunk new), a save of a
@@ -93,6 +95,8 @@ RESTORE_GOAL, SAVE_GOAL = 0.5, 0.3
 RESTORE_BACKEND, SAVE_BACKEND = "ram", "lmdb"
 CHUNKED, CHUNKED_RESTORE = "proxy save, chunks, every chunk new", "proxy restore, chunks"
 CHUNKED_NEXT = "proxy save, chunks, only the tail new"
+AFTER_SHORTER = "proxy restore after one a quarter as long: _stage"
+CUT = ", cut to each state (slot-file version 1)"
 #: A restore from chunks is timed as this host checks it (`chunks.MEANWHILE_THREADS`), and the other way.
 CHECKS_AS_COPIED = chunks.check_threads() < chunks.MEANWHILE_THREADS
 OTHER_WAY = ", chunks checked meanwhile" if CHECKS_AS_COPIED else ", each chunk hashed as copied"
@@ -297,6 +301,14 @@ def backend(clock: Clock, name: str, url: str, blob: bytes, keys: list[tuple[int
                 sys.exit(f"FAIL: {name} returned other bytes or another key")
 
 
+def holds(path: str, parts: list[Any]) -> bool:
+    """Whether the slot file at `path` begins with the slot file `parts` make (llama.cpp reads a
+    state as far as it goes: a staging file may be longer)."""
+    expected = b"".join(parts)
+    with open(path, "rb") as f:
+        return f.read(len(expected)) == expected
+
+
 def proxy(clock: Clock, name: str, url: str, state: bytes, keys: list[tuple[int, ...]], staging: str) -> None:
     """`SlotStore.keep` of a llama-server slot file, then `SlotStore._stage` of the entry back to one."""
     repeat, last = len(keys), keys[-1]
@@ -329,9 +341,6 @@ def proxy(clock: Clock, name: str, url: str, state: bytes, keys: list[tuple[int,
                     f.write(part)
             with clock(f"proxy save, before: read + 3 copies ({name})"):
                 keep_before(cache, path, namespace)
-        expected = xxhash.xxh3_64()
-        for part in slotfile.build(SLOT_VERSION, last, state):
-            expected.update(part)
         for _ in range(repeat):
             with clock(f"proxy restore, before: a new staging file ({name})"):
                 stage_before(cache, last, namespace, os.path.join(staging, "restore-before.slot"))
@@ -341,10 +350,41 @@ def proxy(clock: Clock, name: str, url: str, state: bytes, keys: list[tuple[int,
                 staged = slots._stage(last, namespace, path)
             if staged is None or staged[1] != len(state):
                 sys.exit(f"FAIL: SlotStore._stage on {name} staged nothing (errors: {slots.errors})")
-            if i == 0:  # the slot file llama-server would have written
-                with open(path, "rb") as f:
-                    if xxhash.xxh3_64_intdigest(f.read()) != expected.intdigest():
-                        sys.exit(f"FAIL: SlotStore._stage on {name} wrote another slot file")
+            if i == 0 and not holds(path, slotfile.build(SLOT_VERSION, last, state)):
+                sys.exit(f"FAIL: SlotStore._stage on {name} wrote another slot file")
+
+
+def proxy_after_shorter(clock: Clock, name: str, url: str, n_tokens: int, seed: int, repeat: int, staging: str) -> None:
+    """`SlotStore._stage` of a state right after one a quarter as long into the same slot, as a
+    slot's restores go where conversations of several lengths take turns in it: the staging file
+    left as long as it was (slot-file version 4), and beside it cut to each state's length (version
+    1, written also by llama.cpp builds that abort on a longer file), which frees the pages past
+    the shorter state that the next longer one must allocate and fault in again."""
+    os.makedirs(staging)
+    states = [synthetic_state(n, seed) for n in (n_tokens // 4, n_tokens)]
+    keys = [(first, *range(3, 2 + n)) for first, n in ((1, n_tokens // 4), (2, n_tokens))]  # parting at once
+    with (
+        sippcache.open(url) as cache,
+        closing(
+            SlotStore(cache, fingerprint="bench", facts={}, kind="full", staging=staging, min_tokens=16, chunk_tokens=0)
+        ) as slots,
+    ):
+        for version, label in (SLOT_VERSION, ""), (1, CUT):
+            scope = f"v{version}"
+            for key, state in zip(keys, states, strict=True):
+                path = os.path.join(staging, "save.slot")
+                with open(path, "wb") as f:
+                    f.writelines(slotfile.build(version, key, state))
+                if slots.keep(Snapshot(path, key, len(key), time.perf_counter()), None, scope) is None:
+                    sys.exit(f"FAIL: SlotStore.keep on {name} stored nothing (errors: {slots.errors})")
+            path = os.path.join(staging, f"restore-v{version}.slot")
+            for i in range(repeat + 1):  # the first makes the staging file: untimed
+                if slots._stage(keys[0], slots.namespace(scope), path) is None:
+                    sys.exit(f"FAIL: SlotStore._stage on {name} staged nothing (errors: {slots.errors})")
+                with clock(f"{AFTER_SHORTER} ({name}){label}") if i else nullcontext():
+                    staged = slots._stage(keys[1], slots.namespace(scope), path)
+                if staged is None or staged[1] != len(states[1]):
+                    sys.exit(f"FAIL: SlotStore._stage on {name} staged nothing (errors: {slots.errors})")
 
 
 def proxy_chunked(
@@ -390,9 +430,6 @@ def proxy_chunked(
                 saved = slots.keep(Snapshot(path, nxt, len(nxt), time.perf_counter()), None, "bench")
             if saved is None or saved.nbytes >= len(state) // 4:
                 sys.exit(f"FAIL: SlotStore.keep on {name} wrote the chunks again (errors: {slots.errors})")
-        expected = xxhash.xxh3_64()
-        for part in slotfile.build(SLOT_VERSION, keys[-1], state):
-            expected.update(part)
         path = os.path.join(staging, "restore.slot")
         for i in range(len(keys) + 1):  # the first creates the staging file: untimed, and checked
             for label, checks in ("", nullcontext()), (OTHER_WAY, checked_the_other_way()):
@@ -400,10 +437,8 @@ def proxy_chunked(
                     staged = slots._stage(keys[-1], namespace, path)
                 if staged is None or staged[1] != len(state):
                     sys.exit(f"FAIL: SlotStore._stage on {name} staged nothing from chunks (errors: {slots.errors})")
-                if i == 0:
-                    with open(path, "rb") as f:
-                        if xxhash.xxh3_64_intdigest(f.read()) != expected.intdigest():
-                            sys.exit(f"FAIL: SlotStore._stage on {name} joined another slot file")
+                if i == 0 and not holds(path, slotfile.build(SLOT_VERSION, keys[-1], state)):
+                    sys.exit(f"FAIL: SlotStore._stage on {name} joined another slot file")
 
 
 def assembly(clock: Clock, n_tokens: int, seed: int, chunk_tokens: int, repeat: int) -> None:
@@ -507,6 +542,11 @@ def bench_size(size: int, backends: list[str], repeat: int, root: str, chunk_tok
         where = tempfile.mkdtemp(prefix=f"{name}-proxy-", dir=root)
         proxy(clock, name, backend_url(name, where), state, keys, os.path.join(where, "staging"))
         shutil.rmtree(where)
+        where = tempfile.mkdtemp(prefix=f"{name}-shorter-", dir=root)
+        proxy_after_shorter(
+            clock, name, backend_url(name, where), n_tokens, size, repeat, os.path.join(where, "staging")
+        )
+        shutil.rmtree(where)
         where = tempfile.mkdtemp(prefix=f"{name}-chunks-", dir=root)
         proxy_chunked(clock, name, backend_url(name, where), state, keys, os.path.join(where, "staging"), chunk_tokens)
         shutil.rmtree(where)
@@ -575,6 +615,8 @@ def totals(rows: list[dict[str, Any]], backends: list[str]) -> list[dict[str, An
                 "chunked_next_save_x": by_stage[f"{CHUNKED_NEXT}: keep ({name})"]["x_memcpy"],
                 "chunked_restore_x": chunked_restore["x_memcpy"],
                 "chunked_restore_other_x": by_stage[f"{CHUNKED_RESTORE}: _stage ({name}){OTHER_WAY}"]["x_memcpy"],
+                "after_shorter_x": by_stage[f"{AFTER_SHORTER} ({name})"]["x_memcpy"],
+                "after_shorter_cut_x": by_stage[f"{AFTER_SHORTER} ({name}){CUT}"]["x_memcpy"],
                 "save_ms": save["seconds"] * 1e3,
                 "restore_ms": restore["seconds"] * 1e3,
                 "sync_ms": None if sync is None else sync["seconds"] * 1e3,
@@ -630,7 +672,9 @@ def main() -> int:
             f" chunks of {args.chunk_tokens} tokens: save {t['chunked_save_x']:.2f}x (every chunk new;"
             f" own part {t['chunked_save_own_x']:.2f}x),"
             f" {t['chunked_next_save_x']:.2f}x (only the tail new),"
-            f" restore {t['chunked_restore_x']:.2f}x ({OTHER_WAY[2:]}: {t['chunked_restore_other_x']:.2f}x)"
+            f" restore {t['chunked_restore_x']:.2f}x ({OTHER_WAY[2:]}: {t['chunked_restore_other_x']:.2f}x);"
+            f" a restore after one a quarter as long {t['after_shorter_x']:.2f}x"
+            f" (the file cut to each state: {t['after_shorter_cut_x']:.2f}x)"
         )
     checks = (
         ("restore", RESTORE_BACKEND, RESTORE_GOAL, "restore_x"),

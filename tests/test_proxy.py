@@ -717,6 +717,36 @@ def test_conversations_beyond_the_slots_are_saved_when_their_slot_changes_hands(
     assert metric(proxy, "sippcache_proxy_slot_saves_total") == 3
 
 
+def test_a_shorter_state_restores_from_a_staging_file_a_longer_one_left(
+    procs: Any, model: Path, tmp_path: Path
+) -> None:
+    """A restored state shorter than the one before it in the slot's staging file: the file is left
+    as long as it was (cut, it freed pages the next longer state had to allocate and fault in
+    again), and llama-server (slot-file version 4) reads only the state in it. Each follow-up after
+    a restart restores its own conversation, reuses all of it, and answers as llama-server alone."""
+    cache = f"lmdb://{tmp_path}/store"
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    long_one = conversation("which ship passed first, and what flag did she fly?", "alice")
+    short_one = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "bob: the weather?"}]
+    proxy = procs(managed(model, cache))
+    first = {"long": chat(proxy.url, long_one), "short": chat(proxy.url, short_one)}
+    settle(proxy)
+    proxy.stop()
+    proxy = procs(managed(model, cache))
+    sizes = []
+    for name, opening in (("long", long_one), ("short", short_one), ("long", long_one)):
+        follow = [*opening, {"role": "assistant", "content": first[name][0]}, {"role": "user", "content": "more?"}]
+        answer, reused, timings = chat(proxy.url, follow)
+        assert answer == chat(reference.url, follow, cache_prompt=False)[0]
+        assert reused == timings["cache_n"] >= prompt_length(first[name][2]), timings
+        (staged,) = glob.glob(
+            os.path.join(_staging_base(), f"{STAGING_PREFIX}{proxy.process.pid}-*", "sippcache-restore-*")
+        )
+        sizes.append(os.path.getsize(staged))
+    assert sizes[0] == sizes[1] == sizes[2]  # the long state's file, kept for the short one
+    assert metric(proxy, "sippcache_proxy_restores_total", outcome="ok") == 3
+
+
 def test_a_slot_grown_past_the_bound_is_saved_and_kill_9_loses_no_more(procs: Any, model: Path, tmp_path: Path) -> None:
     """With --save-every 32 every turn here grows the slot past the bound: each is saved at once, so a
     proxy killed with SIGKILL (no shutdown at all) lost nothing of it."""

@@ -18,6 +18,11 @@ Phases, in order of priority:
            ratios to a memory copy: benchmarks/state_path.py (STATE_PATH_SIZES, RAM and LMDB).
 
 A shape may name a KV cache type after a colon (SHAPES=8b-slice,8b-slice:q8_0: -ctk/-ctv q8_0).
+
+Goals (the summary's PASS/MISS lines): the proxy's follow-up with `--restore auto` at least as
+fast as the same follow-up cold, and within 15% of llama-server's own restore + the follow-up
+wherever that restore beats cold. Exit status 1 if a goal is missed (unless NO_GOALS=1) or a step
+failed.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ RESULTS: dict = {
     "micro": {},
     "skipped": [],
     "errors": [],
+    "goals": [],
 }
 LIVE: list[subprocess.Popen] = []  # processes started here, stopped (by pid) at the end
 
@@ -783,11 +789,40 @@ def summary() -> None:
                 )
     for shape, m in RESULTS["micro"].items():
         lines.append(f"state_path on this host (after {shape}): rc {m.get('rc')}, {m.get('s')} s (see state_path.json)")
+    lines += goals()
     if RESULTS["skipped"]:
         lines.append("skipped: " + "; ".join(RESULTS["skipped"]))
     if RESULTS["errors"]:
         lines.append("errors: " + "; ".join(RESULTS["errors"]))
     print("\n".join(lines), flush=True)
+
+
+#: The issue's goals for the proxy's follow-up after a restart, as users run it (`--restore auto`):
+#: never slower than cold, and within 15% of llama-server's own restore wherever restoring wins.
+COLD_GOAL, FLOOR_GOAL = 1.0, 1.15
+
+
+def goals() -> list[str]:
+    """Judge each proxy row run with `--restore auto` against the raw phase's same prompt: its
+    time to first token at least COLD_GOAL times faster than cold, and, where llama-server's own
+    restore beat cold, at most FLOOR_GOAL times that restore + first token. "PASS"/"MISS" lines,
+    also kept in RESULTS["goals"]."""
+    lines = []
+    for shape, res in RESULTS["proxy"].items():
+        for n, run in res.get("runs", {}).items():
+            ttft = run.get("request2_auto", {}).get("ttft_ms")
+            cold, floor = run.get("raw_cold_req2_ttft_ms"), run.get("raw_restore_plus_req2_ttft_ms")
+            if not (ttft and cold and floor):
+                continue
+            checks = [(f"{cold / ttft:.2f}x cold >= {COLD_GOAL}x", cold / ttft >= COLD_GOAL)]
+            if floor < cold:
+                checks.append(
+                    (f"{ttft / floor:.2f}x llama-server's own restore <= {FLOOR_GOAL}x", ttft / floor <= FLOOR_GOAL)
+                )
+            for what, ok in checks:
+                lines.append(f"{'PASS' if ok else 'MISS'}: proxy (auto) {shape} N={n}: {what}")
+    RESULTS["goals"] = lines
+    return lines
 
 
 def _terminated(signum: int, frame: object) -> None:
@@ -839,9 +874,10 @@ def main() -> int:
         for proc in list(LIVE):
             with contextlib.suppress(Exception):
                 stop(proc, 20, f"pid {proc.pid}")
-        save_results()
         summary()
-    return 0 if not RESULTS["errors"] else 1
+        save_results()
+    missed = any(line.startswith("MISS") for line in RESULTS["goals"]) and os.environ.get("NO_GOALS") != "1"
+    return 0 if not RESULTS["errors"] and not missed else 1
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from ..protocol import Blob
 
 __all__ = [
+    "LONGER_FILE_VERSION",
     "SEQ_HEADER_BYTES",
     "SEQ_STATE_MAGIC",
     "SLOT_FILE_MAGIC",
@@ -53,6 +54,12 @@ _HEAD = struct.Struct("<III")
 _SEQ_HEAD = struct.Struct("<Ii")
 #: The size of `llama_state_seq_get_data`'s own header (u32 magic, i32 sequence id).
 SEQ_HEADER_BYTES = _SEQ_HEAD.size
+#: The first slot-file version that every llama.cpp writing it loads from a file longer than its
+#: state: it reads the state as far as the state says, then checks that it stopped there
+#: (llama_state_seq_load_file, a stream since llama.cpp PR #8699, July 2024; version 2 came in
+#: 2025). Before that PR it read the whole rest of the file, and a longer one failed an assert
+#: that aborts llama-server; version 1 files are written by both, so they are made exact.
+LONGER_FILE_VERSION = 2
 
 
 class SlotFileError(ValueError):

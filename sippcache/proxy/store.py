@@ -98,6 +98,10 @@ STAGING_FILE_MODE = 0o644
 #: A staging file made ahead (`StagingFile.reserve`) is allocated this many bytes at a time: a
 #: restore that comes meanwhile waits for one such step at most, not for the whole file.
 ALLOCATE_SLICE = 64 << 20
+#: A staging file a restore must grow (where llama.cpp reads a longer file: `StagingFile.write`)
+#: grows by this share of the state more, so that a conversation's next, slightly longer state
+#: fits without growing it (and mapping it) again.
+GROWTH_SLACK = 1 / 8
 #: What a proxy entry's payload is: one llama.cpp sequence state (`llama_state_seq_get_data`'s form).
 #: Its chunks and tails are of kinds ``llama-server.seq.chunk`` and ``llama-server.seq.tail``.
 KIND = "llama-server.seq"
@@ -313,7 +317,8 @@ class SlotStore:
                 held = assembled.tokens
                 head = b"".join(slotfile.build(version, held))
                 nbytes = assembled.nbytes - slotfile.SEQ_HEADER_BYTES
-                passed = staging.write(head, assembled.nbytes, partial(self.states.write_checked, assembled))
+                fill = partial(self.states.write_checked, assembled)
+                passed = staging.write(head, assembled.nbytes, fill, exact=version < slotfile.LONGER_FILE_VERSION)
             except (TypeError, ValueError, OSError) as exc:  # SlotFileError is a ValueError
                 error = exc
             if not passed:  # a miss: the damaged entry is deleted, and counted (`errors`)
@@ -424,25 +429,33 @@ class StagingFile:
                 return True
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, STAGING_FILE_MODE)
             try:
-                for start in range(os.fstat(fd).st_size, size, ALLOCATE_SLICE):  # pages, not a sparse file
+                have = os.fstat(fd).st_size
+                for start in range(have, size, ALLOCATE_SLICE):  # pages, not a sparse file
                     if self._wanted.is_set():
                         return False
                     allocate(fd, start, min(ALLOCATE_SLICE, size - start))
-                self._map(fd, size, self._wanted.is_set)
+                self._map(fd, max(size, have), self._wanted.is_set)
             finally:
                 os.close(fd)
             return not self._wanted.is_set()
 
-    def write(self, head: bytes, nbytes: int, fill: Callable[[memoryview], bool]) -> bool:
+    def write(self, head: bytes, nbytes: int, fill: Callable[[memoryview], bool], *, exact: bool) -> bool:
         """Make the file `head` (`slotfile.build`'s header and tokens) and then a state of `nbytes`
         without its 8-byte sequence header: `fill` writes the state into the mapping once (joined
         there, from chunks: `ChunkedStates.write_checked`), its 8-byte header then overwritten by
         the end of `head`. False if `fill` says the state is not to be used (the file is then
-        left incomplete)."""
+        left incomplete).
+
+        Unless `exact` (a llama.cpp that loads only a file as long as its state:
+        `slotfile.LONGER_FILE_VERSION`), a file longer than the state is left that long, and one
+        that must grow grows by `GROWTH_SLACK` more. Cut to a shorter state, a file frees the
+        pages past it, and the next longer state must allocate and fault them in again: a
+        restore of 268 MB after one of 67 MB took 250 ms that way, against 20 ms into pages kept
+        (docs/proxy.md)."""
         self._wanted.set()  # a `reserve` under way stops at its next slice
         with self._lock:
             self._wanted.clear()
-            return self._write(head, nbytes, fill)
+            return self._write(head, nbytes, fill, exact)
 
     def _map(self, fd: int, size: int, stop: Callable[[], bool] | None = None) -> mmap.mmap:
         """The mapping of `fd`, `size` bytes at least: the one kept if it is that file and as large
@@ -455,17 +468,23 @@ class StagingFile:
             self._file = (stat.st_dev, stat.st_ino)
         return self._mapped
 
-    def _write(self, head: bytes, nbytes: int, fill: Callable[[memoryview], bool]) -> bool:
+    def _write(self, head: bytes, nbytes: int, fill: Callable[[memoryview], bool], exact: bool) -> bool:
         start = len(head) - slotfile.SEQ_HEADER_BYTES
         size = start + nbytes
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, STAGING_FILE_MODE)
         try:
             have = os.fstat(fd).st_size
             if size > have:  # the pages it grows by, made first: no room is then an OSError, not a SIGBUS
-                allocate(fd, have, size - have)
-            elif size < have:
+                grown = size if exact else size + int(size * GROWTH_SLACK)
+                try:
+                    allocate(fd, have, grown - have)
+                except OSError:
+                    if grown == size:
+                        raise
+                    allocate(fd, have, size - have)  # room for the state, not for the slack
+            elif size < have and exact:
                 os.ftruncate(fd, size)
-            mapped = self._map(fd, size)
+            mapped = self._map(fd, os.fstat(fd).st_size)
         finally:
             os.close(fd)
         view = memoryview(mapped)
