@@ -374,12 +374,16 @@ def test_two_upstreams_behind_one_proxy_move_a_conversation_warm(procs: Any, mod
     assert metric(proxy, "sippcache_proxy_requests_total", upstream=b.url) >= 1
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_a_llama_server_run_as_another_user_restores_what_the_proxy_stages(
-    procs: Any, model: Path, tmp_path: Path
+    procs: Any, model: Path, tmp_path: Path, umask: int
 ) -> None:
     """Attach mode with llama-server run as another user (a container of its own, the slot folder
     shared): it reads the restore files the proxy writes, made 0644 as its own slot files are. Made
-    0600, it refused every restore ("Unable to restore slot") and nothing was ever reused."""
+    0600, it refused every restore ("Unable to restore slot") and nothing was ever reused. A proxy
+    whose umask still makes them 0600 says why in its warning, and after a refused restore
+    (`--restore auto`) tries no more until its next probe, as where a restore was wasted: each
+    one cost a staging and bought nothing."""
     import pwd
     import shutil
     import tempfile
@@ -408,17 +412,31 @@ def test_a_llama_server_run_as_another_user_restores_what_the_proxy_stages(
         ]
         upstream.start()
         attach = ["--upstream", upstream.url, "--slot-dir", str(slots), "--cache", f"lmdb://{tmp_path}/store"]
-        first = conversation("which ship passed first?")
+        attach += ["--restore", "auto"]
+        asked = [conversation("which ship passed first?", name) for name in ("alice", "bob", "carol")]
         proxy = procs(attach)
-        chat(proxy.url, first)
+        for messages in asked:
+            chat(proxy.url, messages)
         settle(proxy)
         proxy.stop()
-        with urllib.request.urlopen(urllib.request.Request(upstream.url + "/slots/0?action=erase", method="POST")):
-            pass  # the slot empty, as a restarted server's
-        proxy = procs(attach)
-        answer, reused, timings = chat(proxy.url, first)
-        assert reused == timings["cache_n"] > 800, (reused, timings, proxy.log_tail())
-        assert answer == chat(upstream.url, first, cache_prompt=False)[0]
+        before = os.umask(umask)
+        try:
+            proxy = procs(attach)  # started with this umask
+        finally:
+            os.umask(before)
+        for messages in asked:
+            with urllib.request.urlopen(urllib.request.Request(upstream.url + "/slots/0?action=erase", method="POST")):
+                pass  # the slot empty, as a restarted server's
+            answer, reused, timings = chat(proxy.url, messages)
+            assert answer == chat(upstream.url, messages, cache_prompt=False)[0]
+            if umask == 0o022:
+                assert reused == timings["cache_n"] > 800, (reused, timings, proxy.log_tail())
+            else:
+                assert reused == timings["cache_n"] == 0, (reused, timings)
+                assert metric(proxy, "sippcache_proxy_restores_total", outcome="refused") == 1
+        if umask == 0o077:
+            assert metric(proxy, "sippcache_proxy_restores_skipped_total", reason="ineffective") == 2
+            assert "a llama-server run as another user cannot read it" in proxy.log_tail(1 << 20)
     finally:
         if upstream is not None:
             upstream.stop()

@@ -59,7 +59,7 @@ from ..rates import INEFFECTIVE_SHARE, RestoreRates
 from .metrics import ProxyMetrics
 from .prompts import KnownPrompts
 from .slots import NoServer, Origin, QueueFull, Slot, SlotTable, common_prefix, reusable
-from .store import Restored, SlotStore, Snapshot
+from .store import Restored, RestoreRefused, SlotStore, Snapshot
 from .upstream import Upstream, UpstreamDown, UpstreamRefused
 
 __all__ = ["COMPLETION_PATHS", "REUSED_HEADER", "Proxy"]
@@ -371,9 +371,14 @@ class Proxy:
             return None
         try:
             restored = await self.store.restore(upstream, slot.id, tokens, slot.scope)
-        except UpstreamRefused:
+        except RestoreRefused as refused:
             slot.forget()  # a refused restore leaves the slot empty
             self.metrics.restores.labels(url, "refused").inc()
+            # its seconds bought nothing: a server that refuses every restore (a file it may not
+            # read, a state it cannot load) stops getting them, as one that wastes them does
+            self.rates.record_restore(
+                url, nbytes=refused.nbytes, seconds=refused.seconds, tokens=refused.tokens, useful=0.0
+            )
             return None
         if restored is None:
             return None

@@ -48,6 +48,7 @@ import math
 import mmap
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -72,6 +73,7 @@ __all__ = [
     "KIND",
     "RESTORE_PREFIX",
     "SAVE_PREFIX",
+    "RestoreRefused",
     "Restored",
     "Saved",
     "SlotStore",
@@ -264,8 +266,14 @@ class SlotStore:
             answer = await upstream.slot_action(slot, "restore", os.path.basename(path))
         except UpstreamRefused as exc:
             self.refused += 1
-            log.warning("%s refused a stored state of %d tokens (kept): %s", upstream.url, len(origin.tokens), exc)
-            raise
+            log.warning(
+                "%s refused a stored state of %d tokens (kept): %s%s",
+                upstream.url,
+                len(origin.tokens),
+                exc,
+                _unreadable_by_others(path),
+            )
+            raise RestoreRefused(exc, nbytes, time.perf_counter() - started, len(held)) from exc
         seconds = time.perf_counter() - started
         return Restored(origin, nbytes, seconds, held, staged_seconds, _reported_seconds(answer, "restore_ms"))
 
@@ -401,6 +409,31 @@ class SlotStore:
     def _failed(self, what: str, exc: Exception) -> None:
         self._errors += 1
         log.warning("sippcache proxy: %s failed (a miss): %s", what, exc)
+
+
+class RestoreRefused(UpstreamRefused):
+    """llama-server refused a state staged for it (`SlotStore.restore`): a miss, with what the
+    attempt cost, which the rates count as a restore that gave nothing."""
+
+    def __init__(self, cause: UpstreamRefused, nbytes: int, seconds: float, tokens: int) -> None:
+        super().__init__(cause.status, str(cause).removeprefix(f"{cause.status}: "))
+        self.nbytes, self.seconds, self.tokens = nbytes, seconds, tokens
+
+
+def _unreadable_by_others(path: str) -> str:
+    """A hint for a refused restore whose file only this user may read (a umask of 077): a
+    llama-server run as another user (a container of its own) cannot open it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return ""
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        return ""
+    return (
+        f" (the restore file is mode {stat.S_IMODE(mode):04o}, this process's umask taking the rest of"
+        f" {STAGING_FILE_MODE:04o}: a llama-server run as another user cannot read it; give the proxy"
+        " a umask of 022, or run both as one user)"
+    )
 
 
 class StagingFile:
