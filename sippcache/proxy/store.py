@@ -483,7 +483,7 @@ class StagingFile:
         `slotfile.LONGER_FILE_VERSION`), a file longer than the state is left that long, and one
         that must grow grows by `GROWTH_SLACK` more. Cut to a shorter state, a file frees the
         pages past it, and the next longer state must allocate and fault them in again: a
-        restore of 268 MB after one of 67 MB took 250 ms that way, against 20 ms into pages kept
+        restore of 268 MB after one of 67 MB took 244 ms that way, against 42 ms into pages kept
         (docs/proxy.md)."""
         self._wanted.set()  # a `reserve` under way stops at its next slice
         with self._lock:
@@ -493,12 +493,12 @@ class StagingFile:
     def _map(self, fd: int, size: int, stop: Callable[[], bool] | None = None) -> mmap.mmap:
         """The mapping of `fd`, `size` bytes at least: the one kept if it is that file and as large
         (a new one's pages made, until `stop` says so)."""
-        stat = os.fstat(fd)
-        if self._mapped is None or len(self._mapped) < size or self._file != (stat.st_dev, stat.st_ino):
+        info = os.fstat(fd)
+        if self._mapped is None or len(self._mapped) < size or self._file != (info.st_dev, info.st_ino):
             self._unmap()
             self._mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
             populate(self._mapped, stop)  # a slice at a time: the event loop runs meanwhile
-            self._file = (stat.st_dev, stat.st_ino)
+            self._file = (info.st_dev, info.st_ino)
         return self._mapped
 
     def _write(self, head: bytes, nbytes: int, fill: Callable[[memoryview], bool], exact: bool) -> bool:
@@ -564,8 +564,8 @@ def remove_stale_files(directory: str, prefixes: Sequence[str]) -> int:
             continue
         path = os.path.join(directory, name)
         try:
-            stat = os.lstat(path)
-            if stat.st_uid != os.getuid() or written_by_a_live_process(int(pid), stat.st_mtime):
+            info = os.lstat(path)
+            if info.st_uid != os.getuid() or written_by_a_live_process(int(pid), info.st_mtime):
                 continue
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)
