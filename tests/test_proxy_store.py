@@ -247,7 +247,8 @@ def test_a_restore_into_a_folder_without_room_for_its_state_is_a_miss_not_a_cras
     no room is an OSError (a miss, counted, the file removed), where a copy into a page the tmpfs
     could not allocate was a SIGBUS that killed the proxy. A state that fits then restores there,
     and one that fits but not with the eighth more a file grows by (`GROWTH_SLACK`) restores
-    without it. Run in a private mount namespace whose folder is a 1 MiB tmpfs."""
+    without it; a shorter state then cuts the file to its length (kept long, it would hold room
+    llama-server's saves need). Run in a private mount namespace whose folder is a 1 MiB tmpfs."""
     from tests.filesystems import in_small_tmpfs
 
     small = tmp_path / "small"
@@ -274,6 +275,8 @@ def test_a_restore_into_a_folder_without_room_for_its_state_is_a_miss_not_a_cras
             with open(target, "rb") as f:
                 state = slotfile.parse(f.read()).state[: sizes[n]]  # the file may be longer than its state
                 out[f"fits {n}"] = fits is not None and bytes(state) == bytes([n]) * sizes[n]
+        store._stage((*system, 2, 7), store.namespace(""), target)  # the folder has not its room again:
+        out["cut"] = os.path.getsize(target) == len(b"".join(slotfile.build(4, (*system, 2), bytes(sizes[2]))))
         store.close()
         print(json.dumps(out))
     """
@@ -285,7 +288,7 @@ def test_a_restore_into_a_folder_without_room_for_its_state_is_a_miss_not_a_cras
     )
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7: SIGBUS
     out = json.loads(done.stdout.splitlines()[-1])
-    assert out == {"big": False, "errors": 1, "left": False, "fits 2": True, "fits 3": True}
+    assert out == {"big": False, "errors": 1, "left": False, "fits 2": True, "fits 3": True, "cut": True}
 
 
 def test_slot_files_a_proxy_killed_outright_left_are_removed(tmp_path: Path) -> None:

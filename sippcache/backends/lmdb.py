@@ -23,7 +23,7 @@ import lmdb
 
 from ..catalog import UNSET
 from ..engine import KVBackend, KVTxn, directory_path, fork_safe_lock, prepare_directory
-from ..engine.directory import check_store_files, missing_store
+from ..engine.directory import check_store_files, free_bytes, missing_store
 from ..engine.snapshots import End, detach_snapshots
 from ..errors import CacheFull, CorruptStore, NoStore, ReadOnlyStore, SippcacheError, StoreError
 from ..mirror import Limit
@@ -249,9 +249,8 @@ def _check_room_for_lock_file(path: str, max_readers: int) -> None:
     is a SIGBUS that kills the process, where a write to the data file is an error."""
     if os.path.exists(os.path.join(path, "lock.mdb")):
         return
-    stat = os.statvfs(path)
-    room, needed = stat.f_bavail * stat.f_frsize, READER_SLOT * max_readers + NEW_STORE_ROOM
-    if room < needed:
+    room, needed = free_bytes(path), READER_SLOT * max_readers + NEW_STORE_ROOM
+    if room is not None and room < needed:
         raise CacheFull(f"{path}: no room to make an LMDB store ({room} bytes free, {needed} needed): the disk is full")
 
 

@@ -87,6 +87,15 @@ def network_file_system(path: str, mountinfo: str | None = None) -> str | None:
     return kind if kind in NETWORK_FILE_SYSTEMS else None
 
 
+def free_bytes(folder: str) -> int | None:
+    """Bytes free for this user in the file system of `folder`; None where it cannot be told."""
+    try:
+        info = os.statvfs(folder)
+    except OSError:
+        return None
+    return info.f_bavail * info.f_frsize
+
+
 def check_store_files(path: str, files: tuple[str, ...]) -> None:
     """Refuse store files in `path` that are symbolic links or folders."""
     for name in files:

@@ -34,6 +34,7 @@ import xxhash
 from prometheus_client import Gauge
 
 from .. import chunks, frame, registry
+from ..engine.directory import free_bytes
 from ..modelfile import ModelFacts, read_model_facts
 from ..protocol import CacheBackend
 from ..rates import MODES, RestoreRates, mode_from_environment, rates_dir, rates_file
@@ -172,7 +173,7 @@ def _staging_base() -> str:
     base = tempfile.gettempdir()
     if not (os.path.isdir(RAM_DISK) and os.access(RAM_DISK, os.W_OK)):
         return base
-    room = _room(RAM_DISK)
+    room = free_bytes(RAM_DISK) or 0
     if room >= RAM_DISK_ROOM:
         return RAM_DISK
     log.info(
@@ -185,18 +186,9 @@ def _staging_base() -> str:
     return base
 
 
-def _room(folder: str) -> int:
-    """Bytes free for this user in `folder` (0 where it cannot be told)."""
-    try:
-        stat = os.statvfs(folder)
-    except OSError:
-        return 0
-    return stat.f_bavail * stat.f_frsize
-
-
 def _warn_if_cramped(folder: str) -> None:
     """A warning where the folder slot files go through has room for less than a large state."""
-    room = _room(folder)
+    room = free_bytes(folder) or 0
     if room < RAM_DISK_ROOM:
         log.warning(
             "sippcache proxy: %s has %d MiB free: a state larger than that is neither saved nor restored",
@@ -489,7 +481,7 @@ async def _serve(
             if (largest := proxy.rates.largest_state(upstream.url))
             for slot in range(info.slots)
         ]
-        ahead = made_ahead(wanted, _room(staging))
+        ahead = made_ahead(wanted, free_bytes(staging) or 0)
         if len(ahead) < len(wanted):
             log.info(
                 "sippcache proxy: staging files made ahead for %d of %d slots (at most half of %s's room)",
