@@ -417,7 +417,7 @@ class RestoreRefused(UpstreamRefused):
     attempt cost, which the rates count as a restore that gave nothing."""
 
     def __init__(self, cause: UpstreamRefused, nbytes: int, seconds: float, tokens: int) -> None:
-        super().__init__(cause.status, str(cause).removeprefix(f"{cause.status}: "))
+        super().__init__(cause.status, cause.message)
         self.nbytes, self.seconds, self.tokens = nbytes, seconds, tokens
 
 
@@ -508,18 +508,21 @@ class StagingFile:
         size = start + nbytes
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, STAGING_FILE_MODE)
         try:
-            have = os.fstat(fd).st_size
-            if size > have:  # the pages it grows by, made first: no room is then an OSError, not a SIGBUS
+            length = os.fstat(fd).st_size
+            if size > length:  # the pages it grows by, made first: no room is then an OSError, not a SIGBUS
                 grown = size if exact else size + int(size * GROWTH_SLACK)
                 try:
-                    allocate(fd, have, grown - have)
+                    allocate(fd, length, grown - length)
                 except OSError:
                     if grown == size:
                         raise
-                    allocate(fd, have, size - have)  # room for the state, not for the slack
-            elif size < have and (exact or (free_bytes(os.path.dirname(self.path)) or 0) < have):
+                    grown = size  # room for the state, not for the slack
+                    allocate(fd, length, size - length)
+                length = grown
+            elif size < length and (exact or (free_bytes(os.path.dirname(self.path)) or 0) < length):
                 os.ftruncate(fd, size)  # its pages given back: llama-server's saves need that room
-            mapped = self._map(fd, os.fstat(fd).st_size)
+                length = size
+            mapped = self._map(fd, length)
         finally:
             os.close(fd)
         view = memoryview(mapped)

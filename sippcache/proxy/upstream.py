@@ -31,7 +31,7 @@ class UpstreamRefused(UpstreamError):
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"{status}: {message}")
-        self.status = status
+        self.status, self.message = status, message
 
 
 @dataclass(frozen=True)
