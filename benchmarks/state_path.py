@@ -354,14 +354,16 @@ def proxy(clock: Clock, name: str, url: str, state: bytes, keys: list[tuple[int,
                 sys.exit(f"FAIL: SlotStore._stage on {name} wrote another slot file")
 
 
-def proxy_after_shorter(clock: Clock, name: str, url: str, n_tokens: int, seed: int, repeat: int, staging: str) -> None:
+def proxy_after_shorter(
+    clock: Clock, name: str, url: str, state: bytes, n_tokens: int, repeat: int, staging: str
+) -> None:
     """`SlotStore._stage` of a state right after one a quarter as long into the same slot, as a
     slot's restores go where conversations of several lengths take turns in it: the staging file
     left as long as it was (slot-file version 4), and beside it cut to each state's length (version
     1, written also by llama.cpp builds that abort on a longer file), which frees the pages past
     the shorter state that the next longer one must allocate and fault in again."""
     os.makedirs(staging)
-    states = [synthetic_state(n, seed) for n in (n_tokens // 4, n_tokens)]
+    states = [synthetic_state(n_tokens // 4, n_tokens), state]  # the state of the other rows, and a shorter one
     keys = [(first, *range(3, 2 + n)) for first, n in ((1, n_tokens // 4), (2, n_tokens))]  # parting at once
     with (
         sippcache.open(url) as cache,
@@ -544,7 +546,7 @@ def bench_size(size: int, backends: list[str], repeat: int, root: str, chunk_tok
         shutil.rmtree(where)
         where = tempfile.mkdtemp(prefix=f"{name}-shorter-", dir=root)
         proxy_after_shorter(
-            clock, name, backend_url(name, where), n_tokens, size, repeat, os.path.join(where, "staging")
+            clock, name, backend_url(name, where), state, n_tokens, repeat, os.path.join(where, "staging")
         )
         shutil.rmtree(where)
         where = tempfile.mkdtemp(prefix=f"{name}-chunks-", dir=root)
