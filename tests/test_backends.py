@@ -9,6 +9,7 @@ import pytest
 
 import sippcache
 from sippcache.testing import BackendTests, PersistentBackendTests
+from sippcache.testing.fixtures import blob_of
 
 
 class TestRAMBackend(BackendTests):
@@ -36,6 +37,18 @@ def test_lmdb_grows_a_full_map(tmp_path: Path) -> None:
         assert len(cache) == 40
         assert all(cache.lookup([i]) is not None for i in range(40))
     assert (tmp_path / "small" / "data.mdb").stat().st_size > 8 * 200_000  # beyond the 1 MiB map it began with
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_lmdb_flushes_a_commit_once_or_not_at_all(tmp_path: Path, sync: bool) -> None:
+    """`sync=true` flushes a commit's pages and leaves its meta page to the next flush (one flush a
+    commit, not two: each is an F_FULLFSYNC on macOS, and a chunked state is hundreds of commits)."""
+    with sippcache.open(f"lmdb://{tmp_path}/db?sync={str(sync).lower()}") as cache:
+        cache.store([1], b"abc")
+        flags = cache._shared.env.flags()  # type: ignore[attr-defined]
+        assert (flags["sync"], flags["metasync"]) == (sync, False)
+    with sippcache.open(f"lmdb://{tmp_path}/db") as cache:
+        assert blob_of(cache.lookup([1])) == b"abc"
 
 
 def test_lmdb_match_release_can_be_retried(tmp_path: Path) -> None:

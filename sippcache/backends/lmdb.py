@@ -206,6 +206,7 @@ def _open_environment(
                     map_size=map_size,
                     subdir=True,
                     sync=sync,
+                    metasync=False,  # a commit's one flush, not two (MDB_NOMETASYNC: `sync` in docs/backends.md)
                     max_readers=max_readers,
                     readahead=False,
                     meminit=True,  # else a page's unused bytes are written from the heap: other data, secrets
