@@ -242,6 +242,31 @@ def test_a_slot_folder_without_room_for_a_large_state_is_warned_of(tmp_path: Pat
     assert "neither saved nor restored" not in caplog.text
 
 
+@pytest.mark.parametrize(
+    ("options", "said"), [("", "a tmpfs with 4 KiB pages"), ("huge=within_size", "a tmpfs with huge pages")]
+)
+def test_the_proxy_says_whether_its_slot_folder_keeps_huge_pages(tmp_path: Path, options: str, said: str) -> None:
+    """A tmpfs with 4 KiB pages takes a page at a time to write, map and remove a slot file; one
+    mounted with huge=within_size takes 2 MiB pages (docs/proxy.md weighs the two). The proxy
+    names which its folder is at start, and where the other kind is set."""
+    from tests.filesystems import in_small_tmpfs
+
+    code = "import logging, sys; logging.basicConfig(level=logging.INFO); from sippcache.proxy.cli import _note_pages; "
+    code += "_note_pages(sys.argv[1])"
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    done = subprocess.run(
+        [*in_small_tmpfs(str(slots), "8m", options), sys.executable, "-c", code, str(slots)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"slot files go through {slots}, {said}" in done.stderr
+    assert ("one with huge pages: --staging-dir" in done.stderr) == (not options)
+    on_disk = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
+    assert on_disk.returncode == 0 and "slot files go through" not in on_disk.stderr  # not a tmpfs: nothing said
+
+
 def test_reuse_in_metrics_is_what_llama_server_reported(procs: Any, model: Path, tmp_path: Path) -> None:
     proxy = procs(managed(model, f"lmdb://{tmp_path}/store"))
     reported = [chat(proxy.url, conversation(q))[2] for q in ("one?", "two?", "three?")]
@@ -741,25 +766,26 @@ def test_a_shorter_state_restores_from_a_staging_file_a_longer_one_left(
     """A restored state shorter than the one before it in the slot's staging file: the file is left
     as long as it was (cut, it freed pages the next longer state had to allocate and fault in
     again), and llama-server (slot-file version 4) reads only the state in it. Each follow-up after
-    a restart restores its own conversation, reuses all of it, and answers as llama-server alone."""
+    a restart restores its own conversation, reuses all of it, and answers as llama-server alone.
+    The slot files go through the folder --staging-dir names."""
     cache = f"lmdb://{tmp_path}/store"
+    staging = tmp_path / "staging"
+    staging.mkdir()
     reference = procs(model, "-c", "4096", "-np", "1", llama=True)
     long_one = conversation("which ship passed first, and what flag did she fly?", "alice")
     short_one = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "bob: the weather?"}]
-    proxy = procs(managed(model, cache))
+    proxy = procs(managed(model, cache, "--staging-dir", str(staging)))
     first = {"long": chat(proxy.url, long_one), "short": chat(proxy.url, short_one)}
     settle(proxy)
     proxy.stop()
-    proxy = procs(managed(model, cache))
+    proxy = procs(managed(model, cache, "--staging-dir", str(staging)))
     sizes = []
     for name, opening in (("long", long_one), ("short", short_one), ("long", long_one)):
         follow = [*opening, {"role": "assistant", "content": first[name][0]}, {"role": "user", "content": "more?"}]
         answer, reused, timings = chat(proxy.url, follow)
         assert answer == chat(reference.url, follow, cache_prompt=False)[0]
         assert reused == timings["cache_n"] >= prompt_length(first[name][2]), timings
-        (staged,) = glob.glob(
-            os.path.join(_staging_base(), f"{STAGING_PREFIX}{proxy.process.pid}-*", "sippcache-restore-*")
-        )
+        (staged,) = glob.glob(os.path.join(staging, f"{STAGING_PREFIX}{proxy.process.pid}-*", "sippcache-restore-*"))
         sizes.append(os.path.getsize(staged))
     assert sizes[0] == sizes[1] == sizes[2]  # the long state's file, kept for the short one
     assert metric(proxy, "sippcache_proxy_restores_total", outcome="ok") == 3

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import stat
+from typing import NamedTuple
 
 from ..errors import CorruptStore, NoStore, ReadOnlyStore
 
@@ -66,25 +67,65 @@ def prepare_directory(path: str, files: tuple[str, ...]) -> None:
         )
 
 
-def network_file_system(path: str, mountinfo: str | None = None) -> str | None:
-    """The type of the file system `path` is on where it is a network one (`NETWORK_FILE_SYSTEMS`),
-    else None; read from `mountinfo` (/proc/self/mountinfo's text: Linux; elsewhere, None)."""
+class Mount(NamedTuple):
+    """The mount a path is on: its file system type and its options (the file system's own)."""
+
+    kind: str
+    options: frozenset[str]
+
+
+def mount_of(path: str, mountinfo: str | None = None) -> Mount | None:
+    """The mount `path` is on (the last one at the longest mount point above it), read from
+    `mountinfo` (/proc/self/mountinfo's text: Linux); None where it cannot be told."""
     if mountinfo is None:
         try:
             with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
                 mountinfo = f.read()
         except OSError:
             return None
-    real, longest, kind = os.path.realpath(path), -1, None
+    real, longest, found = os.path.realpath(path), -1, None
     for line in mountinfo.splitlines():
         fields = line.split()
         if "-" not in fields[6:]:
             continue
         point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # "\040" is a space
         inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) > longest:
-            longest, kind = len(point), fields[fields.index("-", 6) + 1]
-    return kind if kind in NETWORK_FILE_SYSTEMS else None
+        if inside and len(point) >= longest:  # a later mount at the same point hides the earlier one
+            after = fields[fields.index("-", 6) + 1 :]
+            longest, found = len(point), Mount(after[0], frozenset(after[2].split(",") if len(after) > 2 else ()))
+    return found
+
+
+def network_file_system(path: str, mountinfo: str | None = None) -> str | None:
+    """The type of the file system `path` is on where it is a network one (`NETWORK_FILE_SYSTEMS`),
+    else None (`mount_of`'s `mountinfo`)."""
+    mount = mount_of(path, mountinfo)
+    return mount.kind if mount is not None and mount.kind in NETWORK_FILE_SYSTEMS else None
+
+
+#: Where Linux says whether files on a tmpfs may get huge pages whatever its mount says.
+SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def huge_pages(path: str, mountinfo: str | None = None, shmem_enabled: str | None = None) -> bool | None:
+    """Whether a file written in `path` is kept in huge pages (2 MiB): on a tmpfs mounted with
+    ``huge=always`` or ``huge=within_size``, or on any tmpfs where the kernel forces them
+    (`SHMEM_ENABLED`: "force"; "deny" refuses them). A tmpfs with 4 KiB pages allocates, maps
+    and frees a page per 4 KiB of a new file: a gigabyte's state costs several memory copies
+    more each way (docs/proxy.md). None where `path` is not on a tmpfs, or it cannot be told."""
+    mount = mount_of(path, mountinfo)
+    if mount is None or mount.kind != "tmpfs":
+        return None
+    if shmem_enabled is None:
+        try:
+            with open(SHMEM_ENABLED, encoding="ascii") as f:
+                shmem_enabled = f.read()
+        except OSError:
+            shmem_enabled = ""
+    chosen = re.search(r"\[(\w+)\]", shmem_enabled)
+    if chosen is not None and chosen.group(1) in ("force", "deny"):
+        return chosen.group(1) == "force"
+    return bool(mount.options & {"huge=always", "huge=within_size"})
 
 
 def free_bytes(folder: str) -> int | None:

@@ -34,7 +34,7 @@ import xxhash
 from prometheus_client import Gauge
 
 from .. import chunks, frame, registry
-from ..engine.directory import free_bytes
+from ..engine.directory import free_bytes, huge_pages
 from ..modelfile import ModelFacts, read_model_facts
 from ..protocol import CacheBackend
 from ..rates import MODES, RestoreRates, mode_from_environment, rates_dir, rates_file
@@ -80,6 +80,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     managed.add_argument("--llama-server", metavar="PATH", help="the llama-server binary to start")
     managed.add_argument("--model", "-m", metavar="GGUF", help="the model llama-server loads")
     managed.add_argument("--parallel", "-np", type=int, default=1, help="slots: requests served at once (default 1)")
+    managed.add_argument(
+        "--staging-dir",
+        metavar="DIR",
+        help=f"where the proxy makes the private folder its slot files go through (default {RAM_DISK} where it has "
+        f"{RAM_DISK_ROOM >> 30} GiB free, else the temporary folder); for a tmpfs with huge pages, see docs/proxy.md",
+    )
     attach = parser.add_argument_group("attach to running llama-servers")
     attach.add_argument("--upstream", action="append", default=[], metavar="URL", help="a llama-server (repeatable)")
     attach.add_argument("--slot-dir", metavar="DIR", help="the --slot-save-path every upstream was started with")
@@ -186,6 +192,18 @@ def _staging_base() -> str:
     return base
 
 
+def _note_pages(folder: str) -> None:
+    """Say whether the tmpfs slot files go through keeps them in huge pages (nothing for a disk)."""
+    huge = huge_pages(folder)
+    if huge is None:
+        return
+    log.info(
+        "sippcache proxy: slot files go through %s, a tmpfs with %s",
+        folder,
+        "huge pages" if huge else "4 KiB pages (one with huge pages: --staging-dir; docs/proxy.md)",
+    )
+
+
 def _warn_if_cramped(folder: str) -> None:
     """A warning where the folder slot files go through has room for less than a large state."""
     room = free_bytes(folder) or 0
@@ -211,9 +229,10 @@ def made_ahead(wanted: Sequence[tuple[str, int, int]], room: int) -> list[tuple[
     return ahead
 
 
-def _staging_dir() -> str:
-    """A private directory for slot files (those that proxies killed outright left are removed first)."""
-    base = _staging_base()
+def _staging_dir(base: str | None = None) -> str:
+    """A private directory for slot files in `base` (default `_staging_base`); those that proxies
+    killed outright left there are removed first."""
+    base = _staging_base() if base is None else os.path.abspath(base)
     remove_stale_files(base, (STAGING_PREFIX,))
     return tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=base)
 
@@ -378,6 +397,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         _fail("--upstream needs --slot-dir: the directory the servers were started with as --slot-save-path")
     if args.llama_server and not args.model:
         _fail("--llama-server needs --model")
+    if args.staging_dir and not args.llama_server:
+        _fail("--staging-dir is for a managed llama-server; attached ones save where --slot-dir says")
+    if args.staging_dir and not os.path.isdir(args.staging_dir):
+        _fail(f"--staging-dir {args.staging_dir} is not a folder")
     if args.parallel < 1:
         _fail("--parallel must be at least 1")
     if not args.flight_wait >= 0:
@@ -393,8 +416,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     except ValueError as exc:
         _fail(str(exc))
     managed: _Managed | None = None
-    staging = _staging_dir() if args.llama_server else os.path.abspath(args.slot_dir)
+    staging = _staging_dir(args.staging_dir) if args.llama_server else os.path.abspath(args.slot_dir)
     _warn_if_cramped(staging)
+    _note_pages(staging)
     try:
         cache = registry.open(args.cache)
     except Exception as exc:
