@@ -74,6 +74,7 @@ from sippcache import chunks, frame
 from sippcache import stateformat as sf
 from sippcache.backends.tiered import tiered_url
 from sippcache.chunks import DEFAULT_CHUNK_TOKENS, Assembled, ChunkedStates
+from sippcache.engine.directory import huge_pages, mount_of
 from sippcache.options import Size
 from sippcache.proxy import slotfile
 from sippcache.proxy.store import KIND, SlotStore, Snapshot
@@ -147,14 +148,12 @@ def synthetic_state(n_tokens: int, seed: int, *, v_transposed: bool = False) -> 
 
 
 def filesystem(path: str) -> str:
-    """The type of the filesystem `path` is on (the longest mount point in /proc/mounts above it)."""
-    try:
-        with open("/proc/mounts") as f:
-            mounts = [line.split()[1:3] for line in f]
-    except OSError:
+    """The type of the file system `path` is on, and for a tmpfs whether it keeps huge pages."""
+    mount = mount_of(path)
+    if mount is None:
         return "unknown"
-    above = [(m, kind) for m, kind in mounts if path == m or path.startswith(m.rstrip("/") + "/")]
-    return max(above, key=lambda mount: len(mount[0]))[1] if above else "unknown"
+    huge = huge_pages(path)
+    return mount.kind if huge is None else f"{mount.kind}, {'huge' if huge else '4 KiB'} pages"
 
 
 class Clock:

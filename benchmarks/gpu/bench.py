@@ -15,7 +15,11 @@ Phases, in order of priority:
            and save seconds, bytes). The proxy keeps its measured rates in a --rates-dir of its own,
            as a user's proxy keeps them across restarts;
   micro    sippcache's own part of a save and a restore on this host's CPU, stage by stage, as
-           ratios to a memory copy: benchmarks/state_path.py (STATE_PATH_SIZES, RAM and LMDB).
+           ratios to a memory copy: benchmarks/state_path.py (STATE_PATH_SIZES, RAM and LMDB), on
+           /dev/shm and, with STAGING_DIR, there too.
+
+STAGING_DIR (run.sh sets it with HUGE_TMPFS=1: a tmpfs mounted with huge=within_size) is where
+the managed proxy's slot files go (`--staging-dir`) and, with SLOT_DIR in it, the raw server's.
 
 A shape may name a KV cache type after a colon (SHAPES=8b-slice,8b-slice:q8_0: -ctk/-ctv q8_0).
 
@@ -58,6 +62,8 @@ STATE_PATH_SIZES = os.environ.get("STATE_PATH_SIZES", "256M,1G")  # benchmarks/s
 CTX = int(os.environ.get("CTX", "65536"))
 SERVER_ARGS = os.environ.get("SERVER_ARGS", "-ngl 99 -fa on" if GPU else "-fa on").split()
 WORK = os.environ.get("WORK", "/tmp/gpubench")
+# the managed proxy's --staging-dir (run.sh's HUGE_TMPFS=1 mounts a tmpfs with huge pages and sets it)
+STAGING_DIR = os.environ.get("STAGING_DIR", "")
 SUFFIX = 32  # tokens the follow-up adds
 WARMUP = int(os.environ.get("WARMUP", "512"))  # tokens of the first request to a new server (not measured)
 PIDFILE = os.path.join(WORK, "pids")
@@ -429,6 +435,8 @@ def start_proxy(
     # slot saved (-np 1) and no save of the last conversation lands on its path
     argv = [sys.executable, "-m", "sippcache.proxy"]
     argv += ["--llama-server", LS, "--model", model, "--restore", mode, "--save-idle", "1", "--rates-dir", rates_dir]
+    if STAGING_DIR:  # run.sh's HUGE_TMPFS=1: a tmpfs with huge pages
+        argv += ["--staging-dir", STAGING_DIR]
     argv += ["--cache", store_url, "--port", str(port), "--", *args, "-c", str(CTX)]
     proc, server, took = launch(argv, port, log)  # /health is llama-server's, passed through once the proxy serves
     for kid in children(proc.pid):
@@ -683,11 +691,21 @@ def wait_saved(server: Server, before: dict[str, float], seconds: float) -> dict
     return {"stored_after_s": None, "store_timeout": True}
 
 
+def huge_pages(folder: str) -> bool | str | None:
+    """Whether files in `folder` get huge pages (`sippcache.engine.directory.huge_pages`); a failed
+    import is said, not raised: the raw phase runs without sippcache."""
+    try:
+        from sippcache.engine.directory import huge_pages as told
+    except Exception as exc:
+        return repr(exc)
+    return told(folder)
+
+
 def keep_proxy_logs(log: str) -> None:
     """Copy the proxy's llama-server log out of its staging directory (removed when it stops)."""
     with contextlib.suppress(OSError):
-        dirs = [os.path.join("/dev/shm", d) for d in os.listdir("/dev/shm") if d.startswith("sippcache-proxy-")]
-        dirs += [os.path.join("/tmp", d) for d in os.listdir("/tmp") if d.startswith("sippcache-proxy-")]
+        bases = ["/dev/shm", "/tmp", *([STAGING_DIR] if STAGING_DIR else [])]
+        dirs = [os.path.join(b, d) for b in bases for d in os.listdir(b) if d.startswith("sippcache-proxy-")]
         for d in sorted(dirs, key=os.path.getmtime)[-1:]:
             src = os.path.join(d, "llama-server.log")
             if os.path.exists(src):
@@ -705,35 +723,29 @@ def micro_phase(shape: str) -> None:
     need = 20 + 40 * sum(1 if s.upper().endswith("G") else 0.3 for s in sizes.split(","))
     if skip(f"{shape} state_path", need):
         return
-    out = os.path.join(OUT, "state_path.json")
-    argv = [
-        sys.executable,
-        script,
-        "--sizes",
-        sizes,
-        "--repeat",
-        "3",
-        "--backends",
-        "ram,lmdb",
-        "--no-goals",
-        "--json",
-        out,
-    ]
-    say("start: " + " ".join(argv))
-    started = now()
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=max(10.0, left() - 60))
-        RESULTS["micro"][shape] = {
-            "rc": done.returncode,
-            "s": round(now() - started, 1),
-            "stdout": done.stdout[-12000:],
-            "stderr": done.stderr[-3000:],
-        }
-        print(done.stdout, done.stderr[-3000:], flush=True)
-    except subprocess.TimeoutExpired as exc:
-        RESULTS["micro"][shape] = {"timeout": True, "stdout": (exc.stdout or b"")[-12000:]}
-        say("state_path: timed out")
-    save_results()
+    # /dev/shm, then (HUGE_TMPFS=1) the tmpfs with huge pages: the two side by side in one run
+    for where in ["/dev/shm", *([STAGING_DIR] if STAGING_DIR else [])]:
+        if where != "/dev/shm" and skip(f"{shape} state_path in {where}", need):
+            return
+        name = "" if where == "/dev/shm" else "-staging-dir"
+        argv = [sys.executable, script, "--sizes", sizes, "--repeat", "3", "--backends", "ram,lmdb", "--no-goals"]
+        argv += ["--dir", where, "--json", os.path.join(OUT, f"state_path{name}.json")]
+        say("start: " + " ".join(argv))
+        started = now()
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=max(10.0, left() - 60))
+            RESULTS["micro"][shape + name] = {
+                "rc": done.returncode,
+                "dir": where,
+                "s": round(now() - started, 1),
+                "stdout": done.stdout[-12000:],
+                "stderr": done.stderr[-3000:],
+            }
+            print(done.stdout, done.stderr[-3000:], flush=True)
+        except subprocess.TimeoutExpired as exc:
+            RESULTS["micro"][shape + name] = {"timeout": True, "dir": where, "stdout": (exc.stdout or b"")[-12000:]}
+            say("state_path: timed out")
+        save_results()
 
 
 def summary() -> None:
@@ -840,6 +852,8 @@ def main() -> int:
         "python": sys.version.split()[0],
         "model_dir": os.environ.get("MODEL_DIR", "/dev/shm"),
         "slot_dir": os.environ.get("SLOT_DIR", "/dev/shm/gpubench-slots"),
+        "staging_dir": STAGING_DIR or "the proxy's default (/dev/shm)",
+        "huge_pages": {d: huge_pages(d) for d in ("/dev/shm", *([STAGING_DIR] if STAGING_DIR else []))},
         "store_dir": os.environ.get("STORE_DIR", "/tmp/sippstore"),
         "deadline_in_s": round(left()),
     }
