@@ -243,6 +243,24 @@ def test_a_slot_folder_without_room_for_a_large_state_is_warned_of(tmp_path: Pat
 
 
 @pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--upstream", "http://127.0.0.1:9", "--slot-dir", "/tmp"], "--staging-dir is for a managed llama-server"),
+        (["--llama-server", "llama-server", "--model", "m.gguf"], "is not a folder this user can write in"),
+    ],
+)
+def test_a_staging_dir_the_proxy_cannot_use_is_refused_in_one_line(
+    tmp_path: Path, capsys: Any, extra: list[str], said: str
+) -> None:
+    from sippcache.proxy.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main([*extra, "--staging-dir", str(tmp_path / "missing")])
+    assert stopped.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("options", "said"), [("", "a tmpfs with 4 KiB pages"), ("huge=within_size", "a tmpfs with huge pages")]
 )
 def test_the_proxy_says_whether_its_slot_folder_keeps_huge_pages(tmp_path: Path, options: str, said: str) -> None:

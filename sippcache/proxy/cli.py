@@ -399,8 +399,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         _fail("--llama-server needs --model")
     if args.staging_dir and not args.llama_server:
         _fail("--staging-dir is for a managed llama-server; attached ones save where --slot-dir says")
-    if args.staging_dir and not os.path.isdir(args.staging_dir):
-        _fail(f"--staging-dir {args.staging_dir} is not a folder")
+    if args.staging_dir and not (os.path.isdir(args.staging_dir) and os.access(args.staging_dir, os.W_OK | os.X_OK)):
+        _fail(f"--staging-dir {args.staging_dir} is not a folder this user can write in")
     if args.parallel < 1:
         _fail("--parallel must be at least 1")
     if not args.flight_wait >= 0:
