@@ -111,8 +111,8 @@ def huge_pages(path: str, mountinfo: str | None = None, shmem_enabled: str | Non
     """Whether a file written in `path` is kept in huge pages (2 MiB): on a tmpfs mounted with
     ``huge=always`` or ``huge=within_size``, or on any tmpfs where the kernel forces them
     (`SHMEM_ENABLED`: "force"; "deny" refuses them). A tmpfs with 4 KiB pages allocates, maps
-    and frees a page per 4 KiB of a new file: a gigabyte's state costs several memory copies
-    more each way (docs/proxy.md). None where `path` is not on a tmpfs, or it cannot be told."""
+    and frees a page per 4 KiB of a file (docs/proxy.md weighs the two kinds for slot files).
+    None where `path` is not on a tmpfs, or it cannot be told."""
     mount = mount_of(path, mountinfo)
     if mount is None or mount.kind != "tmpfs":
         return None
