@@ -44,10 +44,10 @@ from typing import Any
 
 import xxhash
 
-from sippcache.engine.directory import huge_pages, mount_of
+from sippcache.engine.directory import huge_pages
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from state_path import parse_size, random_bytes
+from state_path import filesystem, parse_size, random_bytes
 
 STAGES = ("save, back to back", "save, after the pause", "proxy: map, read, unmap, remove")
 #: With --llama-server: its own save (a new file of the prompt's state) and restore, each as it times it.
@@ -178,9 +178,8 @@ def main() -> int:
     )
     missed = []
     for d in dirs:
-        mount, huge = mount_of(d), huge_pages(d)
-        pages = "" if huge is None else (", huge" if huge else ", 4 KiB") + " pages"
-        print(f"{d} ({'unknown' if mount is None else mount.kind + pages})")
+        huge = huge_pages(d)
+        print(f"{d} ({filesystem(d)})")
         for stage in (*STAGES, *SERVER_STAGES):
             if not times[d, stage]:
                 continue
