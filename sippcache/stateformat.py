@@ -831,7 +831,7 @@ class Joined:
                 plain.append((out[at : at + size], piece))
             at += size
         workers = gather_workers() if sum(piece.nbytes for piece, _ in tables) >= PARALLEL_GATHER_BYTES else 0
-        done = _Hashes(self._views, sum(isinstance(piece, _Rows | _Columns) for piece, _ in tables), hashed)
+        done = _Hashes(self._views, sum(piece.passes for piece, _ in tables if not isinstance(piece, _Span)), hashed)
         jobs = deque(job for piece, place in tables for job in piece.jobs(place, workers + 1, done))
         for place, piece in plain:
             place[:] = piece
@@ -900,11 +900,11 @@ def joined(meta: Buffer, chunks: Sequence[Buffer], tail: Buffer = b"") -> Joined
                     for i, n in enumerate(counts):
                         at[i] += len(heads) * n * row
                     continue
-                for v_type, v_size, v_dims in group:
-                    pieces.append(_VT_HEAD.pack(v_type, v_size, v_dims))
-                    pieces.append(_Columns(views, at, counts, v_size, v_dims))
+                for v_dims, same in itertools.groupby(group, key=lambda layer: layer[2]):
+                    heads = [_VT_HEAD.pack(v_type, row, v_dims) for v_type, _, _ in same]
+                    pieces.append(_Columns(views, at, counts, heads, row, v_dims))
                     for i, n in enumerate(counts):
-                        at[i] += v_dims * n * v_size
+                        at[i] += len(heads) * v_dims * n * row
             offsets = at
     pieces.append(rest)
     return Joined(pieces, views)
@@ -917,7 +917,7 @@ HASH_STEP_BYTES = 256 << 10
 #: A state's tables of at least this many bytes are copied on helper threads too.
 PARALLEL_GATHER_BYTES = 4 << 20
 #: A transposed V whose chunks hold runs shorter than this many bytes is gathered a group of
-#: chunks at a time, through a table of about `GATHER_GROUP_BYTES` (`_Columns.write`; measured:
+#: chunks at a time, through a table of about `GATHER_GROUP_BYTES` (`_Columns._gather`; measured:
 #: runs of 128 bytes gathered 1.5x faster so, runs of 512 bytes slower).
 SHORT_RUN_BYTES = 256
 GATHER_GROUP_BYTES = 4 << 20
@@ -996,6 +996,9 @@ class _Rows:
         self.views, self.at, self.counts, self.heads, self.row = views, list(at), counts, heads, row
         self.nbytes = sum(map(len, heads)) + len(heads) * sum(counts) * row
 
+    #: How many of its copies each chunk's bytes go through (`_Hashes`): one, its band of the table.
+    passes = 1
+
     def buffers(self) -> list[Buffer]:
         """As buffers to write back to back: each layer's head and its rows in every chunk."""
         out: list[Buffer] = []
@@ -1058,70 +1061,97 @@ def _copy(out: memoryview, data: memoryview) -> None:
 
 
 class _Columns:
-    """A transposed V from the chunks' parts (chunk i's at `at[i]`: dims runs of its counts[i]
-    elements of `size` bytes): each dimension's runs of every chunk, one after the other."""
+    """Transposed Vs of layers of one element size and dimension count from the chunks' parts
+    (chunk i's at `at[i]`: for each layer, dims runs of its counts[i] elements of `size` bytes):
+    each layer's head, then each dimension's runs of every chunk, one after the other."""
 
-    __slots__ = ("at", "counts", "dims", "nbytes", "size", "views")
+    __slots__ = ("at", "counts", "dims", "heads", "line", "nbytes", "size", "views")
 
-    def __init__(self, views: list[memoryview], at: list[int], counts: list[int], size: int, dims: int) -> None:
-        self.views, self.at, self.counts, self.size, self.dims = views, list(at), counts, size, dims
-        self.nbytes = dims * sum(counts) * size
+    def __init__(
+        self, views: list[memoryview], at: list[int], counts: list[int], heads: list[bytes], size: int, dims: int
+    ) -> None:
+        self.views, self.at, self.counts, self.heads, self.size, self.dims = views, list(at), counts, heads, size, dims
+        self.line = len(heads[0]) + dims * sum(counts) * size  # a layer's bytes: its head and its table
+        self.nbytes = len(heads) * self.line
 
-    def _runs(self) -> Iterator[memoryview]:
+    @property
+    def passes(self) -> int:
+        """How many of its copies each chunk's bytes go through (`_Hashes`): one a layer."""
+        return len(self.heads)
+
+    def _runs(self) -> Iterator[Buffer]:
         size = self.size
-        for j in range(self.dims):
-            for view, start, n in zip(self.views, self.at, self.counts, strict=True):
-                yield view[start + j * n * size : start + (j + 1) * n * size]
+        for j, head in enumerate(self.heads):
+            yield head
+            for d in range(self.dims):
+                for view, start, n in zip(self.views, self.at, self.counts, strict=True):
+                    run = start + (j * self.dims + d) * n * size
+                    yield view[run : run + n * size]
 
-    def write(self, out: memoryview, done: _Hashes) -> None:
-        """Into `out`, `nbytes` long: with numpy, the chunks' (dims, cells) tables side by side.
-        Chunks of short runs (64 f16 cells: 128 bytes) are gathered a group at a time: stacked
-        into a small table that stays in cache, then copied across it in one transposed copy,
-        each row of `out` getting the group's runs back to back. Copied straight from each chunk,
-        a run per row, they moved at a sixth of a memory copy on one core (measured); so, at
-        about a quarter, though each byte is copied twice. `done.copied` after each run or group
-        of chunks."""
-        copied = done.copied
+    def jobs(self, out: memoryview, ways: int, done: _Hashes) -> list[Callable[[], None]]:
+        """One job a layer (a state has jobs enough): its gather into its table of `out`, after
+        its head. Each chunk's part is made a numpy table once, here, for every layer's job."""
         if _np is None:
-            _write_back_to_back(out, self._runs())
-            copied(*range(len(self.views)))
-            return
-        dims = self.dims
+            return [partial(self._write_runs, out, done)]
+        size, dims, layers = self.size, self.dims, len(self.heads)
         parts = [
-            (i, _np.frombuffer(view, dtype=_np.uint8, count=dims * n * self.size, offset=start).reshape(dims, -1))
-            for i, (view, start, n) in enumerate(zip(self.views, self.at, self.counts, strict=True))
+            _np.frombuffer(view, dtype=_np.uint8, count=layers * dims * n * size, offset=start).reshape(
+                layers, dims, n * size
+            )
+            for view, start, n in zip(self.views, self.at, self.counts, strict=True)
         ]
-        table, begin, scratch = _table(out, dims), 0, None
-        for width, same in itertools.groupby(parts, key=lambda part: part[1].shape[1]):
-            indexed = list(same)
-            run = [part for _, part in indexed]
+        # the chunks in runs of one width (all but a last, shorter chunk): the same for every layer
+        widths = [
+            (width, [i for i, _ in same])
+            for width, same in itertools.groupby(enumerate(self.counts), key=lambda chunk: chunk[1] * size)
+        ]
+        head = len(self.heads[0])
+        jobs: list[Callable[[], None]] = []
+        for j, head_bytes in enumerate(self.heads):
+            line = out[j * self.line : (j + 1) * self.line]
+            line[:head] = head_bytes
+            jobs.append(partial(self._gather, _table(line[head:], dims), [part[j] for part in parts], widths, done))
+        return jobs
+
+    def _write_runs(self, out: memoryview, done: _Hashes) -> None:
+        """Without numpy: every layer's head and runs back to back, then each chunk's copies told."""
+        _write_back_to_back(out, self._runs())
+        for _ in self.heads:
+            done.copied(*range(len(self.views)))
+
+    def _gather(self, table: Any, parts: list[Any], widths: list[tuple[int, list[int]]], done: _Hashes) -> None:
+        """One layer's (dims, cells) tables of every chunk (`parts`, in runs of chunks of one
+        width), side by side into `table`. Chunks of short runs (64 f16 cells: 128 bytes) are
+        gathered a group at a time: stacked into a small table that stays in cache, then copied
+        across it in one transposed copy, each row of the layer getting the group's runs back to
+        back. Copied straight from each chunk, a run per row, they moved at a sixth of a memory
+        copy on one core (measured); so, at about a quarter, though each byte is copied twice.
+        `done.copied` after each run or group of chunks."""
+        dims, begin, scratch = self.dims, 0, None
+        for width, chunks in widths:
             per = max(1, GATHER_GROUP_BYTES // (dims * width)) if width < SHORT_RUN_BYTES else 1
             if per == 1:
-                _np.concatenate(run, axis=1, out=table[:, begin : begin + len(run) * width])
-                begin += len(run) * width
-                copied(*(i for i, _ in indexed))
+                _np.concatenate([parts[i] for i in chunks], axis=1, out=table[:, begin : begin + len(chunks) * width])
+                begin += len(chunks) * width
+                done.copied(*chunks)
                 continue
             if scratch is None:
                 scratch = _np.empty(per * dims * width, dtype=_np.uint8)
-            for i in range(0, len(run), per):
-                group = run[i : i + per]
+            for at in range(0, len(chunks), per):
+                group = chunks[at : at + per]
                 stacked = scratch[: len(group) * dims * width]
-                _np.concatenate(group, axis=0, out=stacked.reshape(len(group) * dims, width))
+                _np.concatenate([parts[i] for i in group], axis=0, out=stacked.reshape(len(group) * dims, width))
                 across = table[:, begin : begin + len(group) * width].reshape(dims, len(group), width)
                 _np.copyto(across, stacked.reshape(len(group), dims, width).transpose(1, 0, 2))
                 begin += len(group) * width
-                copied(*(j for j, _ in indexed[i : i + per]))
-
-    def jobs(self, out: memoryview, ways: int, done: _Hashes) -> list[Callable[[], None]]:
-        """One job: the gather (a state has a transposed V per layer: jobs enough)."""
-        return [partial(self.write, out, done)]
+                done.copied(*group)
 
     def buffers(self) -> list[Buffer]:
         """As buffers to write back to back: one new one with numpy (and several chunks), else the runs."""
         if _np is None or len(self.views) < 2:
             return list(self._runs())
         out = bytearray(self.nbytes)
-        self.write(memoryview(out), _NO_HASHES)
+        _drain(deque(self.jobs(memoryview(out), 1, _NO_HASHES)))
         return [out]
 
 

@@ -492,6 +492,46 @@ def test_a_transposed_v_of_short_runs_gathered_in_groups_the_same_bytes(
             assert bytes(out[: joined.nbytes]) == expected and out[joined.nbytes :] == b"\xff" * 3
 
 
+def _state_of_layers(n_cells: int, v_dims: tuple[int, ...], seed: int = 0) -> bytes:
+    """A state in llama.cpp's format (version 4, one stream, flash attention off) whose layers'
+    transposed Vs have the dimension counts `v_dims`, as a model with a KV head count per layer
+    writes them (OpenELM's, say): f16 K rows of 32 bytes, random bytes."""
+    rng = np.random.default_rng(seed)
+    f16, k_row = 1, 32
+    parts = [struct.pack("<II", 1, n_cells), b"".join(struct.pack("<iIi", pos, 1, 0) for pos in range(n_cells))]
+    parts.append(struct.pack("<IIII", 1, len(v_dims), 0, 0))  # V transposed, layers, no rotation
+    for _ in v_dims:
+        parts += [struct.pack("<iQ", f16, k_row), rng.bytes(n_cells * k_row)]
+    for dims in v_dims:
+        parts += [struct.pack("<iII", f16, 2, dims), rng.bytes(dims * n_cells * 2)]
+    return b"".join(parts)
+
+
+@pytest.mark.parametrize("how", ["numpy", "groups", "helper threads", "no numpy"])
+def test_transposed_vs_of_several_dimension_counts(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Layers whose transposed Vs differ in dimension count are gathered as runs of layers of one
+    count (each run one table): joined, byte for byte, each chunk hashed once all its bytes are in."""
+    data = _state_of_layers(N, (16, 16, 8, 16, 4, 4))
+    state = sf.parse(data, header=False, version=4)
+    assert [layer.v_dims for layer in state.caches[0].streams[0].layers] == [16, 16, 8, 16, 4, 4]
+    if how == "groups":
+        monkeypatch.setattr(sf, "GATHER_GROUP_BYTES", 3 * 1024)
+        monkeypatch.setattr(sf, "SHORT_RUN_BYTES", 1 << 20)
+    elif how == "helper threads":
+        monkeypatch.setattr(sf, "PARALLEL_GATHER_BYTES", 0)
+        monkeypatch.setattr(sf.os, "cpu_count", lambda: 4)
+    elif how == "no numpy":
+        monkeypatch.setattr(sf, "_np", None)
+    for size in (STEP, 7):
+        pieces = sf.split(state, list(range(size, N, size)))
+        assert sf.join(*pieces) == data
+        assert sf.join(pieces.meta, pieces.chunks[:3]) == sf.prefix(state, 3 * size)
+        expected, places = _each_chunks_place(pieces.meta, pieces.chunks)
+        out, calls = _write_into_hashing(sf.joined(pieces.meta, pieces.chunks), expected, places)
+        assert bytes(out) == data
+        assert sorted(calls) == [(i, xxhash.xxh3_64_intdigest(chunk), True) for i, chunk in enumerate(pieces.chunks)]
+
+
 def test_split_checks_its_cuts(contexts: Callable[..., Context]) -> None:
     context = contexts("tiny")
     context.eval(TOKENS[:50])
