@@ -10,7 +10,8 @@ them as GB/s and as a ratio to a plain memory copy of the same bytes measured in
   writing a new file and rewriting an existing one on the --dir filesystem;
 - chunks joined (`stateformat.joined(...).write_into` one kept buffer, as the llama-cpp-python
   layer restores a state stored in chunks of ``--chunk-tokens``): V as rows (flash attention on)
-  and V transposed (off: each dimension's runs of every chunk gathered);
+  and V transposed (off: each dimension's runs of every chunk gathered; beside it, alternating,
+  the gather as it was before 2026-11-29, each chunk's table made anew for every layer);
 - framing: `frame.encode` of a one-section state, `frame.decode` of it (checksum checked);
 - each backend, opened by URL: `store` of the framed blob (a new key each repetition), `lookup` +
   xxh3 of the whole blob (so mapped pages are read) + release; LMDB runs with ``sync=false`` and
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import mmap
 import os
@@ -65,6 +67,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import closing, contextmanager, nullcontext
+from functools import partial
 from typing import Any
 
 import xxhash
@@ -104,6 +107,7 @@ OTHER_WAY = ", chunks checked meanwhile" if CHECKS_AS_COPIED else ", each chunk 
 WRITE_CHECKED = ChunkedStates.write_checked
 ASSEMBLE_ROWS = "chunks: join into one buffer (V rows)"
 ASSEMBLE_COLUMNS = "chunks: join into one buffer (V transposed)"
+LAYER_TABLES = ", tables made a layer at a time (before)"
 #: The issue's goal for assembly: the chunks joined at least 0.5x a memcpy of the same bytes.
 ASSEMBLE_GOAL = 0.5
 MEMCPY, LMDB_SYNC = "memcpy (preallocated buffer)", "lmdb: disk sync (fsync data.mdb)"
@@ -454,15 +458,56 @@ def assembly(clock: Clock, n_tokens: int, seed: int, chunk_tokens: int, repeat: 
         )
         out = mmap.mmap(-1, len(state))
         view = memoryview(out)
+        ways = [(label, nullcontext)] + ([(label + LAYER_TABLES, tables_made_a_layer_at_a_time)] if transposed else [])
         for i in range(repeat + 1):  # the first faults the buffer's pages in: untimed, and checked
-            with clock(label) if i else nullcontext():
-                sf.joined(pieces.meta, pieces.chunks, pieces.tail).write_into(view)
-            if i == 0 and xxhash.xxh3_64_intdigest(view) != xxhash.xxh3_64_intdigest(state):
-                sys.exit(f"FAIL: {label}: the joined state is not the state")
+            for name, way in ways:  # alternating
+                with way(), clock(name) if i else nullcontext():
+                    sf.joined(pieces.meta, pieces.chunks, pieces.tail).write_into(view)
+                if i == 0 and xxhash.xxh3_64_intdigest(view) != xxhash.xxh3_64_intdigest(state):
+                    sys.exit(f"FAIL: {name}: the joined state is not the state")
         view.release()
         out.close()
         del state, pieces
         gc.collect()
+
+
+@contextmanager
+def tables_made_a_layer_at_a_time() -> Iterator[None]:
+    """The transposed-V gather as it was before 2026-11-29: each layer's job made every chunk's
+    numpy table of that layer, and grouped the chunks by width, anew (16,384 tables for a 1 GiB
+    state), where now each chunk's table is made once for all layers of one shape."""
+    import numpy as np
+
+    real = sf._Columns.jobs
+
+    def jobs(columns: Any, out: memoryview, ways: int, done: Any) -> list[Any]:
+        size, dims, head = columns.size, columns.dims, len(columns.heads[0])
+
+        def gather(j: int, table: Any) -> None:
+            parts = [
+                np.frombuffer(view, dtype=np.uint8, count=dims * n * size, offset=start + j * dims * n * size).reshape(
+                    dims, -1
+                )
+                for view, start, n in zip(columns.views, columns.at, columns.counts, strict=True)
+            ]
+            widths = [
+                (width, [i for i, _ in same])
+                for width, same in itertools.groupby(enumerate(parts), key=lambda part: part[1].shape[1])
+            ]
+            columns._gather(table, parts, widths, done)
+
+        made = []
+        for j, head_bytes in enumerate(columns.heads):
+            line = out[j * columns.line : (j + 1) * columns.line]
+            line[:head] = head_bytes
+            made.append(partial(gather, j, sf._table(line[head:], dims)))
+        return made
+
+    sf._Columns.jobs = jobs  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        sf._Columns.jobs = real  # type: ignore[method-assign]
 
 
 @contextmanager
