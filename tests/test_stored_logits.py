@@ -420,6 +420,9 @@ def test_pinned_prompt_survives_a_flood(make_llama, tiny_model) -> None:
         ]
         result = pc.prefill(system + [9, 10, 11])
         assert result.restored == 400
+        # That prefill's state is written on the writer thread; landing between the unpin and the
+        # pin, its write could evict the prompt's entries, unpinned then (a 2-core run did: pin False).
+        pc.flush()
         assert pc.unpin(system) is True and pc.pin(system) is True
         assert pc.pin(prompt(50, seed=999)) is False  # never stored
 
