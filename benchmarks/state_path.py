@@ -11,7 +11,7 @@ them as GB/s and as a ratio to a plain memory copy of the same bytes measured in
 - chunks joined (`stateformat.joined(...).write_into` one kept buffer, as the llama-cpp-python
   layer restores a state stored in chunks of ``--chunk-tokens``): V as rows (flash attention on)
   and V transposed (off: each dimension's runs of every chunk gathered; beside it, alternating,
-  the gather as it was before 2026-11-29, each chunk's table made anew for every layer);
+  the gather as it was before 2026-11-29's second change, each run copied as bytes);
 - framing: `frame.encode` of a one-section state, `frame.decode` of it (checksum checked);
 - each backend, opened by URL: `store` of the framed blob (a new key each repetition), `lookup` +
   xxh3 of the whole blob (so mapped pages are read) + release; LMDB runs with ``sync=false`` and
@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import mmap
 import os
@@ -67,7 +66,6 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import closing, contextmanager, nullcontext
-from functools import partial
 from typing import Any
 
 import xxhash
@@ -107,7 +105,7 @@ OTHER_WAY = ", chunks checked meanwhile" if CHECKS_AS_COPIED else ", each chunk 
 WRITE_CHECKED = ChunkedStates.write_checked
 ASSEMBLE_ROWS = "chunks: join into one buffer (V rows)"
 ASSEMBLE_COLUMNS = "chunks: join into one buffer (V transposed)"
-LAYER_TABLES = ", tables made a layer at a time (before)"
+RUNS_AS_BYTES = ", each run copied as bytes (before)"
 #: The issue's goal for assembly: the chunks joined at least 0.5x a memcpy of the same bytes.
 ASSEMBLE_GOAL = 0.5
 MEMCPY, LMDB_SYNC = "memcpy (preallocated buffer)", "lmdb: disk sync (fsync data.mdb)"
@@ -458,7 +456,7 @@ def assembly(clock: Clock, n_tokens: int, seed: int, chunk_tokens: int, repeat: 
         )
         out = mmap.mmap(-1, len(state))
         view = memoryview(out)
-        ways = [(label, nullcontext)] + ([(label + LAYER_TABLES, tables_made_a_layer_at_a_time)] if transposed else [])
+        ways = [(label, nullcontext)] + ([(label + RUNS_AS_BYTES, runs_copied_byte_by_byte)] if transposed else [])
         for i in range(repeat + 1):  # the first faults the buffer's pages in: untimed, and checked
             for name, way in ways:  # alternating
                 with way(), clock(name) if i else nullcontext():
@@ -472,42 +470,21 @@ def assembly(clock: Clock, n_tokens: int, seed: int, chunk_tokens: int, repeat: 
 
 
 @contextmanager
-def tables_made_a_layer_at_a_time() -> Iterator[None]:
-    """The transposed-V gather as it was before 2026-11-29: each layer's job made every chunk's
-    numpy table of that layer, and grouped the chunks by width, anew (16,384 tables for a 1 GiB
-    state), where now each chunk's table is made once for all layers of one shape."""
-    import numpy as np
+def runs_copied_byte_by_byte() -> Iterator[None]:
+    """The transposed-V gather as it was before 2026-11-29 (second change that day): a group's
+    stacked tables copied across the layer's rows as tables of bytes, each run a loop over its
+    bytes, where now each run is one element of its width (`stateformat._across`)."""
+    real = sf._across
 
-    real = sf._Columns.jobs
+    def across(band: Any, stacked: Any, chunks: int, width: int) -> None:
+        across_bytes = band.reshape(band.shape[0], chunks, width)
+        across_bytes[...] = stacked.reshape(chunks, band.shape[0], width).transpose(1, 0, 2)
 
-    def jobs(columns: Any, out: memoryview, ways: int, done: Any) -> list[Any]:
-        size, dims, head = columns.size, columns.dims, len(columns.heads[0])
-
-        def gather(j: int, table: Any) -> None:
-            parts = [
-                np.frombuffer(view, dtype=np.uint8, count=dims * n * size, offset=start + j * dims * n * size).reshape(
-                    dims, -1
-                )
-                for view, start, n in zip(columns.views, columns.at, columns.counts, strict=True)
-            ]
-            widths = [
-                (width, [i for i, _ in same])
-                for width, same in itertools.groupby(enumerate(parts), key=lambda part: part[1].shape[1])
-            ]
-            columns._gather(table, parts, widths, done)
-
-        made = []
-        for j, head_bytes in enumerate(columns.heads):
-            line = out[j * columns.line : (j + 1) * columns.line]
-            line[:head] = head_bytes
-            made.append(partial(gather, j, sf._table(line[head:], dims)))
-        return made
-
-    sf._Columns.jobs = jobs  # type: ignore[method-assign]
+    sf._across = across
     try:
         yield
     finally:
-        sf._Columns.jobs = real  # type: ignore[method-assign]
+        sf._across = real
 
 
 @contextmanager

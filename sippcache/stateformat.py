@@ -1124,8 +1124,9 @@ class _Columns:
         width), side by side into `table`. Chunks of short runs (64 f16 cells: 128 bytes) are
         gathered a group at a time: stacked into a small table that stays in cache, then copied
         across it in one transposed copy, each row of the layer getting the group's runs back to
-        back. Copied straight from each chunk, a run per row, they moved at a sixth of a memory
-        copy on one core (measured); so, at about a quarter, though each byte is copied twice.
+        back (`_across`). Copied straight from each chunk, a run per row, they moved
+        at a sixth of a memory copy on one core (measured); so, at about a quarter, though each
+        byte is copied twice.
         `done.copied` after each run or group of chunks."""
         dims, begin, scratch = self.dims, 0, None
         for width, chunks in widths:
@@ -1141,8 +1142,7 @@ class _Columns:
                 group = chunks[at : at + per]
                 stacked = scratch[: len(group) * dims * width]
                 _np.concatenate([parts[i] for i in group], axis=0, out=stacked.reshape(len(group) * dims, width))
-                across = table[:, begin : begin + len(group) * width].reshape(dims, len(group), width)
-                _np.copyto(across, stacked.reshape(len(group), dims, width).transpose(1, 0, 2))
+                _across(table[:, begin : begin + len(group) * width], stacked, len(group), width)
                 begin += len(group) * width
                 done.copied(*group)
 
@@ -1153,6 +1153,14 @@ class _Columns:
         out = bytearray(self.nbytes)
         _drain(deque(self.jobs(memoryview(out), 1, _NO_HASHES)))
         return [out]
+
+
+def _across(band: Any, stacked: Any, chunks: int, width: int) -> None:
+    """A group's stacked tables (`chunks` of them, each a run of `width` bytes a row) into `band`,
+    its rows' runs side by side: each run copied as one element of `width` bytes, not as a loop
+    over its bytes (a whole join of 1 GiB 4% faster; measured with `state_path.py`)."""
+    run = _np.dtype((_np.void, width))
+    _np.copyto(band.view(run), stacked.view(run).reshape(chunks, -1).T)
 
 
 def _write_then(out: memoryview, parts: Iterable[Buffer], done: _Hashes, chunks: range) -> None:
