@@ -106,6 +106,9 @@ WRITE_CHECKED = ChunkedStates.write_checked
 ASSEMBLE_ROWS = "chunks: join into one buffer (V rows)"
 ASSEMBLE_COLUMNS = "chunks: join into one buffer (V transposed)"
 RUNS_AS_BYTES = ", each run copied as bytes (before)"
+CUT_ROWS = "chunks: cut out of a state, each copied into a buffer (V rows)"
+CUT_COLUMNS = "chunks: cut out of a state, each copied into a buffer (V transposed)"
+CUT_ALONE = ", each chunk's runs cut alone"
 #: The issue's goal for assembly: the chunks joined at least 0.5x a memcpy of the same bytes.
 ASSEMBLE_GOAL = 0.5
 MEMCPY, LMDB_SYNC = "memcpy (preallocated buffer)", "lmdb: disk sync (fsync data.mdb)"
@@ -448,12 +451,24 @@ def assembly(clock: Clock, n_tokens: int, seed: int, chunk_tokens: int, repeat: 
     """`stateformat.joined(...).write_into` of a state cut in chunks of `chunk_tokens`, into one
     kept buffer: the llama-cpp-python layer's restore (the proxy writes the same parts into its
     staging file). V rows (flash attention on: every part one copy) and V transposed (off: each
-    dimension's runs of every chunk gathered)."""
+    dimension's runs of every chunk gathered). Before it, the other way: `stateformat.cut` of the
+    state, each chunk's pieces copied into a kept buffer of a chunk's size, deepest first (a first
+    save, less its framing and store)."""
     for label, transposed in ((ASSEMBLE_ROWS, False), (ASSEMBLE_COLUMNS, True)):
         state = synthetic_state(n_tokens, seed, v_transposed=transposed)
-        pieces = sf.split(
-            sf.parse(state, header=False, version=SLOT_VERSION), range(chunk_tokens, n_tokens, chunk_tokens)
-        )
+        parsed = sf.parse(state, header=False, version=SLOT_VERSION)
+        cuts = range(chunk_tokens, n_tokens, chunk_tokens)
+        pieces = sf.split(parsed, cuts)  # its chunks checked below: joined, they are the state
+        chunk = memoryview(bytearray(max(map(len, pieces.chunks))))
+        cut_label = CUT_COLUMNS if transposed else CUT_ROWS
+        ways = [(cut_label, nullcontext)] + ([(cut_label + CUT_ALONE, chunks_cut_alone)] if transposed else [])
+        for i in range(repeat + 1):  # the first untimed, and checked
+            for name, way in ways:  # alternating
+                with way(), clock(name) if i else nullcontext():
+                    copied = copy_out(sf.cut(parsed, cuts), chunk, hashed=not i)
+                if copied and copied != [xxhash.xxh3_64_intdigest(c) for c in reversed(pieces.chunks)]:
+                    sys.exit(f"FAIL: {name}: the chunks cut out are not the state's")
+        del parsed
         out = mmap.mmap(-1, len(state))
         view = memoryview(out)
         ways = [(label, nullcontext)] + ([(label + RUNS_AS_BYTES, runs_copied_byte_by_byte)] if transposed else [])
@@ -467,6 +482,33 @@ def assembly(clock: Clock, n_tokens: int, seed: int, chunk_tokens: int, repeat: 
         out.close()
         del state, pieces
         gc.collect()
+
+
+def copy_out(pieces: sf.Cut, out: memoryview, *, hashed: bool = False) -> list[int]:
+    """Each chunk's pieces copied into `out`, deepest chunk first (as a store writes them); with
+    `hashed`, each chunk's xxh3_64 as copied, in that order."""
+    digests = []
+    for i in reversed(range(len(pieces))):
+        at = 0
+        for piece in pieces.pieces(i):
+            data = memoryview(piece).cast("B")
+            out[at : at + data.nbytes] = data
+            at += data.nbytes
+        if hashed:
+            digests.append(xxhash.xxh3_64_intdigest(out[:at]))
+    return digests
+
+
+@contextmanager
+def chunks_cut_alone() -> Iterator[None]:
+    """A transposed V cut out a chunk at a time (before 2026-11-29: each chunk's runs read from
+    every one of a layer's rows, layer after layer), where now a group of chunks is cut at once."""
+    real = sf.Cut._columns_of
+    sf.Cut._columns_of = lambda self, index: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        sf.Cut._columns_of = real  # type: ignore[method-assign]
 
 
 @contextmanager

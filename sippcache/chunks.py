@@ -431,6 +431,7 @@ class ChunkedStates:
                 have += 1
         else:
             have = self.cache.touch_prefixes(ids, bounds, namespace=chunks_at)
+        pieces.first_wanted = have
         nbytes = written = 0
         chain = chain_digests(ids, size, len(bounds))
         for end in reversed(bounds[have:]):

@@ -532,6 +532,36 @@ def test_transposed_vs_of_several_dimension_counts(monkeypatch: pytest.MonkeyPat
         assert sorted(calls) == [(i, xxhash.xxh3_64_intdigest(chunk), True) for i, chunk in enumerate(pieces.chunks)]
 
 
+@pytest.mark.parametrize("group_bytes", [1, 3 * 1024, 1 << 30], ids=["groups of one", "groups of a few", "one group"])
+def test_a_transposed_v_cut_out_in_groups_the_same_bytes(
+    contexts: Callable[..., Context], monkeypatch: pytest.MonkeyPatch, group_bytes: int
+) -> None:
+    """`Cut` copies a transposed V out a group of chunks of one width at a time
+    (`CUT_GROUP_BYTES`), from the first chunk wanted: each chunk is the bytes its runs, sliced
+    one by one, give (as without numpy), whatever order the chunks are asked in (a store writes
+    them deepest first), uneven cuts and a shorter last chunk included, and a chunk's pieces
+    stay its bytes after another group is copied."""
+    context = contexts("tiny", flash=False)
+    context.eval(TOKENS, ends=batch_ends(N))
+    states = [context.state(), _state_of_layers(N, (16, 16, 8, 16, 4, 4))]
+    monkeypatch.setattr(sf, "CUT_GROUP_BYTES", group_bytes)
+    for data in states:
+        for cuts in (list(range(7, N, 7)), list(range(STEP, N, STEP)), [5, 12, 19, 26, 100, 101, 102, 250]):
+            with monkeypatch.context() as patched:
+                patched.setattr(sf, "_np", None)
+                expected = [sf.cut(data, cuts).chunk(i) for i in range(len(cuts) + 1)]
+            for first in (0, 3):  # a store that has the first 3 chunks asks from the fourth on
+                pieces = sf.cut(data, cuts)
+                pieces.first_wanted = first
+                order = list(range(len(pieces)))
+                random.Random(len(cuts)).shuffle(order)
+                for i in [*reversed(range(first, len(pieces))), *order]:
+                    assert pieces.chunk(i) == expected[i], (first, i)
+                held = pieces.pieces(first)
+                pieces.pieces(-1)
+                assert b"".join(held) == expected[first]
+
+
 def test_split_checks_its_cuts(contexts: Callable[..., Context]) -> None:
     context = contexts("tiny")
     context.eval(TOKENS[:50])
