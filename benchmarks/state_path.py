@@ -11,7 +11,10 @@ them as GB/s and as a ratio to a plain memory copy of the same bytes measured in
 - chunks joined (`stateformat.joined(...).write_into` one kept buffer, as the llama-cpp-python
   layer restores a state stored in chunks of ``--chunk-tokens``): V as rows (flash attention on)
   and V transposed (off: each dimension's runs of every chunk gathered; beside it, alternating,
-  the gather as it was before 2026-11-29's second change, each run copied as bytes);
+  the gather as it was before 2026-11-29's second change, each run copied as bytes); and the
+  other way, chunks cut out (`stateformat.cut`, each chunk's pieces copied into a buffer, deepest
+  first, as a first save frames them): V rows, and V transposed (a group of chunks at a time;
+  beside it, alternating, each chunk's runs cut alone, as before 2026-11-29);
 - framing: `frame.encode` of a one-section state, `frame.decode` of it (checksum checked);
 - each backend, opened by URL: `store` of the framed blob (a new key each repetition), `lookup` +
   xxh3 of the whole blob (so mapped pages are read) + release; LMDB runs with ``sync=false`` and
