@@ -898,7 +898,7 @@ class Joined:
                 plain.append((out[at : at + size], piece))
             at += size
         workers = gather_workers() if sum(piece.nbytes for piece, _ in tables) >= PARALLEL_GATHER_BYTES else 0
-        done = _Hashes(self._views, sum(piece.passes for piece, _ in tables if not isinstance(piece, _Span)), hashed)
+        done = _Hashes(self._views, sum(piece.passes for piece, _ in tables), hashed)
         jobs = deque(job for piece, place in tables for job in piece.jobs(place, workers + 1, done))
         for place, piece in plain:
             place[:] = piece
@@ -1114,6 +1114,9 @@ class _Span:
 
     __slots__ = ("nbytes", "view")
 
+    #: How many of its copies each chunk's bytes go through (`_Hashes`): none, it holds no chunk's.
+    passes = 0
+
     def __init__(self, view: memoryview) -> None:
         self.view, self.nbytes = view, view.nbytes
 
@@ -1191,10 +1194,9 @@ class _Columns:
         width), side by side into `table`. Chunks of short runs (64 f16 cells: 128 bytes) are
         gathered a group at a time: stacked into a small table that stays in cache, then copied
         across it in one transposed copy, each row of the layer getting the group's runs back to
-        back (`_across`). Copied straight from each chunk, a run per row, they moved
-        at a sixth of a memory copy on one core (measured); so, at about a quarter, though each
-        byte is copied twice.
-        `done.copied` after each run or group of chunks."""
+        back (`_across`). Copied straight from each chunk, a run per row, they moved at a sixth
+        of a memory copy on one core (measured); so, at about a quarter, though each byte is
+        copied twice. `done.copied` after each run or group of chunks."""
         dims, begin, scratch = self.dims, 0, None
         for width, chunks in widths:
             per = max(1, GATHER_GROUP_BYTES // (dims * width)) if width < SHORT_RUN_BYTES else 1
@@ -1225,7 +1227,8 @@ class _Columns:
 def _across(band: Any, stacked: Any, chunks: int, width: int) -> None:
     """A group's stacked tables (`chunks` of them, each a run of `width` bytes a row) into `band`,
     its rows' runs side by side: each run copied as one element of `width` bytes, not as a loop
-    over its bytes (a whole join of 1 GiB 4% faster; measured with `state_path.py`)."""
+    over its bytes (a whole join of 1 GiB 4-8% faster; measured: `state_path.py`'s row "each run
+    copied as bytes", and an A/B of the two in new processes)."""
     run = _np.dtype((_np.void, width))
     _np.copyto(band.view(run), stacked.view(run).reshape(chunks, -1).T)
 
