@@ -112,9 +112,19 @@ def decode(data: Blob) -> tuple[int, ...]:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the longest common prefix of two token sequences."""
+    """The length of the longest common prefix of two token sequences. Compared as lists a slice
+    at a time (the items compared in C), the first difference found by halving: the proxy calls
+    this on every request for each slot and request in flight, and a 32K-token prompt cost a
+    millisecond or more a call as a Python step per token."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    x, y = list(a[:n]), list(b[:n])
+    if x == y:
+        return n
+    low, high = 0, n  # x[:low] == y[:low], x[:high] != y[:high]
+    while high - low > 32:
+        middle = (low + high) // 2
+        if x[low:middle] == y[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return next(i for i in range(low, high) if x[i] != y[i])

@@ -360,6 +360,17 @@ def test_a_prompt_goes_as_ids_only_where_llama_server_reads_ids() -> None:
     assert not _ids_for_text("/v1/chat/completions", "chat", plain)
 
 
+def test_a_prompt_of_token_ids_is_a_list_of_ints_only() -> None:
+    """What the proxy keys a completion by when its prompt is ids: a copy of the list; anything
+    else (a bool, a float, a nested list, an empty list) is no prompt of ids, passed on as it is."""
+    from sippcache.proxy.app import _token_ids
+
+    ids = [1, 2**31 - 1, 0, 17]
+    assert _token_ids(ids) == ids and _token_ids(ids) is not ids
+    for other in ([], [1, True], [False], [1, 2.0], [1, [2]], ["1"], [None], "1 2", None, {"0": 1}):
+        assert _token_ids(other) is None, other
+
+
 # -- restarts, new conversations, replicas -------------------------------------------------------------
 
 

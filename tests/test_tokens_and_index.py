@@ -60,6 +60,18 @@ def test_error_names_the_position() -> None:
         tokens.encode(numpy.array([1, -3], dtype=numpy.int32))
 
 
+@given(st.lists(st.integers(0, 3), max_size=300), st.lists(st.integers(0, 3), max_size=300), st.integers(0, 300))
+def test_common_prefix_of_token_sequences(a: list[int], rest: list[int], shared: int) -> None:
+    """Against a step per token, for sequences sharing any length (past the halving's window of
+    32 too), of the kinds the callers pass: lists, tuples, arrays and numpy arrays, mixed."""
+    b = a[:shared] + rest
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    for x, y in ((a, b), (tuple(a), b), (array("i", a), tuple(b)), (numpy.array(a, dtype=numpy.int32), b)):
+        assert tokens.common_prefix(x, y) == tokens.common_prefix(y, x) == n
+
+
 @given(st.binary(max_size=64), st.binary(max_size=64))
 def test_common_prefix_bytes(a: bytes, b: bytes) -> None:
     n = 0

@@ -284,9 +284,7 @@ class Proxy:
             prompt = prompt[0]
         if isinstance(prompt, str):
             return await upstream.tokenize(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        return None
+        return _token_ids(prompt)
 
     async def _take_off(self, tokens: list[int], scope: str) -> _Flight:
         """Wait while a request in flight computes at least `MIN_FLIGHT_LEAD` tokens of this prompt
@@ -712,6 +710,14 @@ class _RelayResponse(Response):
             del data["timings"]
             return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
         return event
+
+
+def _token_ids(prompt: Any) -> list[int] | None:
+    """A completion's prompt given as token ids (a non-empty JSON list of ints, no bools), else
+    None. Checked in C (`map(type, ...)`): a 32K-token prompt took 7 ms as a Python step per id."""
+    if isinstance(prompt, list) and prompt and set(map(type, prompt)) == {int}:
+        return list(prompt)
+    return None
 
 
 def _is_final(data: dict[str, Any]) -> bool:
