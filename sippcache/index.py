@@ -19,6 +19,7 @@ from operator import attrgetter
 from typing import Any
 
 from .protocol import Blob
+from .tokens import halved_to_difference
 
 _TOKEN = 4  # bytes per token
 
@@ -32,14 +33,8 @@ def common_prefix_bytes(a: Blob, b: Blob) -> int:
     a, b = bytes(a[:n]), bytes(b[:n])
     if a == b:
         return n
-    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
-    while high - low > 64:
-        middle = (low + high) // 2
-        if a[low:middle] == b[low:middle]:
-            low = middle
-        else:
-            high = middle
-    diff = int.from_bytes(a[low:high], "little") ^ int.from_bytes(b[low:high], "little")
+    low = halved_to_difference(a, b, 64)
+    diff = int.from_bytes(a[low : low + 64], "little") ^ int.from_bytes(b[low : low + 64], "little")
     return low + ((diff & -diff).bit_length() - 1) // 8
 
 

@@ -112,19 +112,27 @@ def decode(data: Blob) -> tuple[int, ...]:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the longest common prefix of two token sequences. Compared as lists a slice
-    at a time (the items compared in C), the first difference found by halving: the proxy calls
-    this on every request for each slot and request in flight, and a 32K-token prompt cost a
-    millisecond or more a call as a Python step per token."""
+    """The length of the longest common prefix of two token sequences, compared as lists a slice at
+    a time (`halved_to_difference`): the proxy calls this on every request for each slot and each
+    request in flight, and a 32K-token prompt cost a millisecond or more a call as a Python step
+    per token."""
     n = min(len(a), len(b))
     x, y = list(a[:n]), list(b[:n])
     if x == y:
         return n
-    low, high = 0, n  # x[:low] == y[:low], x[:high] != y[:high]
-    while high - low > 32:
+    low = halved_to_difference(x, y, 32)
+    return next(i for i in range(low, n) if x[i] != y[i])
+
+
+def halved_to_difference(x: Any, y: Any, window: int) -> int:
+    """For two sequences of one length that differ (lists, bytes: anything whose slices compare
+    in C), a `low` with x[:low] == y[:low] and a difference within the `window` items from it,
+    found by halving: about two passes over the items, none of them a Python step."""
+    low, high = 0, len(x)  # x[:low] == y[:low], x[:high] != y[:high]
+    while high - low > window:
         middle = (low + high) // 2
         if x[low:middle] == y[low:middle]:
             low = middle
         else:
             high = middle
-    return next(i for i in range(low, high) if x[i] != y[i])
+    return low
