@@ -139,11 +139,14 @@ class Mirror:
     def reload(self, entries: Iterable[Put], seq: int, clock: float) -> None:
         """Rebuild the catalog from every entry the store holds as of log record `seq`
         (and its eviction clock), keeping the policy and the budget known so far.
-        Entries go in least recently used first, so that the index's recency ranks,
-        which decide ties between partial matches, follow their uses."""
+        Entries go in longest key first: a chunked state's chain of keys, each a
+        chunk longer than the one before, then costs a step of the index apiece,
+        not a walk down every shorter one (the index's ranks are the entries' uses
+        whatever the order; of entries used at once, the shorter answers a partial
+        match in their common part)."""
         catalog = Catalog(self.catalog.policy)
         catalog.budget, catalog.clock = self.catalog.budget, clock
-        for put in sorted(entries, key=lambda put: (put.state.used, put.eid)):
+        for put in sorted(entries, key=lambda put: (-len(put.key), put.state.used, put.eid)):
             catalog.apply(put)
         self.replace(catalog, seq)
 

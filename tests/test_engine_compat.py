@@ -48,3 +48,14 @@ def test_old_layout_loads_with_defaults_and_keeps_its_order(tmp_path: Path) -> N
         assert cache.pin([6], namespace="old")
     with sippcache.open(f"lmdb://{tmp_path}/store") as again:
         assert {tuple(e.key): e.pinned for e in again.entries()} == {(1, 2, 3): False, (6,): True, (7,): False}
+
+
+def test_entry_ids_are_the_documented_hash() -> None:
+    """docs/format.md: an entry's id is xxh3_128(u64le(len(namespace)) + namespace + token bytes),
+    namespace in UTF-8: stores written by any version address their entries so."""
+    import xxhash
+
+    for namespace in ("", "old", "modèle/scope"):
+        for key in (b"", struct.pack("<3I", 1, 2, 3), bytes(range(256)) * 512):
+            ns = namespace.encode("utf-8")
+            assert entry_id(namespace, key) == xxhash.xxh3_128_digest(struct.pack("<Q", len(ns)) + ns + key)

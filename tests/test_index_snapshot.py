@@ -476,3 +476,37 @@ def test_index_load_refuses_malformed_dumps() -> None:
     ):
         with pytest.raises(ValueError):
             PrefixIndex().load(bad)
+
+
+def test_chains_of_chunk_keys_read_entry_by_entry_answer_as_where_they_were_stored(tmp_path: Path) -> None:
+    """Chunk entries are keyed by their whole prefix, each a chunk longer than the last: a new
+    handle reads them (no snapshot below `INDEX_SNAPSHOT_MIN_ENTRIES`) longest key first, and must
+    answer every lookup as the handle that stored them, whatever order they were stored in."""
+    rng = random.Random(7)
+    trunk = [rng.randrange(1, 50_000) for _ in range(64 * 40)]
+    branch = trunk[: 64 * 25] + [rng.randrange(1, 50_000) for _ in range(64 * 10)]
+    keys = [trunk[: 64 * k] for k in range(1, 41)] + [branch[: 64 * k] for k in range(26, 36)]
+    rng.shuffle(keys)
+    queries = [trunk + [9], branch + [9], trunk[:1000], branch[: 64 * 30 + 5], [*trunk[:700], 3], [4]]
+
+    def answers(cache: Any) -> list[Any]:
+        found = []
+        for query in queries:
+            match = cache.lookup(query, namespace="chunks")
+            found.append(None if match is None else match.length)
+            if match is not None:
+                match.release()
+            chain = cache.lookup_prefixes(query, list(range(64, len(query) + 1, 64)), namespace="chunks")
+            found.append([m.length for m in chain])
+            for m in chain:
+                m.release()
+        return found + [(e.key, e.size) for e in sorted(cache.entries(), key=lambda e: e.key)]
+
+    with sippcache.open(url(tmp_path / "store")) as cache:
+        for k in keys:
+            cache.store(k, b"chunk %d" % len(k), namespace="chunks")
+        stored = answers(cache)
+    with sippcache.open(url(tmp_path / "store")) as cache:
+        assert answers(cache) == stored
+        assert cache._replica.read_every_entry
+    assert stored[0] == len(trunk) and stored[1] == [64 * k for k in range(1, 41)]
