@@ -146,7 +146,7 @@ class Mirror:
         match in their common part)."""
         catalog = Catalog(self.catalog.policy)
         catalog.budget, catalog.clock = self.catalog.budget, clock
-        for put in sorted(entries, key=lambda put: (-len(put.key), put.state.used, put.eid)):
+        for put in sorted(entries, key=_longest_first):
             catalog.apply(put)
         self.replace(catalog, seq)
 
@@ -249,3 +249,8 @@ def refuse(location: str, size: int, tokens: int, pinned: bool, why: str, budget
         "sippcache: not storing a %d-byte entry (%d tokens): %s (%s) of %s", size, tokens, why, budget, location
     )
     return False
+
+
+def _longest_first(put: Put) -> tuple[int, int, bytes]:
+    """`Mirror.reload`'s order: longest key first, then least recently used, then by id."""
+    return -len(put.key), put.state.used, put.eid
