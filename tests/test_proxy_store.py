@@ -81,6 +81,25 @@ def test_an_entry_whose_prompt_is_not_known_is_replaced_by_the_slack_rule(store:
     assert keys(store) == {(*tokens[:-2], 9, 9, 9, 9)}
 
 
+def test_the_index_is_read_at_start_not_by_the_first_request(tmp_path: Path, caplog: Any) -> None:
+    """A restarted proxy reads its store's index in a worker thread at start (`load_index`): the
+    states a proxy before it kept are then indexed before any lookup, and found; a store that
+    fails to read is logged and counted, not raised (the first lookup tries again)."""
+    url = f"lmdb://{tmp_path}/store"
+    with sippcache.open(url) as cache:
+        first = SlotStore(cache, fingerprint="f", facts={}, kind="full", staging=str(tmp_path), min_tokens=16)
+        keep(first, (*SYSTEM, 1, 2, 3), len(SYSTEM) + 3, None)
+    with sippcache.open(url) as cache:
+        again = SlotStore(cache, fingerprint="f", facts={}, kind="full", staging=str(tmp_path), min_tokens=16)
+        assert cache._replica.seq < 0  # opened: nothing read yet
+        again.load_index()
+        assert cache._replica.seq >= 0 and cache._replica.read_every_entry  # read, no lookup made
+        peek = again.best((*SYSTEM, 1, 2, 3, 4), "")
+        assert peek is not None and peek.length == len(SYSTEM) + 3
+    again.load_index()  # its store closed: a failure, logged
+    assert again.errors == 1 and "reading the index failed" in caplog.text
+
+
 # -- the byte path: what a save stores and what a restore stages ------------------------------------------
 
 

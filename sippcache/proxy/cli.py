@@ -513,9 +513,9 @@ async def _serve(
                 len(wanted),
                 staging,
             )
-        preparing = [  # each slot's staging file made for the largest state seen there, in the background
-            asyncio.create_task(asyncio.to_thread(store.prepare, url, slot, largest)) for url, slot, largest in ahead
-        ]
+        # In the background: the store's index, and each slot's staging file for the largest state seen there.
+        preparing = [asyncio.create_task(asyncio.to_thread(store.load_index))]
+        preparing += [asyncio.create_task(asyncio.to_thread(store.prepare, url, *made)) for url, *made in ahead]
         config = uvicorn.Config(proxy, host=args.host, port=args.port, log_level="warning", lifespan="on")
         server = uvicorn.Server(config)
         print(

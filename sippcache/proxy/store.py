@@ -298,6 +298,17 @@ class SlotStore:
         except OSError as exc:
             log.warning("cannot make the staging file %s ready for %d bytes: %s", path, nbytes, exc)
 
+    def load_index(self) -> None:
+        """Read the store's index into memory now (blocking: the proxy runs it in a worker thread at
+        start), not in a restarted proxy's first request: a store read entry by entry takes about
+        0.1 s for each 32K-token state in chunks here, one from its index snapshot 0.4 s for
+        100,000 entries (docs/benchmarks.md). A store that fails is logged: the first lookup tries
+        again."""
+        try:
+            len(self.cache)
+        except SippcacheError as exc:
+            self._failed("reading the index", exc)
+
     def close(self) -> None:
         """Remove the staging files this store's restores used."""
         for staging in self._staging_files.values():
