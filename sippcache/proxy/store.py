@@ -301,7 +301,7 @@ class SlotStore:
     def load_index(self) -> None:
         """Read the store's index into memory now (blocking: the proxy runs it in a worker thread at
         start), not in a restarted proxy's first request: a store read entry by entry takes about
-        0.1 s for each 32K-token state in chunks here, one from its index snapshot 0.4 s for
+        50 ms for each 32K-token state in chunks here, one from its index snapshot 0.4 s for
         100,000 entries (docs/benchmarks.md). A store that fails is logged: the first lookup tries
         again."""
         try:
