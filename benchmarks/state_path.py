@@ -761,14 +761,14 @@ def main() -> int:
             f" a restore after one a quarter as long {t['after_shorter_x']:.2f}x"
             f" (the file cut to each state: {t['after_shorter_cut_x']:.2f}x)"
         )
-    checks = (
-        ("restore", RESTORE_BACKEND, RESTORE_GOAL, "restore_x"),
-        ("chunked restore", RESTORE_BACKEND, RESTORE_GOAL, "chunked_restore_x"),
-        ("save, sippcache's own part,", SAVE_BACKEND, SAVE_GOAL, "save_own_x"),
-        ("chunked save (every chunk new), sippcache's own part,", SAVE_BACKEND, SAVE_GOAL, "chunked_save_own_x"),
+    checks = (  # (what, judged on, goal, ratio, whether a slot file's read and removal is its floor)
+        ("restore", RESTORE_BACKEND, RESTORE_GOAL, "restore_x", False),
+        ("chunked restore", RESTORE_BACKEND, RESTORE_GOAL, "chunked_restore_x", False),
+        ("save, sippcache's own part,", SAVE_BACKEND, SAVE_GOAL, "save_own_x", True),
+        ("chunked save (every chunk new), sippcache's own part,", SAVE_BACKEND, SAVE_GOAL, "chunked_save_own_x", True),
     )
     goals: dict[str, bool | None] = {}
-    for what, backend, goal, ratio in checks:
+    for what, backend, goal, ratio, floored in checks:
         judged = [t for t in summary if t["size"] == sizes[-1] and t["backend"] == backend]
         if not judged:
             goals[what] = None
@@ -777,7 +777,7 @@ def main() -> int:
         goals[what] = judged[0][ratio] >= goal
         verdict = "PASS" if goals[what] else "MISS (--no-goals)" if args.no_goals else "FAIL"
         ratio_of = judged[0][ratio]
-        floor = f" (the slot file read and removed alone: {judged[0]['slot_file_x']:.2f}x)" if "save" in what else ""
+        floor = f" (the slot file read and removed alone: {judged[0]['slot_file_x']:.2f}x)" if floored else ""
         print(
             f"{verdict}: proxy {what} of a {show_size(sizes[-1])} state on {backend} {ratio_of:.2f}x memcpy >= {goal}x"
             f"{floor}"
