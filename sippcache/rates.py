@@ -19,6 +19,11 @@ So whoever restores (the proxy, for each llama-server behind it) asks
   away (it recomputed the prompt anyway) counts its seconds against no bytes,
   so a place that wastes restores looks too slow to get any, and after
   `WASTED_IN_A_ROW` wasted restores in a row it gets none at all;
+- the load rate: bytes per second of the server's own part of each restore
+  (llama-server's ``timings.restore_ms``), which prices a restore of a file
+  the server loads as it is (the proxy's ready files: nothing read or
+  staged), measured by those restores themselves too; until one is measured,
+  the server's own part of its saves (``timings.save_ms``) prices them;
 - the save rate: bytes per second of the saves done (the server's save and
   the store write): until a restore has been measured at a place, a restore
   is expected to cost what a save of as many bytes did. A save moves the same
@@ -282,13 +287,22 @@ class _Place:
     restore: _Samples = field(default_factory=_Samples)  # by bytes: useful bytes, seconds
     sizes: _Samples = field(default_factory=_Samples)  # by tokens: tokens, bytes
     saves: _Samples = field(default_factory=_Samples)  # by bytes: bytes, seconds
+    loads: _Samples = field(default_factory=_Samples)  # by bytes: useful bytes, the server's own load's seconds
+    server_saves: _Samples = field(default_factory=_Samples)  # by bytes: bytes, the server's own save's seconds
     declined: int = 0  # declined restores in a row
     wasted: int = 0  # wasted restores in a row
 
 
 def _kinds(entry: _Place) -> list[tuple[str, _Samples]]:
     """A place's sample sets by the names a kept file gives them."""
-    return [("prefill", entry.prefill), ("restore", entry.restore), ("sizes", entry.sizes), ("saves", entry.saves)]
+    return [
+        ("prefill", entry.prefill),
+        ("restore", entry.restore),
+        ("sizes", entry.sizes),
+        ("saves", entry.saves),
+        ("loads", entry.loads),
+        ("server_saves", entry.server_saves),
+    ]
 
 
 def mode_from_environment() -> Mode:
@@ -319,12 +333,12 @@ def rates_file(directory: str, digest: str, place: str) -> str:
 
 def _kept_samples(data: Any) -> dict[str, dict[str, list[list[float]]]] | None:
     """The sample sets of a kept place's file, checked; None where anything is off. Saves may be
-    missing (a file written before they were kept)."""
+    missing, and loads and the server's saves (a file written before they were kept)."""
     if not isinstance(data, dict) or data.get("version") != KEPT_VERSION:
         return None
     kept = {}
-    for kind in ("prefill", "restore", "sizes", "saves"):
-        buckets = data.get(kind, {} if kind == "saves" else None)
+    for kind in ("prefill", "restore", "sizes", "saves", "loads", "server_saves"):
+        buckets = data.get(kind, {} if kind in ("saves", "loads", "server_saves") else None)
         if not isinstance(buckets, dict):
             return None
         for key, pairs in buckets.items():
@@ -444,17 +458,35 @@ class RestoreRates:
             self._sampled(place)
         return True
 
-    def record_restore(self, place: str, *, nbytes: int, seconds: float, tokens: int, useful: float = 1.0) -> bool:
+    def record_restore(
+        self,
+        place: str,
+        *,
+        nbytes: int,
+        seconds: float,
+        tokens: int,
+        useful: float = 1.0,
+        loaded: float | None = None,
+        ready: bool = False,
+    ) -> bool:
         """A whole restore at `place`: a state of `tokens` tokens and `nbytes` bytes, read, staged
-        and loaded in `seconds`. `useful`: the share (0 to 1) of the tokens it promised that the
-        server then reused; 0 for a restore it threw away, whose seconds then buy no bytes. False
-        when the sample is dropped (no bytes, or a time that is no time)."""
+        and loaded in `seconds`, of which the server's own load took `loaded` (None: not known).
+        `useful`: the share (0 to 1) of the tokens it promised that the server then reused; 0 for
+        a restore it threw away, whose seconds then buy no bytes. `ready`: a restore of a file
+        the server loads as it is, nothing read or staged (the proxy's ready files): all of it
+        prices such restores, none of it the others. False when the sample is dropped (no bytes,
+        or a time that is no time)."""
         if nbytes <= 0 or not (math.isfinite(seconds) and seconds >= 0):
             return False
         useful = min(1.0, max(0.0, useful)) if math.isfinite(useful) else 0.0
+        if ready:
+            loaded = seconds
         with self._lock:
             entry = self._place(place)
-            entry.restore.add(nbytes, nbytes * useful, max(seconds, 1e-9))  # timed at 0 s: fast, not free
+            if not ready:
+                entry.restore.add(nbytes, nbytes * useful, max(seconds, 1e-9))  # timed at 0 s: fast, not free
+            if loaded is not None and math.isfinite(loaded) and loaded >= 0:
+                entry.loads.add(nbytes, nbytes * useful, max(loaded, 1e-9))
             entry.wasted = entry.wasted + 1 if useful < INEFFECTIVE_SHARE else 0
             if tokens > 0:
                 entry.sizes.add(tokens, tokens, nbytes)
@@ -482,6 +514,10 @@ class RestoreRates:
         self.record_size(place, tokens, nbytes)
         if server_seconds is not None and math.isfinite(server_seconds) and server_seconds > 0:
             seconds = RESTORE_PER_SERVER_SAVE * server_seconds
+            if nbytes > 0:
+                with self._lock:
+                    self._place(place).server_saves.add(nbytes, nbytes, server_seconds)
+                    self._sampled(place)
         if nbytes <= 0 or not (math.isfinite(seconds) and seconds > 0):
             return False
         if written is not None and written < nbytes / 2:
@@ -535,9 +571,13 @@ class RestoreRates:
 
     # -- the decision ---------------------------------------------------------------------
 
-    def estimate(self, place: str, *, tokens: int, nbytes: int | None) -> Decision:
+    def estimate(self, place: str, *, tokens: int, nbytes: int | None, ready: bool = False) -> Decision:
         """What the mode and the measurements say of restoring `nbytes` bytes (None: not known)
-        that save computing `tokens` tokens at `place`. No side effects (no probe: see `decide`)."""
+        that save computing `tokens` tokens at `place`; `ready`: from a file the server loads as
+        it is, priced at the server's own loads where any were measured, else at its own saves
+        of as many bytes (it writes what it would read: on the H200, a 1,074 MB state's save took
+        llama-server 670 ms, its load 534 ms), else as a whole restore. No side effects (no
+        probe: see `decide`)."""
         if self.mode == "always":
             return Decision(True, ALWAYS)
         if self.mode == "never":
@@ -550,7 +590,10 @@ class RestoreRates:
                 return Decision(False, INEFFECTIVE)
             prefill = entry.prefill.expected(tokens)
             from_saves = not entry.restore  # no restore measured here yet: priced as a save of those bytes
-            restore = None if nbytes is None else (entry.saves if from_saves else entry.restore).expected(nbytes)
+            samples = entry.saves if from_saves else entry.restore
+            if ready and (entry.loads or entry.server_saves):  # the server's own load, or its save
+                samples, from_saves = (entry.loads, False) if entry.loads else (entry.server_saves, True)
+            restore = None if nbytes is None else samples.expected(nbytes)
         if restore is not None and math.isinf(restore):
             return Decision(False, INEFFECTIVE, restore, prefill)
         if restore is None or prefill is None:
@@ -559,10 +602,10 @@ class RestoreRates:
             return Decision(True, FASTER, restore, prefill, from_saves)
         return Decision(False, SLOWER, restore, prefill, from_saves)
 
-    def decide(self, place: str, *, tokens: int, nbytes: int | None) -> Decision:
+    def decide(self, place: str, *, tokens: int, nbytes: int | None, ready: bool = False) -> Decision:
         """`estimate`, and the probe: in ``auto`` mode, after `probe_every` declines in a row at
         `place`, one restore is done anyway (reason ``probe``) so that its rate is measured again."""
-        decision = self.estimate(place, tokens=tokens, nbytes=nbytes)
+        decision = self.estimate(place, tokens=tokens, nbytes=nbytes, ready=ready)
         if self.mode != "auto":
             return decision
         with self._lock:

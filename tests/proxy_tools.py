@@ -38,7 +38,11 @@ def llama_server_binary() -> Path:
 class ProxyServer(Server):
     """One `python -m sippcache.proxy` process (it starts and stops its own llama-server when managed)."""
 
-    ready_path = "/health"  # llama-server's, passed through: open even with --api-key
+    # The proxy's own (open even with --api-key), served once its upstreams answered. llama-server's
+    # /health, passed through, can be answered by another server on the port before the proxy
+    # listens (its managed llama-server, had it been given the same port): a test once got
+    # answers with no proxy header and nothing reused while the proxy's log showed it still starting.
+    ready_path = "/metrics"
 
     def __init__(self, args: Sequence[str], log_path: Path, **kwargs: Any) -> None:
         super().__init__(args, log_path, module="sippcache.proxy", **kwargs)

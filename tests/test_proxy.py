@@ -773,7 +773,15 @@ def test_conversations_beyond_the_slots_are_saved_when_their_slot_changes_hands(
     """Two conversations take turns in one slot: each is saved when the other takes the slot, and its
     next turn restores what it left (answers as llama-server alone gives them). The few tokens a
     restore gains here cost the tiny model less to compute: the tests restore them all the same."""
-    proxy = procs(managed(model, f"lmdb://{tmp_path}/store"))
+    proxy = takes_turns(procs, model, tmp_path, "--ready-bytes", "0")
+    assert metric(proxy, "sippcache_proxy_ready_restores_total") == 0  # from the store, both
+
+
+def takes_turns(procs: Any, model: Path, tmp_path: Path, *extra: str) -> ProxyServer:
+    """Alice and bob in one slot, each asking again once the other had it: their saves counted, each
+    follow-up restored (its whole last turn reused) and answered as llama-server alone answers. The
+    proxy, still running."""
+    proxy = procs(managed(model, f"lmdb://{tmp_path}/store", *extra))
     reference = procs(model, "-c", "4096", "-np", "1", llama=True)
     a1 = conversation("which ship passed first?", "alice")
     b1 = conversation("what was the weather?", "bob")
@@ -787,6 +795,49 @@ def test_conversations_beyond_the_slots_are_saved_when_their_slot_changes_hands(
     assert metric(proxy, "sippcache_proxy_slot_saves_total", reason="new") == 1  # alice's: bob's shares her system
     assert metric(proxy, "sippcache_proxy_slot_saves_total", reason="leave") == 2  # bob's first, alice's second
     assert metric(proxy, "sippcache_proxy_slot_saves_total") == 3
+    assert metric(proxy, "sippcache_proxy_restores_total", outcome="ok") == 2
+    return proxy
+
+
+def test_a_conversation_back_in_a_slot_is_restored_from_the_file_llama_server_saved(
+    procs: Any, model: Path, tmp_path: Path
+) -> None:
+    """The same turns with the slot files kept ready (the default): each follow-up is llama-server's
+    own restore of the file it saved when the other conversation took the slot, nothing read from
+    the store or staged; alice's second save replaces her first file."""
+    proxy = takes_turns(procs, model, tmp_path)
+    assert metric(proxy, "sippcache_proxy_ready_restores_total") == 2
+    assert metric(proxy, "sippcache_proxy_restore_part_seconds_count", part="sippcache") == 0
+    assert metric(proxy, "sippcache_proxy_ready_files") == 2  # alice's last turn and bob's
+    staging = glob.glob(os.path.join(_staging_base(), f"{STAGING_PREFIX}{proxy.process.pid}-*"))
+    assert len(glob.glob(os.path.join(staging[0], "sippcache-ready-*"))) == 2
+    proxy.stop()
+    assert not os.path.exists(staging[0])  # they go with the proxy
+
+
+def test_ready_files_kept_at_exit_restore_a_follow_up_after_a_restart(procs: Any, model: Path, tmp_path: Path) -> None:
+    """--keep-ready: the proxy's ready files outlive it (in a private folder beside its staging
+    folder) and a restarted proxy restores a follow-up from one, as llama-server restores a slot
+    file of its own, with the answer llama-server alone gives."""
+    cache, base = f"lmdb://{tmp_path}/store", tmp_path / "base"
+    base.mkdir()
+    args = managed(model, cache, "--staging-dir", str(base), "--keep-ready")
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    opening = conversation("which ship passed first?", "alice")
+    proxy = procs(args)
+    first = chat(proxy.url, opening)
+    settle(proxy)
+    proxy.stop()
+    (kept,) = base.glob("sippcache-kept-*")
+    assert [p.name.startswith("sippcache-ready-") for p in kept.iterdir()] == [True]
+    assert not list(base.glob("sippcache-proxy-*"))
+    proxy = procs(args)
+    follow = [*opening, {"role": "assistant", "content": first[0]}, {"role": "user", "content": "more?"}]
+    answer, reused, timings = chat(proxy.url, follow)
+    assert answer == chat(reference.url, follow, cache_prompt=False)[0]
+    assert reused == timings["cache_n"] >= prompt_length(first[2]), timings
+    assert metric(proxy, "sippcache_proxy_ready_restores_total") == 1
+    assert list(kept.iterdir()) == []  # taken into the new proxy's staging folder
 
 
 def test_a_shorter_state_restores_from_a_staging_file_a_longer_one_left(

@@ -145,6 +145,51 @@ def test_a_line_that_does_not_rise_falls_back_to_the_nearest_rate() -> None:
     assert rates.estimate(HERE, tokens=50, nbytes=None).prefill_seconds == pytest.approx(0.5)
 
 
+def test_a_ready_file_is_priced_at_the_servers_own_load_where_the_store_path_loses() -> None:
+    """The H200's 32K-token state (2026-11-28): prefill 685 ms, the proxy's restore through the store
+    1.0 s (declined), llama-server's own save of it 670 ms and load 534 ms (timings.save_ms,
+    restore_ms): a ready file, which llama-server loads as it is, is restored, priced at the
+    server's save until a load is measured, then at its loads. Its own restores price it from
+    then on, and never the store's; with neither known it is priced as a whole restore."""
+    gb = 1_074_000_000
+    rates = RestoreRates()
+    rates.record_prefill(HERE, 32768, 0.685)
+    assert rates.decide(HERE, tokens=32768, nbytes=gb, ready=True).reason == "unmeasured"
+    rates.record_restore(HERE, nbytes=gb, seconds=1.0, tokens=32768)  # no load part known
+    assert not rates.decide(HERE, tokens=32768, nbytes=gb, ready=True)  # priced as the whole restore
+    rates.record_save(HERE, nbytes=gb, seconds=4.6, server_seconds=0.67)  # the H200's save: llama-server's part
+    by_save = rates.decide(HERE, tokens=32768, nbytes=gb, ready=True)
+    assert by_save and by_save.from_saves and by_save.restore_seconds == pytest.approx(0.67)
+    rates.record_restore(HERE, nbytes=gb, seconds=1.0, tokens=32768, loaded=0.534)
+    assert not rates.decide(HERE, tokens=32768, nbytes=gb)
+    ready = rates.decide(HERE, tokens=32768, nbytes=gb, ready=True)
+    assert ready and ready.reason == "faster_than_prefill" and ready.restore_seconds == pytest.approx(0.534)
+    for _ in range(WINDOW):
+        rates.record_restore(HERE, nbytes=gb, seconds=0.55, tokens=32768, ready=True)
+    assert rates.decide(HERE, tokens=32768, nbytes=gb, ready=True).restore_seconds == pytest.approx(0.55)
+    store = rates.decide(HERE, tokens=32768, nbytes=gb)  # the store path's own samples, untouched
+    assert not store and store.restore_seconds == pytest.approx(1.0)
+    rates.record_restore(HERE, nbytes=gb, seconds=0.6, tokens=32768, useful=0.0, ready=True)
+    rates.record_restore(HERE, nbytes=gb, seconds=0.6, tokens=32768, useful=0.0, ready=True)
+    assert rates.decide(HERE, tokens=32768, nbytes=gb, ready=True).reason == "ineffective"  # wasted, either way
+
+
+def test_load_rates_are_kept_and_a_file_from_before_them_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "here.json"
+    first = RestoreRates()
+    first.keep(HERE, path)
+    first.record_prefill(HERE, 32768, 0.685)
+    first.record_restore(HERE, nbytes=10**9, seconds=1.0, tokens=32768, loaded=0.5)
+    first.flush(force=True)
+    second = RestoreRates()
+    assert second.keep(HERE, path) == 4  # prefill, restore, size, load
+    assert second.decide(HERE, tokens=32768, nbytes=10**9, ready=True).restore_seconds == pytest.approx(0.5)
+    data = json.loads(path.read_text())
+    del data["loads"]  # as a proxy before ready files wrote it
+    path.write_text(json.dumps(data))
+    assert RestoreRates().keep(HERE, path) == 3
+
+
 def test_until_a_restore_is_measured_it_is_priced_as_a_save_of_its_bytes() -> None:
     """A place that saved states but never restored one (a proxy restarted after its first run)
     prices a restore as a save of as many bytes: slower than the prefill, declined; faster,

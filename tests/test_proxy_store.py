@@ -22,8 +22,8 @@ import sippcache
 from sippcache import chunks
 from sippcache import stateformat as sf
 from sippcache.proxy import slotfile
-from sippcache.proxy.slots import Origin
-from sippcache.proxy.store import SUPERSEDE_SLACK, Saved, SlotStore, Snapshot, StagingFile, remove_stale_files
+from sippcache.proxy.slots import SUPERSEDE_SLACK, Origin
+from sippcache.proxy.store import Saved, SlotStore, Snapshot, StagingFile, remove_stale_files
 
 SYSTEM = tuple(range(1000, 1400))  # a 400-token system prompt
 

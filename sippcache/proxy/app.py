@@ -12,7 +12,8 @@ A completion request (``/v1/chat/completions``, ``/v1/completions``,
            ──> the request, pinned with id_slot, relayed as llama-server answers it (streamed or not)
            ──> the slot is free again, its state left there unsaved, or saved now (see below)
            ──> a save: llama-server writes it to the staging directory; in a worker thread it is
-               framed and stored, the staging file removed
+               framed and stored, the file then kept ready (`SlotStore.ready`: a later restore
+               that serves a prompt as well as the store loads it as it is, nothing copied) or removed
 
 Every other path, and a request the proxy cannot read, goes to llama-server
 unchanged (headers, ``Authorization`` included), so llama-server's own errors
@@ -58,6 +59,7 @@ from starlette.types import Receive, Scope, Send
 from ..rates import INEFFECTIVE_SHARE, RestoreRates
 from .metrics import ProxyMetrics
 from .prompts import KnownPrompts
+from .ready import ReadyFile
 from .slots import NoServer, Origin, QueueFull, Slot, SlotTable, common_prefix, reusable
 from .store import Restored, RestoreRefused, SlotStore, Snapshot
 from .upstream import Upstream, UpstreamDown, UpstreamRefused
@@ -341,25 +343,48 @@ class Proxy:
         raise NoServer
 
     async def _restore(self, upstream: Upstream, slot: Slot, tokens: list[int], held: int) -> _Restore | None:
-        """Restore the store's best state for `tokens` into `slot` when it gives at least `MIN_GAIN`
-        tokens more than the slot holds (`held`) and the rates expect loading it (the whole entry's
-        bytes) to be faster than computing those tokens; the restore done, if any."""
+        """Restore the best state for `tokens` into `slot` when it gives at least `MIN_GAIN` tokens
+        more than the slot holds (`held`) and the rates expect loading it (the whole entry's bytes)
+        to be faster than computing those tokens; the restore done, if any. A ready file
+        (`SlotStore.ready`) that gives at least as many tokens as the store's best is the one
+        loaded: nothing is read or copied for it."""
         peek = await asyncio.to_thread(self.store.best, tokens, slot.scope)
+        best = 0 if peek is None else reusable(peek.key_length, peek.length, len(tokens), self.store.can_cut)
+        slot.stored = max(slot.stored, best)
+        with self.store.ready.best(self.store.namespace(slot.scope), tokens) as ready:
+            if ready is not None and ready[1] >= best:
+                file, gives = ready
+                length = len(file.origin.tokens)
+                return await self._load(upstream, slot, tokens, gives - held, file.nbytes, length, file)
         if peek is None:
             return None
-        best = reusable(peek.key_length, peek.length, len(tokens), self.store.can_cut)
-        slot.stored = max(slot.stored, best)
-        if best < held + MIN_GAIN:
+        nbytes = self.rates.size_of(upstream.url, peek.key_length)
+        return await self._load(upstream, slot, tokens, best - held, nbytes, peek.key_length)
+
+    async def _load(
+        self,
+        upstream: Upstream,
+        slot: Slot,
+        tokens: list[int],
+        gain: int,
+        nbytes: int | None,
+        length: int,
+        file: ReadyFile | None = None,
+    ) -> _Restore | None:
+        """Restore a state of `length` tokens and about `nbytes` bytes (None: not known) giving `gain`
+        tokens more than the slot holds, from `file` or else the store, if it gains at least
+        `MIN_GAIN` and the rates say so."""
+        if gain < MIN_GAIN:
             return None
         url = upstream.url
-        decision = self.rates.decide(url, tokens=best - held, nbytes=self.rates.size_of(url, peek.key_length))
+        decision = self.rates.decide(url, tokens=gain, nbytes=nbytes, ready=file is not None)
         if not decision:
             self.metrics.restores_skipped.labels(url, decision.reason).inc()
             log.debug(
                 "sippcache proxy: no restore of %d tokens (%d more than slot %d of %s holds): %s "
                 "(restore %s s, prefill %s s expected)",
-                peek.key_length,
-                best - held,
+                length,
+                gain,
                 slot.id,
                 url,
                 decision.reason,
@@ -368,20 +393,30 @@ class Proxy:
             )
             return None
         try:
-            restored = await self.store.restore(upstream, slot.id, tokens, slot.scope)
+            if file is None:
+                restored = await self.store.restore(upstream, slot.id, tokens, slot.scope)
+            else:
+                restored = await self.store.restore_ready(upstream, slot.id, file)
         except RestoreRefused as refused:
             slot.forget()  # a refused restore leaves the slot empty
             self.metrics.restores.labels(url, "refused").inc()
             # its seconds bought nothing: a server that refuses every restore (a file it may not
             # read, a state it cannot load) stops getting them, as one that wastes them does
             self.rates.record_restore(
-                url, nbytes=refused.nbytes, seconds=refused.seconds, tokens=refused.tokens, useful=0.0
+                url,
+                nbytes=refused.nbytes,
+                seconds=refused.seconds,
+                tokens=refused.tokens,
+                useful=0.0,
+                ready=file is not None,
             )
             return None
         if restored is None:
             return None
         slot.tokens, slot.origin, slot.stored = restored.tokens, restored.origin, len(restored.tokens)
         self.metrics.restores.labels(url, "ok").inc()
+        if restored.ready:
+            self.metrics.ready_restores.labels(url).inc()
         self.metrics.restore_seconds.labels(url).observe(restored.seconds)
         for part, seconds in (("sippcache", restored.staged), ("llama_server", restored.loaded)):
             if seconds is not None:
@@ -422,7 +457,13 @@ class Proxy:
                 )
                 self._warned.add(url)
         self.rates.record_restore(
-            url, nbytes=restored.nbytes, seconds=restored.seconds, tokens=len(restored.tokens), useful=useful
+            url,
+            nbytes=restored.nbytes,
+            seconds=restored.seconds,
+            tokens=len(restored.tokens),
+            useful=useful,
+            loaded=restored.loaded,
+            ready=restored.ready,
         )
 
     async def _finish(

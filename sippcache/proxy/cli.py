@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,7 @@ from prometheus_client import Gauge
 from .. import chunks, frame, registry
 from ..engine.directory import free_bytes, huge_pages
 from ..modelfile import ModelFacts, read_model_facts
+from ..options import Size
 from ..protocol import CacheBackend
 from ..rates import MODES, RestoreRates, mode_from_environment, rates_dir, rates_file
 from .app import SAVE_EVERY, SAVE_IDLE, Proxy
@@ -146,8 +148,30 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "model, build and server), so a restart does not restore blindly until it has measured again "
         "(default: $SIPPCACHE_RATES_DIR, else rates/ in the user cache; '': not kept)",
     )
+    parser.add_argument(
+        "--ready-bytes",
+        type=_size,
+        metavar="SIZE",
+        help="keep the slot files llama-server saved, up to SIZE (512MiB, 8GiB), in its slot folder: a prompt one "
+        "serves at least as well as the store is restored from it with nothing read or copied, llama-server's "
+        f"own restore (default: a quarter of the folder's free room at start, at most {READY_BYTES >> 30} GiB; 0: "
+        "none)",
+    )
+    parser.add_argument(
+        "--keep-ready",
+        action="store_true",
+        help="keep those files when the proxy exits, for the next proxy on this folder (and model) to restore "
+        "from: they stay in RAM where the folder is a tmpfs; by default they go with the proxy",
+    )
     parser.add_argument("server_args", nargs="*", metavar="-- ARGS", help="more llama-server arguments (managed)")
     return parser
+
+
+def _size(text: str) -> int:
+    try:
+        return Size.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass
@@ -156,14 +180,26 @@ class _Managed:
     url: str
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_port(avoid: int) -> int:
+    """A loopback port free now, other than `avoid`: the proxy's own, not yet listened on while its
+    llama-server starts (given it, llama-server answered the proxy's clients, and the proxy
+    could not listen: a test caught it, one start in many)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port != avoid:
+            return port
 
 
 #: The private staging directories of managed proxies: this, the proxy's pid, "-", a random part.
 STAGING_PREFIX = "sippcache-proxy-"
+#: Where managed proxies with --keep-ready leave their ready slot files, beside their staging
+#: directories: this and the user's id.
+KEPT_PREFIX = "sippcache-kept-"
+#: The most --ready-bytes takes by default: as llama-server's own --cache-ram (8192 MiB), which a
+#: managed llama-server is started without.
+READY_BYTES = 8 << 30
 
 
 #: Managed proxies stage slot files in RAM here, where it has `RAM_DISK_ROOM` bytes free.
@@ -229,21 +265,45 @@ def made_ahead(wanted: Sequence[tuple[str, int, int]], room: int) -> list[tuple[
     return ahead
 
 
-def _staging_dir(base: str | None = None) -> str:
-    """A private directory for slot files in `base` (default `_staging_base`); those that proxies
-    killed outright left there are removed first."""
-    base = _staging_base() if base is None else os.path.abspath(base)
+def _staging_dir(base: str) -> str:
+    """A private directory for slot files in `base`; those that proxies killed outright left there
+    are removed first."""
     remove_stale_files(base, (STAGING_PREFIX,))
     return tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=base)
 
 
-def start_llama_server(binary: str, model: str, parallel: int, staging: str, extra: Sequence[str]) -> _Managed:
-    """Start llama-server on a free loopback port with the flags the proxy needs; wait until it is ready."""
+def _kept_dir(base: str) -> str:
+    """The folder in `base` where managed proxies of this user keep ready slot files between runs
+    (--keep-ready): made private (0700); ProxyError where it is not this user's."""
+    path = os.path.join(base, f"{KEPT_PREFIX}{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ProxyError(f"cannot make {path} for --keep-ready: {exc}") from exc
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise ProxyError(f"{path} (for --keep-ready) is not a folder only this user may use")
+    return path
+
+
+def ready_budget(room: int) -> int:
+    """The default --ready-bytes for a slot folder with `room` bytes free: a quarter of it (staging
+    files made ahead take at most half: `made_ahead`), at most `READY_BYTES`."""
+    return min(READY_BYTES, room // 4)
+
+
+def start_llama_server(
+    binary: str, model: str, parallel: int, staging: str, extra: Sequence[str], proxy_port: int
+) -> _Managed:
+    """Start llama-server on a free loopback port (not `proxy_port`) with the flags the proxy needs;
+    wait until it is ready."""
     if not (os.path.isfile(binary) and os.access(binary, os.X_OK)) and shutil.which(binary) is None:
         raise ProxyError(f"--llama-server {binary}: no such executable")
     if not os.path.isfile(model):
         raise ProxyError(f"--model {model}: no such file")
-    port = _free_port()
+    port = _free_port(proxy_port)
     argv = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "--slot-save-path", staging + os.sep]
     argv += ["--parallel", str(parallel), *MANAGED_FLAGS, *extra]
     log_path = os.path.join(staging, "llama-server.log")
@@ -416,7 +476,20 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     except ValueError as exc:
         _fail(str(exc))
     managed: _Managed | None = None
-    staging = _staging_dir(args.staging_dir) if args.llama_server else os.path.abspath(args.slot_dir)
+    if args.llama_server:
+        base = _staging_base() if args.staging_dir is None else os.path.abspath(args.staging_dir)
+        staging = _staging_dir(base)
+    else:
+        staging = os.path.abspath(args.slot_dir)
+    if args.keep_ready:
+        try:
+            args.keep_ready_in = _kept_dir(base) if args.llama_server else staging
+        except ProxyError as exc:
+            _fail(str(exc))
+    else:
+        args.keep_ready_in = None
+    if args.ready_bytes is None:
+        args.ready_bytes = ready_budget(free_bytes(staging) or 0)
     _warn_if_cramped(staging)
     _note_pages(staging)
     try:
@@ -425,7 +498,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         _fail(f"cannot open the store: {exc}")
     try:
         if args.llama_server:
-            managed = start_llama_server(args.llama_server, args.model, args.parallel, staging, args.server_args)
+            managed = start_llama_server(
+                args.llama_server, args.model, args.parallel, staging, args.server_args, args.port
+            )
             urls = [managed.url]
         else:
             urls = args.upstream
@@ -471,9 +546,13 @@ async def _serve(
             min_tokens=args.min_tokens,
             secret=frame.secret_from_environment(),
             chunk_tokens=args.chunk_tokens,
+            ready_bytes=args.ready_bytes,
+            keep_ready_in=args.keep_ready_in,
         )
         metrics = ProxyMetrics()
         metrics.store_errors.set_function(lambda: store.errors)
+        metrics.ready_files.set_function(lambda: len(store.ready))
+        metrics.ready_bytes.set_function(lambda: store.ready.nbytes)
         Gauge(
             "sippcache_proxy_states_stored_whole",
             "Slot states stored as one whole entry although chunking is on: states stateformat could not cut.",
@@ -529,5 +608,9 @@ async def _serve(
         try:
             await server.serve()
         finally:
-            await asyncio.gather(*preparing)
-            store.close()  # its restore staging files (an attached server's --slot-save-path stays)
+            # uvicorn raises SIGINT again once it has shut down, and asyncio.run cancels this task for
+            # it: the files are still closed (restore files removed, ready files removed or kept).
+            try:
+                await asyncio.gather(*preparing)
+            finally:
+                store.close()  # an attached server's --slot-save-path stays

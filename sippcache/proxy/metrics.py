@@ -45,6 +45,19 @@ class ProxyMetrics:
             ["upstream", "outcome"],
             registry=registry,
         )
+        self.ready_restores = Counter(
+            "sippcache_proxy_ready_restores",
+            "Restores (of restores{outcome=ok}) from a slot file the proxy kept ready: llama-server's own load, "
+            "nothing read from the store or staged.",
+            ["upstream"],
+            registry=registry,
+        )
+        self.ready_files = Gauge(
+            "sippcache_proxy_ready_files", "Slot files kept ready for restores (--ready-bytes).", registry=registry
+        )
+        self.ready_bytes = Gauge(
+            "sippcache_proxy_ready_bytes", "The bytes of the slot files kept ready.", registry=registry
+        )
         self.restores_skipped = Counter(
             "sippcache_proxy_restores_skipped",
             "Stored states not restored although one gave more tokens than the slot held, by why: "

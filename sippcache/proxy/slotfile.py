@@ -25,6 +25,8 @@ llama.cpp loads only a file of its own version.
 
 from __future__ import annotations
 
+import logging
+import os
 import struct
 from dataclasses import dataclass
 
@@ -40,9 +42,12 @@ __all__ = [
     "build",
     "parse",
     "read_tokens",
+    "remove",
     "seq_state_in_place",
     "state_of",
 ]
+
+log = logging.getLogger("sippcache.proxy")
 
 #: "ggsq" read as a little-endian u32 (llama.h: LLAMA_FILE_MAGIC_GGSQ).
 SLOT_FILE_MAGIC = 0x67677371
@@ -144,3 +149,15 @@ def state_of(seq: Blob) -> memoryview:
     if len(view) < _SEQ_HEAD.size or _SEQ_HEAD.unpack_from(view)[0] != SEQ_STATE_MAGIC:
         raise SlotFileError("not a llama.cpp sequence state (bad header)")
     return view[_SEQ_HEAD.size :]
+
+
+def remove(path: str) -> None:
+    """Remove a slot file; one that cannot be (this user may not: a folder llama-server, run as
+    another user, owns, or one with the sticky bit) is logged, never raised: the state was stored
+    or the request answered either way."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("sippcache proxy: cannot remove the slot file %s (it stays): %s", path, exc)

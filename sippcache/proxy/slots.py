@@ -23,7 +23,17 @@ from dataclasses import dataclass
 
 from ..tokens import common_prefix
 
-__all__ = ["NoServer", "Origin", "QueueFull", "Slot", "SlotTable", "common_prefix", "reusable"]
+__all__ = [
+    "SUPERSEDE_SLACK",
+    "NoServer",
+    "Origin",
+    "QueueFull",
+    "Slot",
+    "SlotTable",
+    "common_prefix",
+    "keeps",
+    "reusable",
+]
 
 
 class QueueFull(Exception):
@@ -50,6 +60,20 @@ class Origin:
 
     tokens: tuple[int, ...]
     prompt: int
+
+
+#: A slot's new state replaces the entry it grew from when it keeps all of that entry's prompt and
+#: all of the entry but at most its last this many tokens: the end of the last answer as the model
+#: generated it, which the next turn's template writes back its own way (an end-of-turn token, a
+#: word tokenized otherwise).
+SUPERSEDE_SLACK = 32
+
+
+def keeps(tokens: Sequence[int], old: Origin) -> bool:
+    """Whether a state of `tokens` holds all a state of `old` is worth: longer, and parting from it
+    past its prompt and at most `SUPERSEDE_SLACK` tokens before its end."""
+    common = common_prefix(old.tokens, tokens)
+    return len(old.tokens) < len(tokens) and common >= max(old.prompt, len(old.tokens) - SUPERSEDE_SLACK)
 
 
 @dataclass(eq=False)

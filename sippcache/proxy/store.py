@@ -3,7 +3,9 @@
 llama-server reads and writes slot files only in its ``--slot-save-path``; the
 proxy keeps that directory for staging (RAM-backed where there is one): a
 restore writes the entry there as a slot file and asks llama-server to load it;
-a save asks llama-server to write one, frames it as an entry and removes it.
+a save asks llama-server to write one, frames it as an entry, and keeps the file
+ready for a later restore with no copy (`ready`: `sippcache.proxy.ready`) or
+removes it.
 The entry is keyed by the tokens the slot file itself lists, so whatever a slot
 held is stored under exactly its own tokens.
 
@@ -67,7 +69,8 @@ from ..modelfile import MemoryKind
 from ..processes import written_by_a_live_process
 from ..protocol import CacheBackend, Peek
 from . import slotfile
-from .slots import Origin, common_prefix, reusable
+from .ready import READY_PREFIX, ReadyFile, ReadyFiles
+from .slots import Origin, keeps, reusable
 from .upstream import Upstream, UpstreamRefused
 
 __all__ = [
@@ -85,11 +88,6 @@ __all__ = [
 
 log = logging.getLogger("sippcache.proxy")
 
-#: A slot's new state replaces the entry it grew from when it keeps all of that entry's prompt and
-#: all of the entry but at most its last this many tokens: the end of the last answer as the model
-#: generated it, which the next turn's template writes back its own way (an end-of-turn token, a
-#: word tokenized otherwise).
-SUPERSEDE_SLACK = 32
 #: The names of the slot files a proxy process makes in a staging directory, its pid after them:
 #: a save's (removed once stored) and each slot's restore file (removed when the proxy exits).
 SAVE_PREFIX, RESTORE_PREFIX = "sippcache-save-", "sippcache-restore-"
@@ -120,7 +118,7 @@ class Restored:
     """A state llama-server loaded into a slot: the entry, its size and how long it took (`staged`:
     the store read and the staging file written; `loaded`: llama-server's own load, as it reported
     it, None where it did not); `held`, the tokens it holds when they are a prefix of the entry's
-    (a run of its chunks)."""
+    (a run of its chunks); `ready`, loaded from a ready file (nothing staged)."""
 
     origin: Origin
     nbytes: int
@@ -128,6 +126,7 @@ class Restored:
     held: tuple[int, ...] | None = None
     staged: float | None = None
     loaded: float | None = None
+    ready: bool = False  # from a ready file (`SlotStore.restore_ready`): nothing staged
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -167,7 +166,10 @@ class SlotStore:
     ``--slot-save-path``. Store calls run in worker threads: a large state never
     holds up the event loop. A store that fails is a miss, never an error for
     the client (`errors` counts them). `chunk_tokens`: the tokens of a chunk
-    (0: whole states), for the memory kinds in `CHUNKED_KINDS`.
+    (0: whole states), for the memory kinds in `CHUNKED_KINDS`. `ready_bytes`:
+    how many bytes of stored saves' slot files to keep ready (`ready`; 0: none);
+    `keep_ready_in`: the folder they outlive the process in (None: removed by
+    `close`; `ReadyFiles`).
     """
 
     def __init__(
@@ -181,6 +183,8 @@ class SlotStore:
         min_tokens: int = 16,
         secret: bytes | None = None,
         chunk_tokens: int = chunks.DEFAULT_CHUNK_TOKENS,
+        ready_bytes: int = 0,
+        keep_ready_in: str | None = None,
     ) -> None:
         self.cache = cache
         self.fingerprint = fingerprint
@@ -198,7 +202,9 @@ class SlotStore:
             versions={"llama_server": facts.get("build_info", "")},
         )
         self._staging_files: dict[str, StagingFile] = {}
-        remove_stale_files(staging, (SAVE_PREFIX, RESTORE_PREFIX))
+        remove_stale_files(staging, (SAVE_PREFIX, RESTORE_PREFIX) + ((READY_PREFIX,) if keep_ready_in is None else ()))
+        #: The slot files saved here and kept for restores that copy nothing (`sippcache.proxy.ready`).
+        self.ready = ReadyFiles(staging, ready_bytes, can_cut=self.can_cut, keep_in=keep_ready_in)
         self._errors = 0
         self.refused = 0  # entries llama-server would not load (kept: another configuration may)
 
@@ -278,6 +284,22 @@ class SlotStore:
         seconds = time.perf_counter() - started
         return Restored(origin, nbytes, seconds, held, staged_seconds, _reported_seconds(answer, "restore_ms"))
 
+    async def restore_ready(self, upstream: Upstream, slot: int, file: ReadyFile) -> Restored:
+        """Load a ready file (`ready`, held by the caller) into `slot`: llama-server's own restore,
+        nothing staged. A file it refuses is removed (`RestoreRefused`)."""
+        started = time.perf_counter()
+        try:
+            answer = await upstream.slot_action(slot, "restore", os.path.basename(file.path))
+        except UpstreamRefused as exc:
+            self.refused += 1
+            tokens = len(file.origin.tokens)
+            log.warning("%s refused a ready slot file of %d tokens (removed): %s", upstream.url, tokens, exc)
+            await asyncio.to_thread(self.ready.drop, file)
+            raise RestoreRefused(exc, file.nbytes, time.perf_counter() - started, tokens) from exc
+        self.ready.used(file)
+        seconds = time.perf_counter() - started
+        return Restored(file.origin, file.nbytes, seconds, loaded=_reported_seconds(answer, "restore_ms"), ready=True)
+
     def restore_file(self, url: str, slot: int) -> str:
         """The staging file restores into `slot` of the llama-server at `url` go through: one per
         slot and process, kept mapped and written in place by each restore, removed by `close`."""
@@ -310,10 +332,12 @@ class SlotStore:
             self._failed("reading the index", exc)
 
     def close(self) -> None:
-        """Remove the staging files this store's restores used."""
+        """Remove the staging files this store's restores used, and its ready files (or keep them:
+        `ReadyFiles.close`)."""
         for staging in self._staging_files.values():
             staging.close()
         self._staging_files.clear()
+        self.ready.close()
 
     def _stage(self, tokens: Sequence[int], namespace: str, path: str) -> tuple[Origin, int, tuple[int, ...]] | None:
         """Write the best stored state for `tokens` as a slot file at `path`: (the entry it comes
@@ -364,7 +388,7 @@ class SlotStore:
             answer = await upstream.slot_action(slot, "save", os.path.basename(path))
             tokens = await asyncio.to_thread(slotfile.read_tokens, path)
         except BaseException:
-            _remove_slot_file(path)
+            slotfile.remove(path)
             raise
         return Snapshot(path, tokens, min(prompt, len(tokens)), started, _reported_seconds(answer, "save_ms"))
 
@@ -373,7 +397,9 @@ class SlotStore:
         and a tail, or whole. `supersedes`, the entry the slot's state grew from, is dropped when the
         new state keeps all of its prompt and all of it but the end of its answer (`SUPERSEDE_SLACK`),
         and states can be cut: its tail (or whole entry) goes, and its chunks past what the two
-        share; shared chunks stay. The staging file is removed in every case."""
+        share; shared chunks stay. The slot file is then kept ready (`ready`), or removed; removed
+        in every other case."""
+        stored = None
         try:
             if len(snapshot.tokens) < self.min_tokens:
                 return None
@@ -382,8 +408,10 @@ class SlotStore:
             self._failed("save", exc)
             return None
         finally:
-            _remove_slot_file(snapshot.path)
+            if stored is None:
+                slotfile.remove(snapshot.path)
         seconds = time.perf_counter() - snapshot.started
+        self.ready.add(snapshot.path, self.namespace(scope), Origin(stored.tokens, snapshot.prompt))
         return Saved(stored.tokens, stored.nbytes, seconds, stored.state_bytes, snapshot.saved)
 
     def _store(self, snapshot: Snapshot, supersedes: Origin | None, scope: str) -> chunks.Stored:
@@ -394,7 +422,7 @@ class SlotStore:
             mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         view = memoryview(mapped)
         parsed = slotfile.parse(view)
-        replaces = supersedes.tokens if supersedes and self.can_cut and self._keeps(parsed.tokens, supersedes) else None
+        replaces = supersedes.tokens if supersedes and self.can_cut and keeps(parsed.tokens, supersedes) else None
         return self.states.store(  # the views into `mapped` go with the call's frames: it is unmapped then
             parsed.tokens,
             slotfile.seq_state_in_place(view, parsed),
@@ -404,13 +432,6 @@ class SlotStore:
             meta={"slot_version": parsed.version, "memory": self.kind, "prompt": snapshot.prompt},
             replaces=replaces,
         )
-
-    @staticmethod
-    def _keeps(tokens: tuple[int, ...], old: Origin) -> bool:
-        """Whether a state of `tokens` holds all an entry is worth: longer, and parting from it past
-        its prompt and at most `SUPERSEDE_SLACK` tokens before its end."""
-        common = common_prefix(old.tokens, tokens)
-        return len(old.tokens) < len(tokens) and common >= max(old.prompt, len(old.tokens) - SUPERSEDE_SLACK)
 
     def _drop(self, key: tuple[int, ...], namespace: str) -> None:
         try:
@@ -550,7 +571,7 @@ class StagingFile:
         """Unmap and remove the file (a later `write` makes it again)."""
         with self._lock:
             self._unmap()
-            _remove_slot_file(self.path)
+            slotfile.remove(self.path)
 
     def _unmap(self) -> None:
         mapped, self._mapped = self._mapped, None
@@ -603,15 +624,3 @@ def _reported_seconds(answer: dict[str, Any], name: str) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
         return value / 1000.0
     return None
-
-
-def _remove_slot_file(path: str) -> None:
-    """Remove a slot file; one that cannot be (this user may not: a folder llama-server, run as
-    another user, owns, or one with the sticky bit) is logged, never raised: the state was stored
-    or the request answered either way."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("sippcache proxy: cannot remove the slot file %s (it stays): %s", path, exc)

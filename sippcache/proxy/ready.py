@@ -1,0 +1,233 @@
+"""Slot files kept ready: states llama-server saved, restored later with no copy.
+
+A restore through the store writes the state into a staging file for
+llama-server to load: one copy of the whole state on top of llama-server's own
+load. On a fast GPU that copy alone is 15-21% of llama-server's own restore
+(docs/proxy.md, "What one copy costs on a fast GPU"). A slot file llama-server
+saved is already a file it loads. So once a save is stored, the proxy keeps its
+slot file, up to a byte budget (least recently used out first), and a later
+prompt it serves at least as well as the store's best is restored from it:
+llama-server's own restore, nothing read or copied by sippcache.
+
+The store stays what is shared and lasting (chunked, across processes and
+hosts); these files are a tier in llama-server's slot folder, in RAM where that
+folder is. They are this process's (named with its pid) and removed when it
+exits, as llama-server's own ``--cache-ram`` dies with it, unless a folder to
+keep them in is given (`keep_in`): then they are moved there at exit and the
+next proxy adopts them at its start, so a restarted proxy restores them as
+llama-server restores its own slot files. A file in the budget whose state
+another file of its namespace holds all of (a conversation's later turn: the
+store's supersede rule) is removed as soon as that file is added.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import xxhash
+
+from ..processes import written_by_a_live_process
+from . import slotfile
+from .slots import Origin, common_prefix, keeps, reusable
+
+__all__ = ["READY_PREFIX", "ReadyFile", "ReadyFiles"]
+
+log = logging.getLogger("sippcache.proxy")
+
+#: A ready file's name: this, the pid of the proxy holding it, its namespace's hash, the prompt
+#: length of the request that left the state, a random part: ``sippcache-ready-PID-NS-PROMPT-ID.slot``.
+READY_PREFIX = "sippcache-ready-"
+
+
+@dataclass(eq=False)
+class ReadyFile:
+    """One kept slot file: where it is, the namespace (hashed) and tokens of its state, and its size."""
+
+    path: str
+    space: str  # `ReadyFiles.space` of its namespace
+    origin: Origin
+    nbytes: int
+    used: int = 0  # a tick of the set's clock: the least recently used goes first
+    readers: int = 0  # restores reading it now: it is not removed meanwhile
+
+
+class ReadyFiles:
+    """The slot files a proxy keeps in `directory` (llama-server's ``--slot-save-path``), at most
+    `budget` bytes of them. `can_cut`: whether llama-server can cut a state where a prompt parts
+    from it (not for recurrent and hybrid memory). `keep_in`: a folder the files outlive the
+    process in (moved there by `close`, adopted from there now); None: removed by `close`.
+    Threads share an instance: saves add files in worker threads, lookups run on the event loop."""
+
+    def __init__(self, directory: str, budget: int, *, can_cut: bool = True, keep_in: str | None = None) -> None:
+        self.directory, self.budget, self.can_cut, self.keep_in = directory, max(0, budget), can_cut, keep_in
+        self._files: list[ReadyFile] = []
+        self._clock = 0
+        self._lock = threading.Lock()
+        if keep_in is not None:
+            self._adopt(keep_in)
+
+    @staticmethod
+    def space(namespace: str) -> str:
+        """A namespace as a file name carries it."""
+        return xxhash.xxh64_hexdigest(namespace.encode())
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the files kept now."""
+        with self._lock:
+            return sum(f.nbytes for f in self._files)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._files)
+
+    def add(self, path: str, namespace: str, origin: Origin) -> bool:
+        """Take over the slot file at `path` (in `directory`), a state of `origin.tokens` stored in
+        `namespace`: kept, renamed as a ready file, if it fits the budget (files less recently used
+        removed for room, and files of the namespace it supersedes); else removed. Whether kept."""
+        try:
+            nbytes = os.stat(path).st_size
+        except OSError:
+            return False
+        if nbytes > self.budget:
+            slotfile.remove(path)
+            return False
+        space = self.space(namespace)
+        name = f"{READY_PREFIX}{os.getpid()}-{space}-{origin.prompt}-{uuid.uuid4().hex}.slot"
+        ready = ReadyFile(os.path.join(self.directory, name), space, origin, nbytes)
+        try:
+            os.rename(path, ready.path)
+        except OSError as exc:
+            log.warning("sippcache proxy: cannot keep the slot file %s ready: %s", path, exc)
+            slotfile.remove(path)
+            return False
+        with self._lock:
+            gone = [f for f in self._files if f.space == space and not f.readers and self._supersedes(origin, f)]
+            self._files = [f for f in self._files if f not in gone]
+            self._clock += 1
+            ready.used = self._clock
+            self._files.append(ready)
+            gone += self._over_budget()
+        for file in gone:
+            slotfile.remove(file.path)
+        return ready not in gone
+
+    def _supersedes(self, new: Origin, old: ReadyFile) -> bool:
+        return self.can_cut and keeps(new.tokens, old.origin)
+
+    def _over_budget(self) -> list[ReadyFile]:
+        """Take the least recently used files out of the set (none being read) until the rest fits
+        the budget; those taken (the caller removes them)."""
+        total = sum(f.nbytes for f in self._files)
+        gone = []
+        for file in sorted(self._files, key=lambda f: f.used):
+            if total <= self.budget:
+                break
+            if not file.readers:
+                gone.append(file)
+                total -= file.nbytes
+        self._files = [f for f in self._files if f not in gone]
+        return gone
+
+    @contextmanager
+    def best(self, namespace: str, tokens: Sequence[int]) -> Iterator[tuple[ReadyFile, int] | None]:
+        """The file giving llama-server the most of `tokens` to reuse, and how many (None: no file
+        gives any), held while the block runs: not removed for room meanwhile."""
+        space = self.space(namespace)
+        with self._lock:
+            found = max(
+                ((f, reusable(len(f.origin.tokens), common_prefix(f.origin.tokens, tokens), len(tokens), self.can_cut))
+                 for f in self._files if f.space == space),
+                key=lambda pair: (pair[1], -pair[0].nbytes),
+                default=None,
+            )  # fmt: skip
+            if found is None or found[1] <= 0:
+                found = None
+            else:
+                found[0].readers += 1
+        try:
+            yield found
+        finally:
+            if found is not None:
+                with self._lock:
+                    found[0].readers -= 1
+
+    def used(self, file: ReadyFile) -> None:
+        """`file` was restored: the last to go for room."""
+        with self._lock:
+            self._clock += 1
+            file.used = self._clock
+
+    def drop(self, file: ReadyFile) -> None:
+        """Remove a file llama-server would not load."""
+        with self._lock:
+            if file not in self._files:
+                return
+            self._files.remove(file)
+        slotfile.remove(file.path)
+
+    def close(self) -> None:
+        """Remove every file, or move it into `keep_in` for the next proxy."""
+        with self._lock:
+            files, self._files = self._files, []
+        for file in files:
+            if self.keep_in is None:
+                slotfile.remove(file.path)
+                continue
+            try:
+                os.rename(file.path, os.path.join(self.keep_in, os.path.basename(file.path)))
+            except OSError as exc:
+                log.warning("sippcache proxy: cannot keep %s in %s: %s", file.path, self.keep_in, exc)
+                slotfile.remove(file.path)
+
+    def _adopt(self, folder: str) -> None:
+        """Take the ready files proxies that are gone left in `folder` (this user's), newest first,
+        into `directory` while they fit the budget; remove the rest. The tokens come from each
+        file's own header."""
+        found = []
+        try:
+            names = os.listdir(folder)
+        except OSError as exc:
+            log.warning("sippcache proxy: no kept slot files taken from %s: %s", folder, exc)
+            return
+        for name in names:
+            parts = name[len(READY_PREFIX) :].split("-") if name.startswith(READY_PREFIX) else []
+            if len(parts) != 4 or not (parts[0].isdigit() and parts[2].isdigit()):
+                continue
+            path = os.path.join(folder, name)
+            try:
+                info = os.stat(path)
+            except OSError:
+                continue
+            if info.st_uid != os.getuid() or written_by_a_live_process(int(parts[0]), info.st_mtime):
+                continue
+            found.append((info.st_mtime, path, parts, info.st_size))
+        total, adopted = 0, []
+        for _, path, (_, space, prompt, rest), nbytes in sorted(found, reverse=True):
+            if total + nbytes > self.budget:
+                slotfile.remove(path)
+                continue
+            target = os.path.join(self.directory, f"{READY_PREFIX}{os.getpid()}-{space}-{prompt}-{rest}")
+            try:
+                tokens = slotfile.read_tokens(path)
+                os.rename(path, target)
+            except (OSError, slotfile.SlotFileError) as exc:
+                log.warning("sippcache proxy: a kept slot file %s is not taken: %s", path, exc)
+                slotfile.remove(path)
+                continue
+            total += nbytes
+            adopted.append(ReadyFile(target, space, Origin(tokens, int(prompt)), nbytes))
+        for file in reversed(adopted):  # the oldest goes first for room
+            self._clock += 1
+            file.used = self._clock
+            self._files.append(file)
+        if adopted:
+            log.info(
+                "sippcache proxy: %d slot files (%d MiB) kept by earlier proxies are ready", len(adopted), total >> 20
+            )
