@@ -87,6 +87,8 @@ def test_a_conversations_later_turn_replaces_its_earlier_file(tmp_path: Path) ->
     turn2 = (*turn1[:-1], 99, 7, 8, 60)
     ready.add(saved(tmp_path, turn2), NS, Origin(turn2, len(turn2) - 1))
     assert sorted(f.origin.tokens for f in ready._files) == sorted([other, turn2])
+    ready.add(saved(tmp_path, other), NS, Origin(other, len(other)))  # the same state saved again
+    assert sorted(f.origin.tokens for f in ready._files) == sorted([other, turn2])
     assert len(ready_names(tmp_path)) == 2
 
 
@@ -96,6 +98,7 @@ def test_recurrent_states_serve_only_prompts_they_are_a_prefix_of(tmp_path: Path
     ready.add(saved(tmp_path, turn1), NS, Origin(turn1, len(turn1)))
     turn2 = (*turn1, 3, 4)
     ready.add(saved(tmp_path, turn2), NS, Origin(turn2, len(turn2)))
+    ready.add(saved(tmp_path, turn2), NS, Origin(turn2, len(turn2)))  # the same state again: one file
     assert len(ready) == 2  # both kept: a state is extended only at exactly its length
     assert best_tokens(ready, (*turn1, 3, 4, 5)) == (turn2, len(turn2))
     assert best_tokens(ready, (*turn1, 9)) == (turn1, len(turn1))

@@ -45,6 +45,7 @@ import socket
 import string
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -438,7 +439,7 @@ def start_proxy(
     # --save-idle 1: a follow-up's slot is saved a second after its answer, so the next request finds its
     # slot saved (-np 1) and no save of the last conversation lands on its path
     argv = [sys.executable, "-m", "sippcache.proxy", "--llama-server", LS, "--model", model]
-    argv += ["--restore", "auto" if mode == "ready" else mode, "--save-idle", "1", "--rates-dir", rates_dir]
+    argv += ["--restore", "auto" if mode in ("ready", "run1") else mode, "--save-idle", "1", "--rates-dir", rates_dir]
     if mode in ("ready", "run1"):  # run 1 keeps its slot files for run 2's ready mode
         argv += ["--keep-ready"]
     if STAGING_DIR:  # run.sh's HUGE_TMPFS=1: a tmpfs with huge pages
@@ -578,6 +579,7 @@ def proxy_phase(shape: str, model: dict) -> None:
     # a raw server for the prompts' texts is not running: the proxy's /tokenize (passed through) makes them
     rates_dir = os.path.join(WORK, "rates-" + shape.replace(":", "-"))  # this run's own, kept across its restarts
     shutil.rmtree(rates_dir, ignore_errors=True)
+    clear_kept()
     proc, server, took = start_proxy(model["path"], url, log, args, rates_dir, "run1")
     res["start1_s"] = round(took, 1)
     texts: dict[int, tuple[str, str]] = {}
@@ -618,6 +620,14 @@ def proxy_phase(shape: str, model: dict) -> None:
         proxy_run2(shape, model, mode, f"lmdb://{mode_dir}?max_bytes=24GiB", log, args, rates_dir, texts)
         shutil.rmtree(mode_dir, ignore_errors=True)
         save_results()
+
+
+def clear_kept() -> None:
+    """Remove the ready slot files earlier proxies kept (--keep-ready) wherever a managed proxy keeps
+    them: a proxy of an earlier run, asked the same texts, left states this run must not find (a
+    second CPU run's "ready" follow-ups reused all of their prompts that way)."""
+    for base in {STAGING_DIR, "/dev/shm", tempfile.gettempdir()} - {""}:
+        shutil.rmtree(os.path.join(base, f"sippcache-kept-{os.getuid()}"), ignore_errors=True)
 
 
 def proxy_run2(
@@ -662,6 +672,15 @@ def proxy_run2(
                 if rs is not None and raw["restore"]["restore_ms"] is not None:
                     run[f"sippcache_restore_overhead_ms_{mode}"] = r1(rs * 1000 - raw["restore"]["restore_ms"])
                 run[f"proxy_over_raw_floor_ms_{mode}"] = r1(r2["ttft_ms"] - run["raw_restore_plus_req2_ttft_ms"])
+                # Beside llama-server's own compute of the 32 new tokens (timings.prompt_ms), which
+                # varies from one request to the next by more than a restore costs on a CPU: the rest
+                # of the time to first token (the restore, the proxy's steps), each way.
+                raw_req2 = raw["restore_req2_stream"]
+                if raw_req2.get("prompt_ms") is not None and r2.get("prompt_ms") is not None:
+                    run["raw_beside_compute_ms"] = r1(
+                        raw_req2["restore_wall_ms"] + raw_req2["ttft_ms"] - raw_req2["prompt_ms"]
+                    )
+                    run[f"beside_compute_ms_{mode}"] = r1(r2["ttft_ms"] - r2["prompt_ms"])
             say(f"{shape} proxy ({mode}) N={n} request 2 (after restart): {r2}; metrics {run[key]['metrics']}")
             save_results()
         res[f"metrics_end_{mode}"] = metrics(server)
@@ -803,7 +822,9 @@ def summary() -> None:
                     f"sippcache adds {run.get(f'sippcache_restore_overhead_ms_{mode}')} ms to the restore "
                     f"(its staging {m2.get('restore_part_seconds_sum.sippcache')} s, llama-server's load "
                     f"{m2.get('restore_part_seconds_sum.llama_server')} s), "
-                    f"TTFT over the raw floor {run.get(f'proxy_over_raw_floor_ms_{mode}')} ms"
+                    f"TTFT over the raw floor {run.get(f'proxy_over_raw_floor_ms_{mode}')} ms; beside "
+                    f"llama-server's compute of the new tokens {run.get(f'beside_compute_ms_{mode}')} ms "
+                    f"(raw: {run.get('raw_beside_compute_ms')} ms)"
                 )
     for shape, m in RESULTS["micro"].items():
         lines.append(f"state_path on this host (after {shape}): rc {m.get('rc')}, {m.get('s')} s (see state_path.json)")

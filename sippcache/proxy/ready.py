@@ -119,7 +119,9 @@ class ReadyFiles:
         return ready not in gone
 
     def _supersedes(self, new: Origin, old: ReadyFile) -> bool:
-        return self.can_cut and keeps(new.tokens, old.origin)
+        """Whether a file of `new` makes `old` of no use: the same state, or (where states can be
+        cut) one that keeps all `old` is worth (`keeps`)."""
+        return new.tokens == old.origin.tokens or (self.can_cut and keeps(new.tokens, old.origin))
 
     def _over_budget(self) -> list[ReadyFile]:
         """Take the least recently used files out of the set (none being read) until the rest fits
