@@ -578,6 +578,63 @@ def test_a_restore_llama_server_refuses_is_a_miss_and_the_entry_is_kept(
         assert len(store) >= stored  # kept for the servers that can load it
 
 
+def test_a_ready_file_llama_server_refuses_is_a_miss_and_is_removed(procs: Any, model: Path, tmp_path: Path) -> None:
+    """A kept ready file (--keep-ready) of a state another configuration of the same model cannot
+    load (another K cache type): llama-server refuses it, the request is computed in full with its
+    own answer, the refusal is counted and the file removed; the store's entry stays."""
+    slots, cache = tmp_path / "slots", f"lmdb://{tmp_path}/store"
+    slots.mkdir()
+    first = procs(model, "-c", "4096", "-np", "1", "--slot-save-path", str(slots), llama=True)
+    proxy = procs(["--upstream", first.url, "--slot-dir", str(slots), "--cache", cache, "--keep-ready"])
+    messages = conversation("which ship passed first?")
+    chat(proxy.url, messages)
+    settle(proxy)
+    proxy.stop()
+    first.stop()
+    (kept,) = slots.glob("sippcache-ready-*")
+    other = procs(model, "-c", "4096", "-np", "1", "-ctk", "f32", "--slot-save-path", str(slots), llama=True)
+    reference = procs(model, "-c", "4096", "-np", "1", "-ctk", "f32", llama=True)
+    proxy = procs(["--upstream", other.url, "--slot-dir", str(slots), "--cache", cache, "--keep-ready"])
+    assert metric(proxy, "sippcache_proxy_ready_files") == 1  # adopted
+    answer, reused, _ = chat(proxy.url, messages)
+    assert answer == chat(reference.url, messages, cache_prompt=False)[0]
+    assert reused == 0
+    assert metric(proxy, "sippcache_proxy_restores_total", outcome="refused") == 1
+    assert metric(proxy, "sippcache_proxy_ready_restores_total") == 0
+    assert not list(slots.glob(f"sippcache-ready-*-{kept.name.rsplit('-', 1)[1]}"))  # removed, adopted or not
+    with sippcache.open(cache) as store:
+        assert len(store) > 0
+
+
+def test_a_ready_file_changed_behind_the_proxys_back_is_not_loaded_the_store_serves(
+    procs: Any, model: Path, tmp_path: Path
+) -> None:
+    """A ready slot file cut short after the proxy kept it (llama-server would abort on it: a
+    GGML_ASSERT in llama_state_seq_load_file, found by this test before the check): the proxy
+    removes it, restores the conversation from the store, and the answer is llama-server's own."""
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    server = procs(model, "-c", "4096", "-np", "1", "--slot-save-path", str(slots), llama=True)
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    proxy = procs(["--upstream", server.url, "--slot-dir", str(slots), "--cache", f"lmdb://{tmp_path}/store"])
+    alice = conversation("which ship passed first?", "alice")
+    first = chat(proxy.url, alice)
+    settle(proxy)
+    chat(proxy.url, conversation("what was the weather?", "bob"))  # bob takes the slot, alice's file stays
+    (ready,) = slots.glob("sippcache-ready-*")
+    with open(ready, "r+b") as f:
+        f.truncate(ready.stat().st_size // 2)
+    follow = [*alice, {"role": "assistant", "content": first[0]}, {"role": "user", "content": "more?"}]
+    answer, reused, timings = chat(proxy.url, follow)
+    assert answer == chat(reference.url, follow, cache_prompt=False)[0]
+    assert reused == timings["cache_n"] >= prompt_length(first[2]), timings
+    assert metric(proxy, "sippcache_proxy_restores_total", outcome="ok") == 1
+    assert metric(proxy, "sippcache_proxy_ready_restores_total") == 0
+    assert not ready.exists()
+    settle(proxy)
+    assert len(list(slots.glob("sippcache-ready-*"))) == 1  # bob's, saved when alice took the slot back
+
+
 def test_api_key_upstream(procs: Any, model: Path, tmp_path: Path) -> None:
     proxy = procs([*managed(model, f"lmdb://{tmp_path}/store", "--api-key", "s3cret"), "--api-key", "s3cret"])
     status, _, answer = proxy.post("/v1/chat/completions", {"messages": conversation("hi"), **GREEDY})

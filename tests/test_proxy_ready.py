@@ -17,16 +17,34 @@ from sippcache.proxy import slotfile
 from sippcache.proxy.ready import READY_PREFIX, ReadyFiles
 from sippcache.proxy.slots import Origin
 from sippcache.proxy.store import SlotStore, Snapshot
+from tests.test_proxy_store import real_state
 
 SYSTEM = tuple(range(1000, 1400))
 NS = "llama-server:f/"
 
 
-def saved(folder: Path, tokens: tuple[int, ...], state: int = 1000) -> str:
-    """A slot file as llama-server saves one: `tokens` and `state` bytes of state."""
+def saved(folder: Path, tokens: tuple[int, ...], state: int | bytes = 1000) -> str:
+    """A slot file as llama-server saves one: `tokens` and a state (bytes, or that many zeros: the
+    proxy reads no more than the header of a file it kept itself)."""
     path = folder / f"sippcache-save-{os.getpid()}-{len(tokens)}-{tokens[-1]}.slot"
-    path.write_bytes(b"".join(slotfile.build(4, tokens, bytes(state))))
+    version = 4 if isinstance(state, int) else 3  # a real state here: llama-cpp-python's llama.cpp writes 3
+    path.write_bytes(b"".join(slotfile.build(version, tokens, bytes(state) if isinstance(state, int) else state)))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A real llama.cpp state (the tiny model's): what a proxy checks in a file another proxy kept."""
+    import llama_cpp
+
+    from tests.tinymodel import write_tiny_model
+
+    path = write_tiny_model(tmp_path_factory.mktemp("proxy-ready-model") / "tiny.gguf")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, verbose=False)
+    try:
+        return real_state(llm, (1, *range(10, 80)))
+    finally:
+        llm.close()
 
 
 def ready_names(folder: Path) -> list[str]:
@@ -113,7 +131,7 @@ def test_without_a_folder_to_keep_them_in_close_removes_every_file(tmp_path: Pat
     assert list(tmp_path.iterdir()) == []
 
 
-def test_kept_files_are_adopted_by_the_next_proxy_newest_first_within_its_budget(tmp_path: Path) -> None:
+def test_kept_files_are_adopted_by_the_next_proxy_newest_first_within_its_budget(tmp_path: Path, state: bytes) -> None:
     """With a folder to keep them in, close moves the files there; the next proxy takes them into
     its own folder (named with its pid), reads their tokens from their headers, and removes what
     its budget has no room for, oldest first. A live process's files are never taken."""
@@ -123,10 +141,10 @@ def test_kept_files_are_adopted_by_the_next_proxy_newest_first_within_its_budget
     first = ReadyFiles(str(staging), 1 << 20, keep_in=str(kept))
     tokens = [(*SYSTEM, n, n) for n in range(3)]
     for i, t in enumerate(tokens):
-        first.add(saved(staging, t), NS, Origin(t, len(SYSTEM) + i))
+        first.add(saved(staging, t, state), NS, Origin(t, len(SYSTEM) + i))
         time.sleep(0.01)  # distinct times: the newest is known
     live = kept / f"{READY_PREFIX}{os.getpid()}-{ReadyFiles.space(NS)}-0-ab.slot"
-    live.write_bytes(b"".join(slotfile.build(4, tokens[0], bytes(1000))))  # a running proxy's
+    live.write_bytes(b"".join(slotfile.build(3, tokens[0], state)))  # a running proxy's
     first.close()
     assert list(staging.iterdir()) == [] and len(ready_names(kept)) == 4
     # Their names carry this test's pid, alive: named as a finished process's, as a restarted proxy finds them.
@@ -167,10 +185,10 @@ def test_a_stored_save_leaves_its_slot_file_ready_and_a_failed_one_removes_it(tm
     assert list(tmp_path.iterdir()) == []
 
 
-def test_ready_files_a_proxy_killed_outright_left_are_removed_unless_kept(tmp_path: Path) -> None:
+def test_ready_files_a_proxy_killed_outright_left_are_removed_unless_kept(tmp_path: Path, state: bytes) -> None:
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
     name = f"{READY_PREFIX}{int(done.stdout)}-{ReadyFiles.space(NS)}-3-ab.slot"
-    (tmp_path / name).write_bytes(b"".join(slotfile.build(4, (*SYSTEM, 1), bytes(10))))
+    (tmp_path / name).write_bytes(b"".join(slotfile.build(3, (*SYSTEM, 1), state)))
     keeping = SlotStore(
         sippcache.open("ram://"), fingerprint="f", facts={}, kind="full", staging=str(tmp_path),
         ready_bytes=1 << 20, keep_ready_in=str(tmp_path),
@@ -202,3 +220,24 @@ def test_the_ready_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     os.chmod(kept, 0o755)
     with pytest.raises(ProxyError, match="not a folder only this user may use"):
         _kept_dir(str(tmp_path))
+
+
+def test_a_kept_file_cut_short_or_changed_is_never_given_to_llama_server(tmp_path: Path, state: bytes) -> None:
+    """llama-server aborts on a slot file cut short (GGML_ASSERT in llama_state_seq_load_file): a kept
+    file whose state does not read through to its end is not adopted, and a file changed since this
+    proxy kept it is removed when a lookup finds it (the store then serves the prompt)."""
+    gone = int(subprocess.run([sys.executable, "-c", "print(__import__('os').getpid())"], capture_output=True).stdout)
+    whole, short = (*SYSTEM, 1), (*SYSTEM, 2)
+    for tokens, cut in ((whole, 0), (short, 100)):
+        data = b"".join(slotfile.build(3, tokens, state))
+        name = f"{READY_PREFIX}{gone}-{ReadyFiles.space(NS)}-0-{tokens[-1]}.slot"
+        (tmp_path / name).write_bytes(data[: len(data) - cut])
+    ready = ReadyFiles(str(tmp_path), 1 << 20, keep_in=str(tmp_path))
+    assert [f.origin.tokens for f in ready._files] == [whole]
+    assert len(ready_names(tmp_path)) == 1  # the one cut short removed
+    (file,) = ready._files
+    assert best_tokens(ready, (*whole, 5)) == (whole, len(whole))
+    with open(file.path, "r+b") as f:
+        f.truncate(os.path.getsize(file.path) - 1)
+    assert best_tokens(ready, (*whole, 5)) is None
+    assert ready_names(tmp_path) == [] and len(ready) == 0

@@ -22,7 +22,9 @@ store's supersede rule) is removed as soon as that file is added.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import os
 import threading
 import uuid
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from .. import stateformat
 from ..processes import written_by_a_live_process
 from . import slotfile
 from .slots import Origin, common_prefix, keeps, reusable
@@ -53,6 +56,7 @@ class ReadyFile:
     space: str  # `ReadyFiles.space` of its namespace
     origin: Origin
     nbytes: int
+    stamp: tuple[int, int, int]  # (inode, size, mtime in ns) when kept: `ReadyFiles.intact`
     used: int = 0  # a tick of the set's clock: the least recently used goes first
     readers: int = 0  # restores reading it now: it is not removed meanwhile
 
@@ -100,9 +104,10 @@ class ReadyFiles:
             return False
         space = self.space(namespace)
         name = f"{READY_PREFIX}{os.getpid()}-{space}-{origin.prompt}-{uuid.uuid4().hex}.slot"
-        ready = ReadyFile(os.path.join(self.directory, name), space, origin, nbytes)
+        target = os.path.join(self.directory, name)
         try:
-            os.rename(path, ready.path)
+            os.rename(path, target)
+            ready = ReadyFile(target, space, origin, nbytes, _stamp(target))
         except OSError as exc:
             log.warning("sippcache proxy: cannot keep the slot file %s ready: %s", path, exc)
             slotfile.remove(path)
@@ -140,25 +145,45 @@ class ReadyFiles:
     @contextmanager
     def best(self, namespace: str, tokens: Sequence[int]) -> Iterator[tuple[ReadyFile, int] | None]:
         """The file giving llama-server the most of `tokens` to reuse, and how many (None: no file
-        gives any), held while the block runs: not removed for room meanwhile."""
+        gives any), held while the block runs: not removed for room meanwhile. A file changed
+        since it was kept is removed instead (`intact`)."""
         space = self.space(namespace)
+        changed = []
         with self._lock:
-            found = max(
+            ranked = sorted(
                 ((f, reusable(len(f.origin.tokens), common_prefix(f.origin.tokens, tokens), len(tokens), self.can_cut))
                  for f in self._files if f.space == space),
-                key=lambda pair: (pair[1], -pair[0].nbytes),
-                default=None,
+                key=lambda pair: (-pair[1], pair[0].nbytes),
             )  # fmt: skip
-            if found is None or found[1] <= 0:
-                found = None
-            else:
-                found[0].readers += 1
+            found = None
+            for file, gives in ranked:
+                if gives <= 0:
+                    break
+                if file.readers or self.intact(file):
+                    found = file, gives
+                    file.readers += 1
+                    break
+                changed.append(file)
+            self._files = [f for f in self._files if f not in changed]
+        for file in changed:
+            log.warning("sippcache proxy: the ready slot file %s changed since it was kept: removed", file.path)
+            slotfile.remove(file.path)
         try:
             yield found
         finally:
             if found is not None:
                 with self._lock:
                     found[0].readers -= 1
+
+    @staticmethod
+    def intact(file: ReadyFile) -> bool:
+        """Whether `file` is still the file kept (its inode, size and time of change): llama-server
+        aborts on a slot file cut short (GGML_ASSERT in llama_state_seq_load_file), and one
+        another process changed is not the state it lists."""
+        try:
+            return _stamp(file.path) == file.stamp
+        except OSError:
+            return False
 
     def used(self, file: ReadyFile) -> None:
         """`file` was restored: the last to go for room."""
@@ -217,14 +242,15 @@ class ReadyFiles:
                 continue
             target = os.path.join(self.directory, f"{READY_PREFIX}{os.getpid()}-{space}-{prompt}-{rest}")
             try:
-                tokens = slotfile.read_tokens(path)
+                tokens = _whole_slot_file(path)
                 os.rename(path, target)
-            except (OSError, slotfile.SlotFileError) as exc:
+                stamp = _stamp(target)
+            except (OSError, ValueError) as exc:  # SlotFileError and UnsupportedState are ValueErrors
                 log.warning("sippcache proxy: a kept slot file %s is not taken: %s", path, exc)
                 slotfile.remove(path)
                 continue
             total += nbytes
-            adopted.append(ReadyFile(target, space, Origin(tokens, int(prompt)), nbytes))
+            adopted.append(ReadyFile(target, space, Origin(tokens, int(prompt)), nbytes, stamp))
         for file in reversed(adopted):  # the oldest goes first for room
             self._clock += 1
             file.used = self._clock
@@ -233,3 +259,25 @@ class ReadyFiles:
             log.info(
                 "sippcache proxy: %d slot files (%d MiB) kept by earlier proxies are ready", len(adopted), total >> 20
             )
+
+
+def _stamp(path: str) -> tuple[int, int, int]:
+    info = os.stat(path)
+    return info.st_ino, info.st_size, info.st_mtime_ns
+
+
+def _whole_slot_file(path: str) -> tuple[int, ...]:
+    """The tokens of a slot file another process kept, once its state reads through to the file's
+    end (`stateformat.parse`, over a mapping: only its headers are read): a file cut short (a
+    disk's last writes lost in a crash) would abort llama-server. Raises ValueError (or OSError)."""
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    parsed = None
+    try:
+        parsed = slotfile.parse(mapped)
+        stateformat.parse(parsed.state, header=False, version=parsed.version)
+        return parsed.tokens
+    finally:
+        parsed = None
+        with contextlib.suppress(BufferError):  # views in a traceback: unmapped when they go
+            mapped.close()
