@@ -24,7 +24,9 @@ them as GB/s and as a ratio to a plain memory copy of the same bytes measured in
   front of diskcache: its store times the LMDB write and the queueing (the L2 write is awaited untimed);
 - the proxy (`sippcache.proxy.store.SlotStore`, kind "full") on each backend: ``keep`` of a slot
   file in llama-server's format (read + framing + store write; the file is written untimed first)
-  and ``_stage`` of the entry (lookup + decode + writing the staging slot file: one per slot, as
+  (beside it, ``keep`` as a proxy with ready files makes it: the slot file kept, renamed, not
+  removed; `sippcache.proxy.ready`) and ``_stage`` of the entry (lookup + decode + writing the
+  staging slot file: one per slot, as
   the proxy keeps it, so the first restore, which creates it, is untimed), and ``_stage`` right
   after a restore of a state a quarter as long (the file left long; beside it, cut to each state's
   length, as for slot-file version 1 and before 2026-11-28); beside them, the same
@@ -121,6 +123,8 @@ MEMCPY, LMDB_SYNC = "memcpy (preallocated buffer)", "lmdb: disk sync (fsync data
 SLOT_FILE_FLOOR = "slot file: read once through a mapping, unmapped, removed"
 #: After a save's stage name: the same save less the backend's own `store` calls.
 OWN_PART = ", sippcache's own part"
+#: The proxy's save with ready files on (its default): the slot file kept, not removed.
+KEPT_READY = "proxy save: keep, the file kept ready"
 
 
 def parse_size(text: str) -> int:
@@ -343,6 +347,26 @@ def proxy(clock: Clock, name: str, url: str, state: bytes, keys: list[tuple[int,
         ) as slots,  # closed: its staging file, kept mapped, is freed
     ):
         namespace = slots.namespace("bench")
+        ready = SlotStore(
+            cache,
+            fingerprint="bench",
+            facts={},
+            kind="full",
+            staging=staging,
+            chunk_tokens=0,
+            ready_bytes=2 * len(state),
+        )
+        for i in range(repeat):  # the save as a proxy with ready files makes it: the file kept, not removed
+            path = os.path.join(staging, f"save-ready-{i}.slot")
+            with open(path, "wb") as f:
+                for part in slotfile.build(SLOT_VERSION, keys[i], state):
+                    f.write(part)
+            with clock(f"{KEPT_READY} ({name})", stores):
+                saved = ready.keep(Snapshot(path, keys[i], len(keys[i]), time.perf_counter()), None, "bench")
+            if saved is None or os.path.exists(path) or len(ready.ready) != 1:
+                sys.exit(f"FAIL: SlotStore.keep on {name} kept no ready file (errors: {ready.errors})")
+            ready.close()  # untimed: the file removed, as room or the proxy's exit removes it later
+            cache.delete(keys[i], namespace=namespace)
         for i in range(repeat):
             path = os.path.join(staging, f"save-{i}.slot")
             for label, framing in ("", None), (other_framing(cache), not keeps_bytes(cache)):
@@ -689,6 +713,7 @@ def totals(rows: list[dict[str, Any]], backends: list[str]) -> list[dict[str, An
                 "backend": name,
                 "save_x": save["x_memcpy"],
                 "save_own_x": by_stage[f"proxy save: keep ({name}){OWN_PART}"]["x_memcpy"],
+                "save_ready_own_x": by_stage[f"{KEPT_READY} ({name}){OWN_PART}"]["x_memcpy"],
                 "slot_file_x": by_stage[SLOT_FILE_FLOOR]["x_memcpy"],
                 "restore_x": restore["x_memcpy"],
                 "round_trip_x": 2 * memcpy / trip,
@@ -751,7 +776,8 @@ def main() -> int:
         print(
             f"  {show_size(t['size']):>8} {t['backend']:<10} save {t['save_ms']:,.1f} ms ({t['save_x']:.2f}x memcpy;"
             f" sippcache's own part {t['save_own_x']:.2f}x;"
-            f" the slot file read and removed alone {t['slot_file_x']:.2f}x)"
+            f" the slot file read and removed alone {t['slot_file_x']:.2f}x;"
+            f" own part with the file kept ready {t['save_ready_own_x']:.2f}x)"
             f"{sync}, restore {t['restore_ms']:,.1f} ms ({t['restore_x']:.2f}x), round trip {t['round_trip_x']:.2f}x;"
             f" before: save {t['save_before_x']:.2f}x, restore {t['restore_before_x']:.2f}x;"
             f" chunks of {args.chunk_tokens} tokens: save {t['chunked_save_x']:.2f}x (every chunk new;"
