@@ -347,26 +347,6 @@ def proxy(clock: Clock, name: str, url: str, state: bytes, keys: list[tuple[int,
         ) as slots,  # closed: its staging file, kept mapped, is freed
     ):
         namespace = slots.namespace("bench")
-        ready = SlotStore(
-            cache,
-            fingerprint="bench",
-            facts={},
-            kind="full",
-            staging=staging,
-            chunk_tokens=0,
-            ready_bytes=2 * len(state),
-        )
-        for i in range(repeat):  # the save as a proxy with ready files makes it: the file kept, not removed
-            path = os.path.join(staging, f"save-ready-{i}.slot")
-            with open(path, "wb") as f:
-                for part in slotfile.build(SLOT_VERSION, keys[i], state):
-                    f.write(part)
-            with clock(f"{KEPT_READY} ({name})", stores):
-                saved = ready.keep(Snapshot(path, keys[i], len(keys[i]), time.perf_counter()), None, "bench")
-            if saved is None or os.path.exists(path) or len(ready.ready) != 1:
-                sys.exit(f"FAIL: SlotStore.keep on {name} kept no ready file (errors: {ready.errors})")
-            ready.close()  # untimed: the file removed, as room or the proxy's exit removes it later
-            cache.delete(keys[i], namespace=namespace)
         for i in range(repeat):
             path = os.path.join(staging, f"save-{i}.slot")
             for label, framing in ("", None), (other_framing(cache), not keeps_bytes(cache)):
@@ -398,6 +378,27 @@ def proxy(clock: Clock, name: str, url: str, state: bytes, keys: list[tuple[int,
                 sys.exit(f"FAIL: SlotStore._stage on {name} staged nothing (errors: {slots.errors})")
             if i == 0 and not holds(path, slotfile.build(SLOT_VERSION, last, state)):
                 sys.exit(f"FAIL: SlotStore._stage on {name} wrote another slot file")
+        ready = SlotStore(
+            cache,
+            fingerprint="bench",
+            facts={},
+            kind="full",
+            staging=staging,
+            chunk_tokens=0,
+            ready_bytes=2 * len(state),
+        )
+        cache.delete(last, namespace=namespace)  # after the saves above: the store has grown as far for this one
+        for i in range(repeat):  # the save as a proxy with ready files makes it: the file kept, not removed
+            path = os.path.join(staging, f"save-ready-{i}.slot")
+            with open(path, "wb") as f:
+                for part in slotfile.build(SLOT_VERSION, keys[i], state):
+                    f.write(part)
+            with clock(f"{KEPT_READY} ({name})", stores):
+                saved = ready.keep(Snapshot(path, keys[i], len(keys[i]), time.perf_counter()), None, "bench")
+            if saved is None or os.path.exists(path) or len(ready.ready) != 1:
+                sys.exit(f"FAIL: SlotStore.keep on {name} kept no ready file (errors: {ready.errors})")
+            ready.close()  # untimed: the file removed, as room or the proxy's exit removes it later
+            cache.delete(keys[i], namespace=namespace)
 
 
 def proxy_after_shorter(

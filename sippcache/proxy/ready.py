@@ -272,12 +272,13 @@ def _whole_slot_file(path: str) -> tuple[int, ...]:
     disk's last writes lost in a crash) would abort llama-server. Raises ValueError (or OSError)."""
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    parsed = None
+    view, parsed = memoryview(mapped), None
     try:
-        parsed = slotfile.parse(mapped)
+        parsed = slotfile.parse(view)
         stateformat.parse(parsed.state, header=False, version=parsed.version)
         return parsed.tokens
     finally:
         parsed = None
         with contextlib.suppress(BufferError):  # views in a traceback: unmapped when they go
+            view.release()
             mapped.close()
