@@ -18,6 +18,10 @@ next proxy adopts them at its start, so a restarted proxy restores them as
 llama-server restores its own slot files. A file in the budget whose state
 another file of its namespace holds all of (a conversation's later turn: the
 store's supersede rule) is removed as soon as that file is added.
+
+llama-server aborts on a slot file cut short, so a file is given to it only as
+it was kept (`ReadyFiles.intact`), and a file another proxy kept only once its
+state reads through to the file's end.
 """
 
 from __future__ import annotations
@@ -111,6 +115,7 @@ class ReadyFiles:
         except OSError as exc:
             log.warning("sippcache proxy: cannot keep the slot file %s ready: %s", path, exc)
             slotfile.remove(path)
+            slotfile.remove(target)
             return False
         with self._lock:
             gone = [f for f in self._files if f.space == space and not f.readers and self._supersedes(origin, f)]
