@@ -611,15 +611,18 @@ def proxy_phase(shape: str, model: dict) -> None:
         say(f"{shape} proxy stopped in {res['stop1_s']} s")
     with contextlib.suppress(OSError):
         res["store_bytes_after_run1"] = sum(os.path.getsize(os.path.join(store_dir, f)) for f in os.listdir(store_dir))
-    for mode in PROXY_MODES:
-        if not texts or skip(f"{shape} proxy run 2 ({mode})", 30 + 3 * max(texts) * kv / 1e9):
-            return
-        mode_dir = f"{store_dir}-{mode}"  # each mode starts from the same store: run 1's
-        shutil.rmtree(mode_dir, ignore_errors=True)
-        shutil.copytree(store_dir, mode_dir)
-        proxy_run2(shape, model, mode, f"lmdb://{mode_dir}?max_bytes=24GiB", log, args, rates_dir, texts)
-        shutil.rmtree(mode_dir, ignore_errors=True)
-        save_results()
+    try:
+        for mode in PROXY_MODES:
+            if not texts or skip(f"{shape} proxy run 2 ({mode})", 30 + 3 * max(texts) * kv / 1e9):
+                return
+            mode_dir = f"{store_dir}-{mode}"  # each mode starts from the same store: run 1's
+            shutil.rmtree(mode_dir, ignore_errors=True)
+            shutil.copytree(store_dir, mode_dir)
+            proxy_run2(shape, model, mode, f"lmdb://{mode_dir}?max_bytes=24GiB", log, args, rates_dir, texts)
+            shutil.rmtree(mode_dir, ignore_errors=True)
+            save_results()
+    finally:
+        clear_kept()  # not left in RAM after the run
 
 
 def clear_kept() -> None:
