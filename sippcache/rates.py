@@ -293,6 +293,10 @@ class _Place:
     wasted: int = 0  # wasted restores in a row
 
 
+#: The sample sets a kept file may lack: kept since a later version of this module.
+_KEPT_LATER = ("saves", "loads", "server_saves")
+
+
 def _kinds(entry: _Place) -> list[tuple[str, _Samples]]:
     """A place's sample sets by the names a kept file gives them."""
     return [
@@ -337,8 +341,8 @@ def _kept_samples(data: Any) -> dict[str, dict[str, list[list[float]]]] | None:
     if not isinstance(data, dict) or data.get("version") != KEPT_VERSION:
         return None
     kept = {}
-    for kind in ("prefill", "restore", "sizes", "saves", "loads", "server_saves"):
-        buckets = data.get(kind, {} if kind in ("saves", "loads", "server_saves") else None)
+    for kind, _ in _kinds(_Place()):
+        buckets = data.get(kind, {} if kind in _KEPT_LATER else None)
         if not isinstance(buckets, dict):
             return None
         for key, pairs in buckets.items():

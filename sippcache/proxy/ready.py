@@ -100,23 +100,21 @@ class ReadyFiles:
         `namespace`: kept, renamed as a ready file, if it fits the budget (files less recently used
         removed for room, and files of the namespace it supersedes); else removed. Whether kept."""
         try:
-            nbytes = os.stat(path).st_size
+            stamp = _stamp(path)  # a rename keeps the inode, size and time of change
         except OSError:
             return False
-        if nbytes > self.budget:
+        if stamp[1] > self.budget:
             slotfile.remove(path)
             return False
         space = self.space(namespace)
-        name = f"{READY_PREFIX}{os.getpid()}-{space}-{origin.prompt}-{uuid.uuid4().hex}.slot"
-        target = os.path.join(self.directory, name)
+        target = os.path.join(self.directory, _name(space, origin.prompt, f"{uuid.uuid4().hex}.slot"))
         try:
             os.rename(path, target)
-            ready = ReadyFile(target, space, origin, nbytes, _stamp(target))
         except OSError as exc:
             log.warning("sippcache proxy: cannot keep the slot file %s ready: %s", path, exc)
             slotfile.remove(path)
-            slotfile.remove(target)
             return False
+        ready = ReadyFile(target, space, origin, stamp[1], stamp)
         with self._lock:
             gone = [f for f in self._files if f.space == space and not f.readers and self._supersedes(origin, f)]
             self._files = [f for f in self._files if f not in gone]
@@ -245,7 +243,7 @@ class ReadyFiles:
             if total + nbytes > self.budget:
                 slotfile.remove(path)
                 continue
-            target = os.path.join(self.directory, f"{READY_PREFIX}{os.getpid()}-{space}-{prompt}-{rest}")
+            target = os.path.join(self.directory, _name(space, int(prompt), rest))
             try:
                 tokens = _whole_slot_file(path)
                 os.rename(path, target)
@@ -264,6 +262,11 @@ class ReadyFiles:
             log.info(
                 "sippcache proxy: %d slot files (%d MiB) kept by earlier proxies are ready", len(adopted), total >> 20
             )
+
+
+def _name(space: str, prompt: int, rest: str) -> str:
+    """A ready file's name, of this process (`READY_PREFIX`); `rest`: its random part and suffix."""
+    return f"{READY_PREFIX}{os.getpid()}-{space}-{prompt}-{rest}"
 
 
 def _stamp(path: str) -> tuple[int, int, int]:
