@@ -520,7 +520,7 @@ class ChunkedStates:
     # -- restoring -------------------------------------------------------------------------
 
     def restore(
-        self, tokens: Tokens, *, namespace: str = "", partial: bool = False, deferred: bool = False
+        self, tokens: Tokens, *, namespace: str = "", partial: bool = False, deferred: bool = False, touch: bool = True
     ) -> Assembled | None:
         """The best stored state for `tokens`: the one of the entry with the longest stored
         prefix (with `partial`, the longest common prefix) that the store can still assemble;
@@ -530,14 +530,15 @@ class ChunkedStates:
 
         `deferred` (without a secret: a MAC is checked before anything is read) leaves the
         entries' payload checksums to `check`, which the caller runs before llama.cpp gets the
-        bytes, while it writes them out (xxhash lets go of the GIL)."""
-        match = self.cache.lookup(tokens, namespace=namespace, partial=partial)
+        bytes, while it writes them out (xxhash lets go of the GIL). Unless `touch`, what is read
+        counts as no use for eviction (a copy made ahead, not a use: `SlotStore.warm`)."""
+        match = self.cache.lookup(tokens, namespace=namespace, partial=partial, touch=touch)
         if match is None:
             return None
         held = [match]
         unchecked: list[Unchecked] | None = [] if deferred and self.secret is None else None
         try:
-            assembled = self._assemble(match, namespace, partial, held, unchecked)
+            assembled = self._assemble(match, namespace, partial, held, unchecked, touch)
         except BaseException:
             for m in held:
                 m.release()
@@ -603,6 +604,7 @@ class ChunkedStates:
         partial: bool,
         held: list[Match],
         unchecked: list[Unchecked] | None,
+        touch: bool = True,
     ) -> Assembled | None:
         key = match.key
         try:
@@ -646,7 +648,7 @@ class ChunkedStates:
         full = want > first or not alone
         need = first // size if full else -(-want // size)
         at = chunk_namespace(namespace, size, layout)
-        chunks = self._chunks(key, need, size, per_cell, layout, at, held, unchecked)
+        chunks = self._chunks(key, need, size, per_cell, layout, at, held, unchecked, touch)
         try:
             if full and len(chunks) == need:
                 state = sf.joined(meta, [*chunks, cells], caches)
@@ -676,6 +678,7 @@ class ChunkedStates:
         namespace: str,
         held: list[Match],
         unchecked: list[Unchecked] | None,
+        touch: bool = True,
     ) -> list[memoryview]:
         """The cells of the first `need` chunks of `key`'s chain, in order, up to the first one
         missing or unusable: read with one `lookup_prefixes` (one snapshot, or one round trip),
@@ -683,7 +686,8 @@ class ChunkedStates:
         None) the chunks whose payloads are left to `check`."""
         ids = _ids(key)
         width = size * per_cell
-        found = self.cache.lookup_prefixes(ids, [k * size for k in range(1, need + 1)], namespace=namespace)
+        lengths = [k * size for k in range(1, need + 1)]
+        found = self.cache.lookup_prefixes(ids, lengths, namespace=namespace, touch=touch)
         held += found
         chain = chain_digests(ids, size, len(found))
         out: list[memoryview] = []

@@ -466,7 +466,7 @@ def test_a_llama_server_run_as_another_user_restores_what_the_proxy_stages(
         ]
         upstream.start()
         attach = ["--upstream", upstream.url, "--slot-dir", str(slots), "--cache", f"lmdb://{tmp_path}/store"]
-        attach += ["--restore", "auto"]
+        attach += ["--restore", "auto", "--no-warm-ready"]  # the staging file's mode is what is tried
         asked = [conversation("which ship passed first?", name) for name in ("alice", "bob", "carol")]
         proxy = procs(attach)
         for messages in asked:
@@ -567,7 +567,7 @@ def test_a_restore_llama_server_refuses_is_a_miss_and_the_entry_is_kept(
     # Same model and build, another K cache type: llama.cpp refuses the state it reads.
     other = procs(model, "-c", "4096", "-np", "1", "-ctk", "f32", "--slot-save-path", str(slots), llama=True)
     reference = procs(model, "-c", "4096", "-np", "1", "-ctk", "f32", llama=True)
-    proxy = procs(["--upstream", other.url, "--slot-dir", str(slots), "--cache", cache])
+    proxy = procs(["--upstream", other.url, "--slot-dir", str(slots), "--cache", cache, "--no-warm-ready"])
     with sippcache.open(cache) as store:
         stored = len(store)
     answer, reused, _ = chat(proxy.url, messages)
@@ -897,6 +897,35 @@ def test_ready_files_kept_at_exit_restore_a_follow_up_after_a_restart(procs: Any
     assert list(kept.iterdir()) == []  # taken into the new proxy's staging folder
 
 
+def test_a_restarted_proxy_makes_the_states_used_last_ready_files_and_restores_from_one(
+    procs: Any, model: Path, tmp_path: Path
+) -> None:
+    """--warm-ready (the default), nothing kept from the proxy before: a restarted proxy makes the
+    store's states used last ready files before a request comes, and a follow-up is then
+    llama-server's own restore of one (nothing staged), with the answer llama-server alone gives."""
+    cache, staging = f"lmdb://{tmp_path}/store", tmp_path / "staging"
+    staging.mkdir()
+    args = managed(model, cache, "--staging-dir", str(staging))
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    talks = [conversation("which ship passed first?", "alice"), conversation("what flag did she fly?", "bob")]
+    proxy = procs(args)
+    first = [chat(proxy.url, opening) for opening in talks]
+    settle(proxy)
+    proxy.stop()
+    proxy = procs(args)
+    deadline = time.monotonic() + 60
+    while metric(proxy, "sippcache_proxy_ready_warmed_total") < 2 or metric(proxy, "sippcache_proxy_ready_warming"):
+        assert time.monotonic() < deadline, "the stored states were not made ready files"
+        time.sleep(0.2)
+    for opening, (text, _, timings) in zip(talks, first, strict=True):
+        follow = [*opening, {"role": "assistant", "content": text}, {"role": "user", "content": "more?"}]
+        answer, reused, now = chat(proxy.url, follow)
+        assert answer == chat(reference.url, follow, cache_prompt=False)[0]
+        assert reused == now["cache_n"] >= prompt_length(timings), now
+    assert metric(proxy, "sippcache_proxy_ready_restores_total") == 2
+    assert not glob.glob(os.path.join(staging, f"{STAGING_PREFIX}{proxy.process.pid}-*", "sippcache-restore-*"))
+
+
 def test_a_shorter_state_restores_from_a_staging_file_a_longer_one_left(
     procs: Any, model: Path, tmp_path: Path
 ) -> None:
@@ -915,7 +944,7 @@ def test_a_shorter_state_restores_from_a_staging_file_a_longer_one_left(
     first = {"long": chat(proxy.url, long_one), "short": chat(proxy.url, short_one)}
     settle(proxy)
     proxy.stop()
-    proxy = procs(managed(model, cache, "--staging-dir", str(staging)))
+    proxy = procs(managed(model, cache, "--staging-dir", str(staging), "--no-warm-ready"))  # through the store
     sizes = []
     for name, opening in (("long", long_one), ("short", short_one), ("long", long_one)):
         follow = [*opening, {"role": "assistant", "content": first[name][0]}, {"role": "user", "content": "more?"}]

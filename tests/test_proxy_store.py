@@ -517,6 +517,48 @@ def test_whole_entries_of_earlier_proxies_restore_and_are_replaced(chunked: Slot
     chunked.close()
 
 
+def test_a_restarted_store_makes_its_most_recently_used_states_ready_files(tmp_path: Path, tiny_llm: Any) -> None:
+    """`SlotStore.warm`, a restarted proxy's: the states used last become the very slot files
+    llama-server wrote (a restore then copies nothing), within the ready budget, most recently
+    used first, counted as no use by the store; each the first to go for room after them, and
+    none made twice. A conversation's earlier turn (replaced) and another model's states are not
+    made."""
+    cache = f"lmdb://{tmp_path}/store"
+    (tmp_path / "staging").mkdir()
+    first = SlotStore(sippcache.open(cache), fingerprint="f", facts={}, kind="full", staging=str(tmp_path / "staging"))
+    other = SlotStore(first.cache, fingerprint="g", facts={}, kind="full", staging=first.staging)
+    system = (1, *tiny_tokens(199, 20))
+    talks = [(*system, *tiny_tokens(60, 21 + i)) for i in range(3)]
+    keep_real(other, tiny_llm, talks[0], 200, None)
+    early = (*talks[1][:230],)
+    keep_real(first, tiny_llm, early, 200, None)
+    for tokens in talks:
+        keep_real(first, tiny_llm, tokens, 200, Origin(early, 200) if tokens == talks[1] else None)
+        time.sleep(0.01)
+    files = {t: b"".join(slotfile.build(3, t, real_state(tiny_llm, t))) for t in talks}
+    first.close()
+    first.cache.close()
+
+    cache_again = sippcache.open(cache)
+    used = {e.key: e.last_used for e in cache_again.entries()}
+    budget = len(files[talks[2]]) + len(files[talks[1]]) + 100  # two of the three
+    store = SlotStore(cache_again, fingerprint="f", facts={}, kind="full", staging=first.staging, ready_bytes=budget)
+    listed = store.to_warm()
+    assert [e.key for e in listed] == talks[::-1]  # the early turn was replaced; model g's are not listed
+    assert [store.warm(e) for e in listed] == [True, True, False]
+    ready = sorted(store.ready._files, key=lambda f: f.used)
+    assert [f.origin for f in ready] == [Origin(talks[1], 200), Origin(talks[2], 200)]
+    assert all(Path(f.path).read_bytes() == files[f.origin.tokens] for f in ready)
+    assert {e.key: e.last_used for e in cache_again.entries()} == used
+    assert not store.warm(listed[0])  # a file holds it already
+    saved = Path(store.staging) / "saved.slot"
+    saved.write_bytes(files[talks[0]])
+    assert store.ready.add(str(saved), store.namespace(""), Origin(talks[0], 200))
+    assert [f.origin.tokens for f in store.ready._files] == [talks[2], talks[0]]  # the older warmed one went
+    store.close()
+    assert os.listdir(store.staging) == []
+
+
 def test_a_slot_file_this_user_may_not_remove_is_logged_not_raised(tmp_path: Path, caplog: Any) -> None:
     """A save file llama-server wrote where this proxy may not remove it (another user's folder, a
     sticky bit; here an immutable file, which not even root may remove): the state was stored,

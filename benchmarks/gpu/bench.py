@@ -10,11 +10,13 @@ Phases, in order of priority:
            follow-up (prompt + 32) cold and after a restore;
   proxy    `python -m sippcache.proxy` managed, on an LMDB store on disk: request 1 (N tokens, a new
            conversation: stored at once; run with --keep-ready, so its slot files outlive it), then,
-           per mode (PROXY_MODES: auto, ready, always), a copy of that store behind a restarted
+           per mode (PROXY_MODES: auto, warm, ready, always), a copy of that store behind a restarted
            proxy is asked request 2 (N + 32 tokens), streamed: TTFT, llama-server's timings and the
            proxy's /metrics (restores done and skipped, restore and save seconds, bytes). Modes
-           auto and always are --restore's, from the store alone; ready is auto with --keep-ready,
-           which restores run 1's slot files as llama-server saved them (nothing copied). The
+           auto and always are --restore's, from the store alone (--no-warm-ready); warm is auto
+           as users run it (--warm-ready, the default: the store's states made ready files after
+           the start, waited for before the requests); ready is auto with --keep-ready, which
+           restores run 1's slot files as llama-server saved them (nothing copied). The
            proxy keeps its measured rates in a --rates-dir of its own, as a user's proxy keeps
            them across restarts;
   micro    sippcache's own part of a save and a restore on this host's CPU, stage by stage, as
@@ -26,8 +28,8 @@ the managed proxy's slot files go (`--staging-dir`) and, with SLOT_DIR in it, th
 
 A shape may name a KV cache type after a colon (SHAPES=8b-slice,8b-slice:q8_0: -ctk/-ctv q8_0).
 
-Goals (the summary's PASS/MISS lines): the proxy's follow-up with `--restore auto` (modes auto and
-ready) at least as fast as the same follow-up cold, and within 15% of llama-server's own restore +
+Goals (the summary's PASS/MISS lines): the proxy's follow-up with `--restore auto` (modes auto, warm
+and ready) at least as fast as the same follow-up cold, and within 15% of llama-server's own restore +
 the follow-up wherever that restore beats cold. Exit status 1 if a goal is missed (unless NO_GOALS=1) or a step
 failed.
 """
@@ -61,8 +63,9 @@ NS = [int(n) for n in os.environ.get("NS", "2048,8192,32768").split(",") if n]
 PROXY_NS = [int(n) for n in os.environ.get("PROXY_NS", "8192,32768").split(",") if n]
 PROXY_SHAPES = [s for s in os.environ.get("PROXY_SHAPES", SHAPES[0] if SHAPES else "").split(",") if s]
 # a shape may name a KV cache type after a colon ("8b-slice:q8_0": -ctk q8_0 -ctv q8_0)
-# --restore of each run 2; "ready": auto with --keep-ready (run 1's ready slot files restored as they are)
-PROXY_MODES = [m for m in os.environ.get("PROXY_MODES", "auto,ready,always").split(",") if m]
+# --restore of each run 2 (its store path: --no-warm-ready); "warm": auto with --warm-ready (the states made
+# ready files after the start); "ready": auto with --keep-ready (run 1's ready slot files restored as they are)
+PROXY_MODES = [m for m in os.environ.get("PROXY_MODES", "auto,warm,ready,always").split(",") if m]
 STATE_PATH_SIZES = os.environ.get("STATE_PATH_SIZES", "256M,1G")  # benchmarks/state_path.py on this host
 CTX = int(os.environ.get("CTX", "65536"))
 SERVER_ARGS = os.environ.get("SERVER_ARGS", "-ngl 99 -fa on" if GPU else "-fa on").split()
@@ -439,9 +442,12 @@ def start_proxy(
     # --save-idle 1: a follow-up's slot is saved a second after its answer, so the next request finds its
     # slot saved (-np 1) and no save of the last conversation lands on its path
     argv = [sys.executable, "-m", "sippcache.proxy", "--llama-server", LS, "--model", model]
-    argv += ["--restore", "auto" if mode in ("ready", "run1") else mode, "--save-idle", "1", "--rates-dir", rates_dir]
+    argv += ["--restore", "auto" if mode in ("warm", "ready", "run1") else mode]
+    argv += ["--save-idle", "1", "--rates-dir", rates_dir]
     if mode in ("ready", "run1"):  # run 1 keeps its slot files for run 2's ready mode
         argv += ["--keep-ready"]
+    if mode != "warm":  # the others measure the store path, or the files kept
+        argv += ["--no-warm-ready"]
     if STAGING_DIR:  # run.sh's HUGE_TMPFS=1: a tmpfs with huge pages
         argv += ["--staging-dir", STAGING_DIR]
     argv += ["--cache", store_url, "--port", str(port), "--", *args, "-c", str(CTX)]
@@ -648,6 +654,9 @@ def proxy_run2(
     proc, server, took = start_proxy(model["path"], url, log, args, rates_dir, mode)
     res[f"start2_{mode}_s"] = round(took, 1)
     try:
+        if mode == "warm":  # the requests come once the stored states are ready files, as a later user's would
+            res["warmed"] = wait_warmed(server, 60 + 4 * max(texts) * kv / 1e9)
+            say(f"{shape} proxy (warm): {res['warmed']}")
         # the new process's first request pays one-time costs (CUDA modules loaded on first use, buffers):
         # measured here, apart, so that request 2 compares with the raw phase's warm server
         res[f"warmup2_{mode}"] = proxy_warmup(server, Prompts(server), 8)  # another text: computed, not restored
@@ -717,6 +726,20 @@ def wait_saved(server: Server, before: dict[str, float], seconds: float) -> dict
             return {"stored_after_s": None, "store_error": True}
         time.sleep(0.1)
     return {"stored_after_s": None, "store_timeout": True}
+
+
+def wait_warmed(server: Server, seconds: float) -> dict:
+    """Poll /metrics until the proxy has made its ready files after the start (--warm-ready): at
+    least one made and none being made, at most `seconds`; the files, their bytes and the wait."""
+    started = now()
+    deadline = min(now() + seconds, DEADLINE - 5)
+    while now() < deadline:
+        m = metrics(server)
+        if m.get("ready_warmed_total", 0) >= 1 and not m.get("ready_warming", 0):
+            made = {"warmed": m["ready_warmed_total"], "ready_bytes": m.get("ready_bytes")}
+            return {**made, "waited_s": round(now() - started, 2)}
+        time.sleep(0.1)
+    return {"warm_timeout": True, "waited_s": round(now() - started, 2)}
 
 
 def huge_pages(folder: str) -> bool | str | None:
@@ -852,7 +875,7 @@ def goals() -> list[str]:
     lines = []
     for shape, res in RESULTS["proxy"].items():
         for n, run in res.get("runs", {}).items():
-            for mode in ("auto", "ready"):
+            for mode in ("auto", "warm", "ready"):
                 ttft = run.get(f"request2_{mode}", {}).get("ttft_ms")
                 cold, floor = run.get("raw_cold_req2_ttft_ms"), run.get("raw_restore_plus_req2_ttft_ms")
                 if not (ttft and cold and floor):

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,9 @@ SAVE_IDLE = 30.0
 #: A request waits for one in flight (`Proxy.flight_wait`) when that one computes at least this many
 #: tokens of its prompt beyond what the store and the idle slots hold.
 MIN_FLIGHT_LEAD = 256
+#: While a request has a slot, making ready files after the start (`Proxy.warm`) waits, looking
+#: again this often (seconds): a restore or prefill gets the cores and memory to itself.
+WARM_PAUSE = 0.05
 RETRY_AFTER = "2"
 _LOST = b'{"error":{"code":502,"message":"llama-server closed the connection","type":"unavailable_error"}}'
 
@@ -173,6 +177,7 @@ class Proxy:
         self._watchers: dict[int, asyncio.Task[Any]] = {}  # health polls of down servers: cancelled
         self._flights: set[_Flight] = set()
         self._warned: set[str] = set()  # upstreams already warned about an ineffective restore
+        self._stopping = False  # `warm` makes no more files
 
     # -- the ASGI entry --------------------------------------------------------
 
@@ -193,13 +198,47 @@ class Proxy:
 
     async def drain(self) -> None:
         """On shutdown: save every slot left unsaved, wait for the store writes still running; stop
-        watching down servers."""
+        watching down servers and making ready files."""
+        self.stop_warming()
         for task in (*self._watchers.values(), *self._idle_saves):
             task.cancel()
         await asyncio.gather(*(self._save_idle_slot(s) for s in self.slots.slots if s.unsaved is not None))
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
         self.rates.flush(force=True)
+
+    # -- ready files made ahead ----------------------------------------------------
+
+    async def warm(self) -> int:
+        """After the start: make the store's most recently used states of this model ready files
+        (`SlotStore.warm`), one at a time, each while no request has a slot, until the ready budget
+        is full or the proxy stops. A restarted proxy's follow-up is then llama-server's own
+        restore, not a store read and a staging copy on top of it. How many were made."""
+        started, made = time.perf_counter(), 0
+        self.metrics.ready_warming.set(1)
+        try:
+            for entry in await asyncio.to_thread(self.store.to_warm):
+                while not self._stopping and any(s.busy for s in self.slots.slots):
+                    await asyncio.sleep(WARM_PAUSE)
+                if self._stopping or self.store.ready.nbytes >= self.store.ready.budget:
+                    break
+                if await asyncio.to_thread(self.store.warm, entry):
+                    made += 1
+                    self.metrics.ready_warmed.inc()
+        finally:
+            self.metrics.ready_warming.set(0)
+        if made:
+            log.info(
+                "sippcache proxy: %d stored states made ready files in %.1f s (%d MiB ready)",
+                made,
+                time.perf_counter() - started,
+                self.store.ready.nbytes >> 20,
+            )
+        return made
+
+    def stop_warming(self) -> None:
+        """`warm` makes no more files (the one being made is finished)."""
+        self._stopping = True
 
     # -- completions -------------------------------------------------------------
 

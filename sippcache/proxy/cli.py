@@ -163,6 +163,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="keep those files when the proxy exits, for the next proxy on this folder (and model) to restore "
         "from: they stay in RAM where the folder is a tmpfs; by default they go with the proxy",
     )
+    parser.add_argument(
+        "--warm-ready",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after the start, make the store's most recently used states of this model ready files (within "
+        "--ready-bytes, one at a time while no request runs), so a follow-up after a restart is llama-server's "
+        "own restore (default: on)",
+    )
     parser.add_argument("server_args", nargs="*", metavar="-- ARGS", help="more llama-server arguments (managed)")
     return parser
 
@@ -520,6 +528,13 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     return 0
 
 
+async def _index_then_warm(store: SlotStore, proxy: Proxy | None) -> None:
+    """Read the store's index (`SlotStore.load_index`), then make ready files (`Proxy.warm`)."""
+    await asyncio.to_thread(store.load_index)
+    if proxy is not None:
+        await proxy.warm()
+
+
 async def _serve(
     args: argparse.Namespace, urls: Sequence[str], staging: str, cache: CacheBackend, managed: _Managed | None
 ) -> None:
@@ -593,7 +608,8 @@ async def _serve(
                 staging,
             )
         # In the background: the store's index, and each slot's staging file for the largest state seen there.
-        preparing = [asyncio.create_task(asyncio.to_thread(store.load_index))]
+        # Then, with --warm-ready, ready files of the states used last.
+        preparing = [asyncio.create_task(_index_then_warm(store, proxy if args.warm_ready else None))]
         preparing += [asyncio.create_task(asyncio.to_thread(store.prepare, url, *made)) for url, *made in ahead]
         config = uvicorn.Config(proxy, host=args.host, port=args.port, log_level="warning", lifespan="on")
         server = uvicorn.Server(config)
@@ -611,6 +627,7 @@ async def _serve(
             # uvicorn raises SIGINT again once it has shut down, and asyncio.run cancels this task for
             # it: the files are still closed (restore files removed, ready files removed or kept).
             try:
+                proxy.stop_warming()
                 await asyncio.gather(*preparing)
             finally:
                 store.close()  # an attached server's --slot-save-path stays

@@ -58,6 +58,16 @@ class ProxyMetrics:
         self.ready_bytes = Gauge(
             "sippcache_proxy_ready_bytes", "The bytes of the slot files kept ready.", registry=registry
         )
+        self.ready_warmed = Counter(
+            "sippcache_proxy_ready_warmed",
+            "Stored states made ready files after the start, ahead of any request (--warm-ready).",
+            registry=registry,
+        )
+        self.ready_warming = Gauge(
+            "sippcache_proxy_ready_warming",
+            "1 while stored states are being made ready files after the start (--warm-ready), else 0.",
+            registry=registry,
+        )
         self.restores_skipped = Counter(
             "sippcache_proxy_restores_skipped",
             "Stored states not restored although one gave more tokens than the slot held, by why: "

@@ -95,10 +95,12 @@ class ReadyFiles:
         with self._lock:
             return len(self._files)
 
-    def add(self, path: str, namespace: str, origin: Origin) -> bool:
+    def add(self, path: str, namespace: str, origin: Origin, *, oldest: bool = False) -> bool:
         """Take over the slot file at `path` (in `directory`), a state of `origin.tokens` stored in
         `namespace`: kept, renamed as a ready file, if it fits the budget (files less recently used
-        removed for room, and files of the namespace it supersedes); else removed. Whether kept."""
+        removed for room, and files of the namespace it supersedes); else removed. `oldest`: it
+        counts as used before every file kept (a file made ahead of any use: the first to go for
+        room, and none go for it). Whether kept."""
         try:
             stamp = _stamp(path)  # a rename keeps the inode, size and time of change
         except OSError:
@@ -118,13 +120,27 @@ class ReadyFiles:
         with self._lock:
             gone = [f for f in self._files if f.space == space and not f.readers and self._supersedes(origin, f)]
             self._files = [f for f in self._files if f not in gone]
-            self._clock += 1
-            ready.used = self._clock
+            if oldest:
+                ready.used = min((f.used for f in self._files), default=0) - 1
+            else:
+                self._clock += 1
+                ready.used = self._clock
             self._files.append(ready)
             gone += self._over_budget()
         for file in gone:
             slotfile.remove(file.path)
         return ready not in gone
+
+    def holds(self, namespace: str, tokens: Sequence[int]) -> bool:
+        """Whether a file of `namespace` holds all of a state of `tokens` (the same state, or, where
+        states can be cut, one that begins with it)."""
+        space, wanted = self.space(namespace), tuple(tokens)
+        with self._lock:
+            return any(
+                f.space == space
+                and (f.origin.tokens == wanted or (self.can_cut and f.origin.tokens[: len(wanted)] == wanted))
+                for f in self._files
+            )
 
     def _supersedes(self, new: Origin, old: ReadyFile) -> bool:
         """Whether a file of `new` makes `old` of no use: the same state, or (where states can be

@@ -67,7 +67,7 @@ from ..engine.directory import free_bytes
 from ..errors import SippcacheError
 from ..modelfile import MemoryKind
 from ..processes import written_by_a_live_process
-from ..protocol import CacheBackend, Peek
+from ..protocol import CacheBackend, EntryInfo, Peek
 from . import slotfile
 from .ready import READY_PREFIX, ReadyFile, ReadyFiles
 from .slots import Origin, keeps, reusable
@@ -293,7 +293,13 @@ class SlotStore:
         except UpstreamRefused as exc:
             self.refused += 1
             tokens = len(file.origin.tokens)
-            log.warning("%s refused a ready slot file of %d tokens (removed): %s", upstream.url, tokens, exc)
+            log.warning(
+                "%s refused a ready slot file of %d tokens (removed): %s%s",
+                upstream.url,
+                tokens,
+                exc,
+                _unreadable_by_others(file.path),
+            )
             await asyncio.to_thread(self.ready.drop, file)
             raise RestoreRefused(exc, file.nbytes, time.perf_counter() - started, tokens) from exc
         self.ready.used(file)
@@ -349,7 +355,14 @@ class SlotStore:
             return None
         if assembled is None:
             return None
-        staging = self._staging_files.setdefault(path, StagingFile(path))
+        return self._write(assembled, self._staging_files.setdefault(path, StagingFile(path)), namespace)
+
+    def _write(
+        self, assembled: chunks.Assembled, staging: StagingFile, namespace: str, *, exact: bool = False
+    ) -> tuple[Origin, int, tuple[int, ...]] | None:
+        """Write an assembled state into `staging` as a slot file (`exact`: as long as the state):
+        (the entry it comes from, the state's bytes, the tokens it holds), or None (the file then
+        removed; a damaged entry deleted, and counted in `errors`)."""
         with assembled:
             # The payloads' checksums run as the staging file is written (`write_checked`):
             # llama-server hears of the file only once they passed.
@@ -362,7 +375,8 @@ class SlotStore:
                 head = b"".join(slotfile.build(version, held))
                 nbytes = assembled.nbytes - slotfile.SEQ_HEADER_BYTES
                 fill = partial(self.states.write_checked, assembled)
-                passed = staging.write(head, assembled.nbytes, fill, exact=version < slotfile.LONGER_FILE_VERSION)
+                exact = exact or version < slotfile.LONGER_FILE_VERSION
+                passed = staging.write(head, assembled.nbytes, fill, exact=exact)
             except (TypeError, ValueError, OSError) as exc:  # SlotFileError is a ValueError
                 error = exc
             if not passed:  # a miss: the damaged entry is deleted, and counted (`errors`)
@@ -375,6 +389,53 @@ class SlotStore:
                 staging.close()
                 return None
             return Origin(assembled.key, prompt), nbytes, held
+
+    # -- warming the ready files ---------------------------------------------------
+
+    def to_warm(self) -> list[EntryInfo]:
+        """The stored states `warm` would make ready, most recently used first: this model's (every
+        scope's); none when no ready file is kept. A store that fails: none."""
+        if not self.ready.budget:
+            return []
+        mine = self.namespace("")
+        try:
+            entries = list(self.cache.entries())
+        except SippcacheError as exc:
+            self._failed("listing the entries to make ready", exc)
+            return []
+        return [
+            e for e in reversed(entries) if e.namespace.startswith(mine) and not chunks.is_chunk_namespace(e.namespace)
+        ]
+
+    def warm(self, entry: EntryInfo) -> bool:
+        """Make a stored state a ready file ahead of any request for it (blocking: the proxy runs
+        it in a worker thread after its start, between requests): so a restarted proxy's follow-up
+        is llama-server's own restore, as if the proxy had saved it. Not where a ready file serves
+        its tokens already, nor where the file would not fit the budget unless files used since
+        the start went for it (it is the least recently used of them). The store counts it as no
+        use. Whether a file was made."""
+        namespace = entry.namespace
+        if self.ready.holds(namespace, entry.key):
+            return False
+        if self.ready.nbytes + entry.size > self.ready.budget:  # a tail's size says little: checked again below
+            return False
+        try:
+            assembled = self.states.restore(entry.key, namespace=namespace, deferred=True, touch=False)
+        except SippcacheError as exc:
+            self._failed("lookup", exc)
+            return False
+        if assembled is None:
+            return False
+        if assembled.tokens != entry.key or self.ready.nbytes + assembled.nbytes > self.ready.budget:
+            assembled.release()
+            return False
+        path = os.path.join(self.staging, f"{SAVE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}.slot")
+        staging = StagingFile(path)
+        written = self._write(assembled, staging, namespace, exact=True)
+        if written is None:
+            return False
+        staging.close(remove=False)
+        return self.ready.add(path, namespace, written[0], oldest=True)
 
     # -- save --------------------------------------------------------------------
 
@@ -567,11 +628,12 @@ class StagingFile:
             view.release()
         return True
 
-    def close(self) -> None:
-        """Unmap and remove the file (a later `write` makes it again)."""
+    def close(self, *, remove: bool = True) -> None:
+        """Unmap the file and remove it (a later `write` makes it again), unless not `remove`."""
         with self._lock:
             self._unmap()
-            slotfile.remove(self.path)
+            if remove:
+                slotfile.remove(self.path)
 
     def _unmap(self) -> None:
         mapped, self._mapped = self._mapped, None
