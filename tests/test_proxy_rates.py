@@ -833,7 +833,8 @@ def test_a_restarted_proxy_decides_from_the_rates_kept_before(tiny_model: Path, 
     rates.record_restore("there", nbytes=1000, seconds=10.0, tokens=10)  # 100 bytes a second
     rates.flush(force=True)
 
-    second = ProxyServer(managed, tmp_path / "proxy-2.log")
+    # The store path (a ready file made after the start is priced at llama-server's own load)
+    second = ProxyServer(["--no-warm-ready", *managed], tmp_path / "proxy-2.log")
     plain = None
     try:
         second.wait_ready()
