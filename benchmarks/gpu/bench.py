@@ -862,20 +862,22 @@ def summary() -> None:
     print("\n".join(lines), flush=True)
 
 
+#: How the goal lines name each mode run with `--restore auto`.
+GOAL_LABELS = {"auto": "auto, through the store", "warm": "auto, --warm-ready", "ready": "auto, --keep-ready"}
 #: The issue's goals for the proxy's follow-up after a restart, as users run it (`--restore auto`):
 #: never slower than cold, and within 15% of llama-server's own restore wherever restoring wins.
 COLD_GOAL, FLOOR_GOAL = 1.0, 1.15
 
 
 def goals() -> list[str]:
-    """Judge each proxy row run with `--restore auto` (with and without ready files kept) against
+    """Judge each proxy row run with `--restore auto` (`GOAL_LABELS`: through the store, from ready files) against
     the raw phase's same prompt: its time to first token at least COLD_GOAL times faster than
     cold, and, where llama-server's own restore beat cold, at most FLOOR_GOAL times that restore +
     first token. "PASS"/"MISS" lines, also kept in RESULTS["goals"]."""
     lines = []
     for shape, res in RESULTS["proxy"].items():
         for n, run in res.get("runs", {}).items():
-            for mode in ("auto", "warm", "ready"):
+            for mode, label in GOAL_LABELS.items():
                 ttft = run.get(f"request2_{mode}", {}).get("ttft_ms")
                 cold, floor = run.get("raw_cold_req2_ttft_ms"), run.get("raw_restore_plus_req2_ttft_ms")
                 if not (ttft and cold and floor):
@@ -888,7 +890,6 @@ def goals() -> list[str]:
                             ttft / floor <= FLOOR_GOAL,
                         )
                     )
-                label = "auto" if mode == "auto" else "auto, --keep-ready"
                 for what, ok in checks:
                     lines.append(f"{'PASS' if ok else 'MISS'}: proxy ({label}) {shape} N={n}: {what}")
     RESULTS["goals"] = lines
