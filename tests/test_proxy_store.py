@@ -543,8 +543,9 @@ def test_a_restarted_store_makes_its_most_recently_used_states_ready_files(tmp_p
     used = {e.key: e.last_used for e in cache_again.entries()}
     budget = len(files[talks[2]]) + len(files[talks[1]]) + 100  # two of the three
     store = SlotStore(cache_again, fingerprint="f", facts={}, kind="full", staging=first.staging, ready_bytes=budget)
-    listed = store.to_warm()
+    listed = store.to_warm("")
     assert [e.key for e in listed] == talks[::-1]  # the early turn was replaced; model g's are not listed
+    assert store.to_warm("tenant") == []
     assert [store.warm(e) for e in listed] == [True, True, False]
     ready = sorted(store.ready._files, key=lambda f: f.used)
     assert [f.origin for f in ready] == [Origin(talks[1], 200), Origin(talks[2], 200)]

@@ -167,9 +167,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--warm-ready",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="after the start, make the store's most recently used states of this model ready files (within "
-        "--ready-bytes, one at a time while no request runs), so a follow-up after a restart is llama-server's "
-        "own restore (default: on)",
+        help="after the start, make the store's most recently used states of this model and --scope ready files "
+        "(within --ready-bytes, one at a time while no request runs), so a follow-up after a restart is "
+        "llama-server's own restore (default: on)",
     )
     parser.add_argument("server_args", nargs="*", metavar="-- ARGS", help="more llama-server arguments (managed)")
     return parser

@@ -392,20 +392,17 @@ class SlotStore:
 
     # -- warming the ready files ---------------------------------------------------
 
-    def to_warm(self) -> list[EntryInfo]:
-        """The stored states `warm` would make ready, most recently used first: this model's (every
-        scope's); none when no ready file is kept. A store that fails: none."""
+    def to_warm(self, scope: str) -> list[EntryInfo]:
+        """The stored states of `scope` that `warm` would make ready, most recently used first;
+        none when no ready file is kept. Only that namespace is listed (its chunks, with keys of
+        up to a state's length, are not). A store that fails: none."""
         if not self.ready.budget:
             return []
-        mine = self.namespace("")
         try:
-            entries = list(self.cache.entries())
+            return list(reversed(list(self.cache.entries(self.namespace(scope)))))
         except SippcacheError as exc:
             self._failed("listing the entries to make ready", exc)
             return []
-        return [
-            e for e in reversed(entries) if e.namespace.startswith(mine) and not chunks.is_chunk_namespace(e.namespace)
-        ]
 
     def warm(self, entry: EntryInfo) -> bool:
         """Make a stored state a ready file ahead of any request for it (blocking: the proxy runs
