@@ -15,7 +15,10 @@ folder is. They are this process's (named with its pid) and removed when it
 exits, as llama-server's own ``--cache-ram`` dies with it, unless a folder to
 keep them in is given (`keep_in`): then they are moved there at exit and the
 next proxy adopts them at its start, so a restarted proxy restores them as
-llama-server restores its own slot files. A file in the budget whose state
+llama-server restores its own slot files. A restarted proxy also makes files
+of the store's states used last itself, after its start (`SlotStore.warm`,
+within what the budget has left): each the first to go for room. A file in
+the budget whose state
 another file of its namespace holds all of (a conversation's later turn: the
 store's supersede rule) is removed as soon as that file is added.
 
