@@ -856,6 +856,35 @@ def takes_turns(procs: Any, model: Path, tmp_path: Path, *extra: str) -> ProxySe
     return proxy
 
 
+def test_a_slot_a_client_erases_through_the_proxy_is_saved_first_and_its_next_turn_restored(
+    procs: Any, model: Path, tmp_path: Path
+) -> None:
+    """A client's `POST /slots/0?action=erase` through the proxy: the turn the slot held unsaved is
+    stored first, and the proxy no longer believes the slot holds it, so the next turn is restored
+    (before, llama-server recomputed the whole prompt). A restore of a file it does not have is
+    llama-server's own error, and the slot is believed empty after it too."""
+    proxy = procs(managed(model, f"lmdb://{tmp_path}/store"))
+    done = turns("A", ["which ship passed first?", "and her flag?"], proxy.url)
+    settle(proxy)
+    assert metric(proxy, "sippcache_proxy_slot_saves_total") == 1  # the first turn; the second is in the slot
+    status, _, answer = proxy.post("/slots/0?action=erase", {})
+    assert status == 200 and answer["id_slot"] == 0, answer
+    settle(proxy)
+    assert metric(proxy, "sippcache_proxy_slot_saves_total", reason="leave") == 1
+    follow = [*done[-1][0], {"role": "assistant", "content": done[-1][1][0]}, {"role": "user", "content": "A: why?"}]
+    answer, reused, timings = chat(proxy.url, follow)
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    assert answer == chat(reference.url, follow, cache_prompt=False)[0]
+    assert reused == timings["cache_n"] >= prompt_length(done[-1][1][2]), timings
+    assert metric(proxy, "sippcache_proxy_restores_total", outcome="ok") == 1
+    status, _, refused = proxy.post("/slots/0?action=restore", {"filename": "no-such-file.bin"})
+    assert status >= 400, refused
+    answer, reused, timings = chat(proxy.url, follow)
+    assert answer == chat(reference.url, follow, cache_prompt=False)[0]
+    assert reused == timings["cache_n"] >= prompt_length(done[-1][1][2]), timings
+    assert metric(proxy, "sippcache_proxy_restores_total", outcome="ok") == 2
+
+
 def test_a_conversation_back_in_a_slot_is_restored_from_the_file_llama_server_saved(
     procs: Any, model: Path, tmp_path: Path
 ) -> None:

@@ -102,3 +102,39 @@ def test_forgetting_a_servers_idle_slots_keeps_the_busy_ones_and_other_servers()
         assert (busy.tokens, idle.tokens, other.tokens) == ((1, 2, 3), (), (6, 7))
 
     run(scenario())
+
+
+def test_a_client_slot_action_waits_for_its_slot_and_starves_no_request() -> None:
+    """`take(wait=True)` waits while a request has the slot; a release wakes it and a request waiting
+    for any slot alike (the wake-up one of them could have taken for itself goes to both)."""
+
+    async def scenario() -> None:
+        table = SlotTable([2])
+        first, _ = await table.acquire(PROMPT, "")
+        second, _ = await table.acquire(PROMPT, "")
+        action = asyncio.ensure_future(table.take(first, wait=True))
+        request = asyncio.ensure_future(table.acquire(PROMPT, ""))
+        await asyncio.sleep(0.05)
+        assert not action.done() and not request.done()
+        assert await table.take(first) is False  # without wait: busy is a no
+        await table.release(second)  # the request gets it; the action goes on waiting for its own
+        assert (await request)[0] is second
+        await asyncio.sleep(0.05)
+        assert not action.done()
+        await table.release(first)
+        assert await action is True and first.busy
+        assert table.find(0, 1) is second and table.find(0, 2) is None and table.find(1, 0) is None
+
+    run(scenario())
+
+
+def test_a_slot_action_waiting_on_a_server_that_goes_down_gives_up() -> None:
+    async def scenario() -> None:
+        table = SlotTable([1])
+        slot, _ = await table.acquire(PROMPT, "")
+        action = asyncio.ensure_future(table.take(slot, wait=True))
+        await asyncio.sleep(0.05)
+        await table.set_down(0, True)
+        assert await action is False
+
+    run(scenario())

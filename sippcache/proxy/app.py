@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -77,6 +78,9 @@ COMPLETION_PATHS = {
     "/completions": "completion",
     "/completion": "completion",
 }
+#: llama-server's slot actions (``POST /slots/{id}?action=...``) that change what a slot holds.
+SLOT_PATH = re.compile(r"/slots/(\d+)")
+CHANGING_ACTIONS = frozenset({"erase", "restore"})
 #: The response header with llama-server's own count of prompt tokens it did not evaluate.
 REUSED_HEADER = "X-Sippcache-Prompt-Reused"
 #: The request header naming the tenant (scope) a request belongs to; default: the proxy's --scope.
@@ -192,6 +196,12 @@ class Proxy:
             response: Response = Response(self.metrics.render(), media_type=self.metrics.content_type)
         elif request.method == "POST" and request.url.path in COMPLETION_PATHS:
             response = await self.complete(request, COMPLETION_PATHS[request.url.path])
+        elif (
+            request.method == "POST"
+            and (slot_path := SLOT_PATH.fullmatch(request.url.path))
+            and request.query_params.get("action") in CHANGING_ACTIONS
+        ):
+            response = await self.slot_action(request, int(slot_path[1]))
         else:
             response = await self.passthrough(request)
         await response(scope, receive, send)
@@ -672,6 +682,41 @@ class Proxy:
         if server not in self._watchers:
             self.metrics.upstream_up.labels(self.upstreams[server].url).set(0)
             self._watchers[server] = asyncio.create_task(watch())
+
+    # -- a client's slot actions ------------------------------------------------------
+
+    async def slot_action(self, request: Request, slot_id: int) -> Response:
+        """A client's erase or restore of a slot (`CHANGING_ACTIONS`), sent to the llama-server a
+        passthrough would reach. The proxy takes the slot as a request would (waiting while one has
+        it), saves what it holds unsaved (its conversation leaves it), lets llama-server act, and
+        then believes the slot holds nothing: its next request is restored as after a restart, not
+        sent to llama-server as if the state it believed were still there (a whole recompute)."""
+        try:
+            upstream = self._any_upstream()
+        except NoServer:
+            return _unavailable("no llama-server is reachable")
+        slot = self.slots.find(self.upstreams.index(upstream), slot_id)
+        if slot is None:
+            return await self.passthrough(request)  # llama-server's own answer to a slot it has not
+        body = await request.body()
+        if not await self.slots.take(slot, wait=True):
+            return _unavailable(f"llama-server at {upstream.url} is not reachable")
+        url = f"{upstream.url}{request.url.path}?{request.url.query}"
+        try:
+            if slot.unsaved is not None:
+                await self._save_slot(slot, slot.unsaved, "leave")
+            answer = await self.client.post(url, headers=_forwarded(request.headers), content=body, timeout=None)
+        except (UpstreamDown, httpx.TransportError) as exc:
+            await self._lost(slot, exc)
+            return _unavailable(f"llama-server at {upstream.url} is not reachable")
+        except BaseException:
+            slot.forget()
+            await self.slots.release(slot)
+            raise
+        slot.forget()  # whatever llama-server answered: a refused restore leaves the slot empty too
+        await self.slots.release(slot)
+        headers = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP | {"content-encoding"}}
+        return Response(answer.content, answer.status_code, headers=headers)
 
     # -- everything else ------------------------------------------------------------
 

@@ -11,7 +11,8 @@ is restored. With every slot busy, requests wait in arrival order, at most
 What a slot holds is a belief, not a fact: a slot whose server restarted, or
 that another client used, holds something else. A wrong belief costs only
 speed (llama-server compares tokens itself before reusing any), and
-`forget` drops the beliefs about a server that went away.
+`forget` drops the beliefs about a server that went away, or a slot a
+client erased or restored through the proxy (`Proxy.slot_action`).
 """
 
 from __future__ import annotations
@@ -157,20 +158,28 @@ class SlotTable:
             slot.used = next(self._clock)
             return slot, held
 
-    async def take(self, slot: Slot) -> bool:
-        """Mark `slot` busy if it is idle and its server up (a save of the proxy's own); False if not.
-        Not a use: it keeps its place in the least-recently-used order."""
+    def find(self, server: int, slot_id: int) -> Slot | None:
+        """Slot `slot_id` of upstream number `server`, if it has one."""
+        return next((s for s in self.slots if s.server == server and s.id == slot_id), None)
+
+    async def take(self, slot: Slot, *, wait: bool = False) -> bool:
+        """Mark `slot` busy if it is idle and its server up (a save of the proxy's own; with `wait`,
+        a client's slot action, which waits while a request has it); False if not. Not a use: it
+        keeps its place in the least-recently-used order."""
         async with self._freed:
+            while wait and slot.busy and slot.server not in self.down:
+                await self._freed.wait()
             if slot.busy or slot.server in self.down:
                 return False
             slot.busy = True
             return True
 
     async def release(self, slot: Slot) -> None:
-        """Give the slot back (what it holds is set by the caller) and wake a waiting request."""
+        """Give the slot back (what it holds is set by the caller) and wake the waiting requests:
+        every one looks again, since one waiting for this slot alone may be among them."""
         async with self._freed:
             slot.busy = False
-            self._freed.notify()
+            self._freed.notify_all()
 
     async def set_down(self, server: int, down: bool) -> None:
         """Mark a server down (its requests fail fast) or back up; either way its slots hold nothing
