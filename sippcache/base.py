@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, ClassVar, cast
@@ -205,6 +205,12 @@ class BaseBackend(ABC):
         with self._library_errors_translated():
             return iter(self._entries(namespace))
 
+    def namespaces(self) -> list[str]:
+        """See `CacheBackend.namespaces`."""
+        self._check_open()
+        with self._library_errors_translated():
+            return sorted(self._namespaces())
+
     def __len__(self) -> int:
         self._check_open()
         with self._library_errors_translated():
@@ -350,6 +356,11 @@ class BaseBackend(ABC):
 
     @abstractmethod
     def _close(self) -> None: ...
+
+    def _namespaces(self) -> Iterable[str]:
+        """The namespaces holding entries. This default lists every entry; a backend that indexes
+        its entries (`sippcache.catalog.Catalog.namespaces`) answers from the index."""
+        return {entry.namespace for entry in self._entries(None)}
 
 
 def _check_namespace(namespace: Any) -> None:

@@ -381,12 +381,16 @@ class Catalog:
             bytes=self.total,
             max_bytes=budget.max_bytes,
             max_entries=budget.max_entries,
-            namespaces=len(self.index.namespaces()),
+            namespaces=len(self.namespaces()),
             damaged=damaged,
             pinned=self.pinned_count,
             pinned_bytes=self.pinned_bytes,
             **counters,
         )
+
+    def namespaces(self) -> list[str]:
+        """The namespaces holding at least one entry (from the index: no entry is listed)."""
+        return self.index.namespaces()
 
     def entries(self, namespace: str | None = None) -> list[EntryInfo]:
         """Every entry (of one namespace, if given) as `EntryInfo`, least recently used first."""

@@ -236,6 +236,10 @@ class CacheBackend(Protocol):
     def entries(self, namespace: str | None = None) -> Iterator[EntryInfo]:
         """Every stored entry (of one namespace, if given), least recently used first."""
 
+    def namespaces(self) -> list[str]:
+        """The namespaces holding at least one entry, sorted: a store's tenants (and its chunk
+        namespaces, `sippcache.chunks`) without listing every entry of each."""
+
     def close(self) -> None:
         """Release files and memory; the handle is unusable afterwards."""
 

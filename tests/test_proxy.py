@@ -144,6 +144,14 @@ def chats_at_once(url: str, chats: list[list[dict[str, str]]]) -> list[tuple[str
     return results
 
 
+def scoped_chat(proxy: ProxyServer, messages: list[dict[str, str]], scope: str) -> tuple[str, int, dict[str, Any]]:
+    """`chat()` through a proxy as tenant `scope` (the X-Sippcache-Scope header; "": none)."""
+    headers = {"X-Sippcache-Scope": scope} if scope else None
+    status, got, data = proxy.post("/v1/chat/completions", {"messages": messages, **GREEDY}, headers)
+    assert status == 200, data
+    return _text(data), int(got.get("x-sippcache-prompt-reused", -1)), data.get("timings", {})
+
+
 def conversation(question: str, name: str = "A") -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{name}: {question}"}]
 
@@ -930,15 +938,17 @@ def test_a_restarted_proxy_makes_the_states_used_last_ready_files_and_restores_f
     procs: Any, model: Path, tmp_path: Path
 ) -> None:
     """--warm-ready (the default), nothing kept from the proxy before: a restarted proxy makes the
-    store's states used last ready files before a request comes, and a follow-up is then
-    llama-server's own restore of one (nothing staged), with the answer llama-server alone gives."""
+    store's states used last ready files before a request comes, every tenant's, and a follow-up
+    is then llama-server's own restore of one (nothing staged), with the answer llama-server
+    alone gives."""
     cache, staging = f"lmdb://{tmp_path}/store", tmp_path / "staging"
     staging.mkdir()
     args = managed(model, cache, "--staging-dir", str(staging))
     reference = procs(model, "-c", "4096", "-np", "1", llama=True)
     talks = [conversation("which ship passed first?", "alice"), conversation("what flag did she fly?", "bob")]
+    scopes = ["", "tenant"]  # bob's conversation is another tenant's
     proxy = procs(args)
-    first = [chat(proxy.url, opening) for opening in talks]
+    first = [scoped_chat(proxy, opening, scope) for opening, scope in zip(talks, scopes, strict=True)]
     settle(proxy)
     proxy.stop()
     proxy = procs(args)
@@ -946,9 +956,9 @@ def test_a_restarted_proxy_makes_the_states_used_last_ready_files_and_restores_f
     while metric(proxy, "sippcache_proxy_ready_warmed_total") < 2 or metric(proxy, "sippcache_proxy_ready_warming"):
         assert time.monotonic() < deadline, "the stored states were not made ready files"
         time.sleep(0.2)
-    for opening, (text, _, timings) in zip(talks, first, strict=True):
+    for opening, scope, (text, _, timings) in zip(talks, scopes, first, strict=True):
         follow = [*opening, {"role": "assistant", "content": text}, {"role": "user", "content": "more?"}]
-        answer, reused, now = chat(proxy.url, follow)
+        answer, reused, now = scoped_chat(proxy, follow, scope)
         assert answer == chat(reference.url, follow, cache_prompt=False)[0]
         assert reused == now["cache_n"] >= prompt_length(timings), now
     assert metric(proxy, "sippcache_proxy_ready_restores_total") == 2

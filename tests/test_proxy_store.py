@@ -389,10 +389,12 @@ def chunked(tmp_path: Path) -> SlotStore:
     )
 
 
-def keep_real(store: SlotStore, llm: Any, tokens: tuple[int, ...], prompt: int, supersedes: Origin | None) -> Saved:
+def keep_real(
+    store: SlotStore, llm: Any, tokens: tuple[int, ...], prompt: int, supersedes: Origin | None, scope: str = ""
+) -> Saved:
     path = Path(store.staging) / f"real-{len(tokens)}-{tokens[-1]}.slot"
     path.write_bytes(b"".join(slotfile.build(3, tokens, real_state(llm, tokens))))
-    saved = store.keep(Snapshot(str(path), tokens, prompt, time.perf_counter()), supersedes, "")
+    saved = store.keep(Snapshot(str(path), tokens, prompt, time.perf_counter()), supersedes, scope)
     assert saved is not None and not path.exists()
     return saved
 
@@ -520,9 +522,9 @@ def test_whole_entries_of_earlier_proxies_restore_and_are_replaced(chunked: Slot
 def test_a_restarted_store_makes_its_most_recently_used_states_ready_files(tmp_path: Path, tiny_llm: Any) -> None:
     """`SlotStore.warm`, a restarted proxy's: the states used last become the very slot files
     llama-server wrote (a restore then copies nothing), within the ready budget, most recently
-    used first, counted as no use by the store; each the first to go for room after them, and
-    none made twice. A conversation's earlier turn (replaced) and another model's states are not
-    made."""
+    used first, every scope's, counted as no use by the store; each the first to go for room
+    after them, and none made twice. A conversation's earlier turn (replaced), the chunks and
+    another model's states are not made."""
     cache = f"lmdb://{tmp_path}/store"
     (tmp_path / "staging").mkdir()
     first = SlotStore(sippcache.open(cache), fingerprint="f", facts={}, kind="full", staging=str(tmp_path / "staging"))
@@ -532,8 +534,9 @@ def test_a_restarted_store_makes_its_most_recently_used_states_ready_files(tmp_p
     keep_real(other, tiny_llm, talks[0], 200, None)
     early = (*talks[1][:230],)
     keep_real(first, tiny_llm, early, 200, None)
-    for tokens in talks:
-        keep_real(first, tiny_llm, tokens, 200, Origin(early, 200) if tokens == talks[1] else None)
+    for tokens in talks:  # the last one a tenant's
+        scope = "tenant" if tokens == talks[2] else ""
+        keep_real(first, tiny_llm, tokens, 200, Origin(early, 200) if tokens == talks[1] else None, scope)
         time.sleep(0.01)
     files = {t: b"".join(slotfile.build(3, t, real_state(tiny_llm, t))) for t in talks}
     first.close()
@@ -543,12 +546,14 @@ def test_a_restarted_store_makes_its_most_recently_used_states_ready_files(tmp_p
     used = {e.key: e.last_used for e in cache_again.entries()}
     budget = len(files[talks[2]]) + len(files[talks[1]]) + 100  # two of the three
     store = SlotStore(cache_again, fingerprint="f", facts={}, kind="full", staging=first.staging, ready_bytes=budget)
-    listed = store.to_warm("")
+    listed = store.to_warm()
     assert [e.key for e in listed] == talks[::-1]  # the early turn was replaced; model g's are not listed
-    assert store.to_warm("tenant") == []
+    assert [e.namespace for e in listed] == [store.namespace("tenant"), store.namespace(""), store.namespace("")]
+    assert any(chunks.is_chunk_namespace(n) for n in cache_again.namespaces())  # stored in chunks, not listed
     assert [store.warm(e) for e in listed] == [True, True, False]
     ready = sorted(store.ready._files, key=lambda f: f.used)
     assert [f.origin for f in ready] == [Origin(talks[1], 200), Origin(talks[2], 200)]
+    assert [f.space for f in ready] == [store.ready.space(store.namespace(n)) for n in ("", "tenant")]
     assert all(Path(f.path).read_bytes() == files[f.origin.tokens] for f in ready)
     assert {e.key: e.last_used for e in cache_again.entries()} == used
     assert not store.warm(listed[0])  # a file holds it already

@@ -493,6 +493,12 @@ class TieredBackend(BaseBackend):
         listed = self._l2(lambda: list(self.l2.entries(namespace)), None)
         return list(self.l1.entries(namespace)) if listed is None else listed
 
+    def _namespaces(self) -> list[str]:
+        """L2's, listed after every L2 write queued in this process (by any handle): a namespace
+        another handle has just stored into is listed here too; L1's if L2 does not answer."""
+        listed = self._ordered(self.l2.namespaces, None)
+        return self.l1.namespaces() if listed is None else listed
+
     def _close(self) -> None:
         """Let queued L2 operations finish (at most `timeout`), then close both tiers."""
         try:

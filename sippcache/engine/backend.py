@@ -421,6 +421,11 @@ class KVBackend(BaseBackend):
             self._refresh()
             return self._replica.catalog.entries(namespace)
 
+    def _namespaces(self) -> list[str]:
+        with self._lock:
+            self._refresh()
+            return self._replica.catalog.namespaces()
+
     def _remove_damaged(self) -> int:
         """An index loaded from a snapshot is read again from every entry's records
         first, so records damaged after the snapshot was written are found too."""

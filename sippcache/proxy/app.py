@@ -220,15 +220,14 @@ class Proxy:
     # -- ready files made ahead ----------------------------------------------------
 
     async def warm(self) -> int:
-        """After the start: make the store's most recently used states of this model and of the
-        proxy's own scope (`scope`: the scope of requests that name none) ready files
-        (`SlotStore.warm`), one at a time, each while no request has a slot, until the ready budget
+        """After the start: make the store's most recently used states of this model (of every
+        scope) ready files (`SlotStore.warm`), one at a time, each while no request has a slot, until the ready budget
         is full or the proxy stops. A restarted proxy's follow-up is then llama-server's own
         restore, not a store read and a staging copy on top of it. How many were made."""
         started, made = time.perf_counter(), 0
         self.metrics.ready_warming.set(1)
         try:
-            for entry in await asyncio.to_thread(self.store.to_warm, self.scope):
+            for entry in await asyncio.to_thread(self.store.to_warm):
                 while not self._stopping and any(s.busy for s in self.slots.slots):
                     await asyncio.sleep(WARM_PAUSE)
                 if self._stopping or self.store.ready.nbytes >= self.store.ready.budget:

@@ -392,17 +392,25 @@ class SlotStore:
 
     # -- warming the ready files ---------------------------------------------------
 
-    def to_warm(self, scope: str) -> list[EntryInfo]:
-        """The stored states of `scope` that `warm` would make ready, most recently used first;
-        none when no ready file is kept. Only that namespace is listed (its chunks, with keys of
-        up to a state's length, are not). A store that fails: none."""
+    def to_warm(self) -> list[EntryInfo]:
+        """The stored states of this model, every scope's, that `warm` would make ready, most
+        recently used first; none when no ready file is kept. Only the namespaces of its states
+        are listed (`CacheBackend.namespaces`), not their chunks, whose keys run up to a state's
+        length each. A store that fails: none."""
         if not self.ready.budget:
             return []
+        mine = self.namespace("")  # every scope's namespace begins with it
         try:
-            return list(reversed(list(self.cache.entries(self.namespace(scope)))))
+            listed = [
+                entry
+                for namespace in self.cache.namespaces()
+                if namespace.startswith(mine) and not chunks.is_chunk_namespace(namespace)
+                for entry in self.cache.entries(namespace)
+            ]
         except SippcacheError as exc:
             self._failed("listing the entries to make ready", exc)
             return []
+        return sorted(listed, key=lambda entry: entry.last_used, reverse=True)
 
     def warm(self, entry: EntryInfo) -> bool:
         """Make a stored state a ready file ahead of any request for it (blocking: the proxy runs

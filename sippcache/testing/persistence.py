@@ -25,6 +25,7 @@ class ReopenTests(BackendFixtures):
         assert blob_of(again.lookup([1, 2, 3, 4], namespace="ns")) == b"kept"
         assert blob_of(again.lookup([1, 2, 3, 4])) == b"also kept"
         assert again.stats().bytes == len(b"kept") + len(b"also kept") + 5 * 4
+        assert again.namespaces() == ["", "ns"]
 
     def test_recency_survives_reopen(self, open_cache: Opener) -> None:
         first = open_cache(max_bytes=3500)

@@ -18,8 +18,11 @@ class SharedStoreTests(BackendFixtures):
         a, b = open_cache(), open_cache()
         a.store([5, 5], b"from a")
         assert blob_of(b.lookup([5, 5, 5])) == b"from a"
+        a.store([5], b"a tenant's", namespace="tenant")
+        assert b.namespaces() == ["", "tenant"]
         b.delete([5, 5])
         assert a.lookup([5, 5]) is None
+        assert a.namespaces() == ["tenant"]
         a.close()
         b.store([6], b"b still works")
         assert blob_of(b.lookup([6])) == b"b still works"

@@ -100,7 +100,7 @@ class StoreTests(BackendFixtures):
         cache = open_cache()
         with cache:
             cache.store([1], b"x")
-        for call in (lambda: cache.store([1], b"x"), lambda: cache.lookup([1]), lambda: len(cache)):
+        for call in (lambda: cache.store([1], b"x"), lambda: cache.lookup([1]), lambda: len(cache), cache.namespaces):
             with pytest.raises(CacheClosed):
                 call()
         cache.close()  # idempotent

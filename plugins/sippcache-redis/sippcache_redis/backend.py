@@ -1045,6 +1045,11 @@ class RedisBackend(BaseBackend):
             self._refresh()
             return self._mirror.catalog.entries(namespace)
 
+    def _namespaces(self) -> list[str]:
+        with self._lock:
+            self._refresh()
+            return self._mirror.catalog.namespaces()
+
     def _close(self) -> None:
         with self._lock:
             try:
