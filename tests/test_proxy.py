@@ -677,6 +677,24 @@ def test_one_tenant_never_reuses_another_tenants_state(procs: Any, model: Path, 
     assert reused == again["cache_n"] > 800, again  # the default scope's own entry
 
 
+def test_a_state_the_proxy_did_not_read_is_erased_before_another_tenant_uses_its_slot(
+    procs: Any, model: Path, tmp_path: Path
+) -> None:
+    """A request the proxy passes through (Anthropic messages) leaves a state the proxy does not know
+    in the slot: another tenant's request erases it first and reuses none of it."""
+    proxy = procs(managed(model, f"lmdb://{tmp_path}/store"))
+    system = [{"type": "text", "text": SYSTEM}]
+    body = {"model": "m", "max_tokens": 4, "system": system, "messages": [{"role": "user", "content": "A: hi"}]}
+    status, _, answer = proxy.post("/v1/messages", body)
+    assert status == 200, answer
+    status, _, b = proxy.post(
+        "/v1/chat/completions", {"messages": conversation("which ship?"), **GREEDY}, {"X-Sippcache-Scope": "tenant-b"}
+    )
+    assert status == 200 and b["timings"]["cache_n"] == 0, b["timings"]
+    status, _, answer = proxy.post("/v1/messages", body)  # the default tenant's again: llama-server reuses it
+    assert status == 200, answer
+
+
 def test_two_proxies_on_a_password_protected_valkey_store(procs: Any, model: Path, tmp_path: Path) -> None:
     from sippcache_redis.servers import ValkeyServer
 
@@ -891,6 +909,36 @@ def test_a_slot_a_client_erases_through_the_proxy_is_saved_first_and_its_next_tu
     assert answer == chat(reference.url, follow, cache_prompt=False)[0]
     assert reused == timings["cache_n"] >= prompt_length(done[-1][1][2]), timings
     assert metric(proxy, "sippcache_proxy_restores_total", outcome="ok") == 2
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello there"}]}),
+        ("/v1/responses", {"model": "m", "max_output_tokens": 4, "input": "Hello there"}),
+    ],
+    ids=["anthropic-messages", "openai-responses"],
+)
+def test_a_request_the_proxy_does_not_read_saves_the_slot_first_and_the_next_turn_is_restored(
+    procs: Any, model: Path, tmp_path: Path, path: str, body: dict[str, Any]
+) -> None:
+    """A request llama-server runs in a slot of its own choosing (an API the proxy passes through):
+    the turn the slot held unsaved is stored first, and the conversation's next turn is restored,
+    not sent as if its state were still in the slot (before: llama-server recomputed all of it)."""
+    proxy = procs(managed(model, f"lmdb://{tmp_path}/store"))
+    done = turns("A", ["which ship passed first?", "and her flag?"], proxy.url)
+    settle(proxy)
+    assert metric(proxy, "sippcache_proxy_slot_saves_total") == 1  # the first turn; the second is in the slot
+    status, _, answer = proxy.post(path, body)
+    assert status == 200, answer
+    settle(proxy)
+    assert metric(proxy, "sippcache_proxy_slot_saves_total", reason="leave") == 1
+    follow = [*done[-1][0], {"role": "assistant", "content": done[-1][1][0]}, {"role": "user", "content": "A: why?"}]
+    answer, reused, timings = chat(proxy.url, follow)
+    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
+    assert answer == chat(reference.url, follow, cache_prompt=False)[0]
+    assert reused == timings["cache_n"] >= prompt_length(done[-1][1][2]), timings
+    assert metric(proxy, "sippcache_proxy_restores_total", outcome="ok") == 1
 
 
 def test_a_conversation_back_in_a_slot_is_restored_from_the_file_llama_server_saved(

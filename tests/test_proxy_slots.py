@@ -138,3 +138,25 @@ def test_a_slot_action_waiting_on_a_server_that_goes_down_gives_up() -> None:
         assert await action is False
 
     run(scenario())
+
+
+def test_a_slot_holds_an_unknown_state_until_the_proxy_puts_one_there_or_it_is_emptied() -> None:
+    """New slots (an attached llama-server's may hold anything) and forgotten ones are `unknown`,
+    which another tenant erases first; a restarted server's or an erased slot is empty. An empty
+    slot is picked before an unknown one."""
+
+    async def scenario() -> None:
+        table = SlotTable([2])
+        assert all(s.unknown for s in table.slots)
+        table.slots[1].forget(empty=True)
+        assert not table.slots[1].unknown
+        slot, _ = await table.acquire(PROMPT, "")
+        assert slot is table.slots[1]
+        slot.tokens = PROMPT
+        slot.forget()
+        assert slot.unknown and slot.tokens == ()
+        await table.release(slot)
+        await table.set_down(0, True)
+        assert not any(s.unknown for s in table.slots)
+
+    run(scenario())

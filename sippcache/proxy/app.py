@@ -78,6 +78,26 @@ COMPLETION_PATHS = {
     "/completions": "completion",
     "/completion": "completion",
 }
+#: The paths whose requests llama-server runs in a slot of its own choosing while the proxy does not
+#: read their prompt (Anthropic messages, OpenAI responses, infill, embeddings, reranking, audio):
+#: passed through, not cached (`Proxy.unread`).
+UNREAD_PATHS = frozenset(
+    {
+        "/v1/messages",
+        "/v1/responses",
+        "/responses",
+        "/infill",
+        "/embedding",
+        "/embeddings",
+        "/v1/embeddings",
+        "/rerank",
+        "/reranking",
+        "/v1/rerank",
+        "/v1/reranking",
+        "/v1/audio/transcriptions",
+        "/audio/transcriptions",
+    }
+)
 #: llama-server's slot actions (``POST /slots/{id}?action=...``) that change what a slot holds.
 SLOT_PATH = re.compile(r"/slots/(\d+)")
 CHANGING_ACTIONS = frozenset({"erase", "restore"})
@@ -196,6 +216,8 @@ class Proxy:
             response: Response = Response(self.metrics.render(), media_type=self.metrics.content_type)
         elif request.method == "POST" and request.url.path in COMPLETION_PATHS:
             response = await self.complete(request, COMPLETION_PATHS[request.url.path])
+        elif request.method == "POST" and request.url.path in UNREAD_PATHS:
+            response = await self.unread(request)
         elif (
             request.method == "POST"
             and (slot_path := SLOT_PATH.fullmatch(request.url.path))
@@ -284,8 +306,9 @@ class Proxy:
             keeps = common_prefix(slot.tokens, tokens or ()) if slot.scope == scope else 0
             if slot.unsaved is not None and keeps < len(slot.tokens):  # it changes hands: its state is saved first
                 await self._save_slot(slot, slot.unsaved, "leave")
-            if slot.scope != scope and slot.tokens:  # another tenant's state: never reused, erased first
+            if slot.scope != scope and (slot.tokens or slot.unknown):  # another tenant's: never reused, erased
                 await upstream.slot_action(slot.id, "erase")
+                slot.unknown = False
             slot.tokens, slot.scope = (slot.tokens if slot.scope == scope else ()), scope
             slot.stored = min(slot.stored, keeps)
             if tokens and cached:
@@ -447,7 +470,7 @@ class Proxy:
             else:
                 restored = await self.store.restore_ready(upstream, slot.id, file)
         except RestoreRefused as refused:
-            slot.forget()  # a refused restore leaves the slot empty
+            slot.forget(empty=True)  # a refused restore leaves the slot empty
             self.metrics.restores.labels(url, "refused").inc()
             # its seconds bought nothing: a server that refuses every restore (a file it may not
             # read, a state it cannot load) stops getting them, as one that wastes them does
@@ -568,6 +591,7 @@ class Proxy:
             await self.slots.release(slot)
             return None
         slot.tokens = tuple(tokens or ())  # what it holds begins so; the answer's tokens are not known here
+        slot.unknown = False
         reason = self._save_now(slot, flight, held=prompt + int(timings.get("predicted_n", 0)))
         task = None
         try:
@@ -712,19 +736,48 @@ class Proxy:
             slot.forget()
             await self.slots.release(slot)
             raise
-        slot.forget()  # whatever llama-server answered: a refused restore leaves the slot empty too
+        slot.forget(empty=answer.is_success and request.query_params["action"] == "erase")
         await self.slots.release(slot)
         headers = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP | {"content-encoding"}}
         return Response(answer.content, answer.status_code, headers=headers)
 
     # -- everything else ------------------------------------------------------------
 
-    async def passthrough(self, request: Request, body: bytes | None = None) -> Response:
-        """Forward a request as it is to a reachable llama-server and relay its answer."""
+    async def unread(self, request: Request) -> Response:
+        """A request llama-server runs in a slot of its own choosing, whose prompt the proxy does not
+        read (`UNREAD_PATHS`), passed through and not cached. It may take any idle slot of that
+        llama-server, so the idle slots there holding a state not stored yet are saved first, and
+        afterwards every idle slot there is believed to hold a state the proxy does not know: a
+        conversation's next turn is restored, not sent as if its state were still in the slot (a
+        whole recompute), and another tenant's request erases the slot first."""
         try:
             upstream = self._any_upstream()
         except NoServer:
             return _unavailable("no llama-server is reachable")
+        server = self.upstreams.index(upstream)
+        unsaved = [s for s in self.slots.slots if s.server == server and s.unsaved is not None]
+        await asyncio.gather(*(self._save_idle_slot(s, "leave") for s in unsaved))
+
+        async def done(_: _Relay) -> None:
+            await self.slots.forget_idle(server)
+
+        return await self.passthrough(request, upstream=upstream, done=done)
+
+    async def passthrough(
+        self,
+        request: Request,
+        body: bytes | None = None,
+        *,
+        upstream: Upstream | None = None,
+        done: Callable[[_Relay], Awaitable[None]] | None = None,
+    ) -> Response:
+        """Forward a request as it is to a reachable llama-server (`upstream`, if given) and relay its
+        answer as it is; then `done`, if given, however the relay ends."""
+        if upstream is None:
+            try:
+                upstream = self._any_upstream()
+            except NoServer:
+                return _unavailable("no llama-server is reachable")
         url = upstream.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
         content = body if body is not None else await request.body()
         outgoing = self.client.build_request(
@@ -734,17 +787,24 @@ class Proxy:
             answer = await self.client.send(outgoing, stream=True)
         except httpx.TransportError:
             return _unavailable(f"llama-server at {upstream.url} is not reachable")
-        return _RelayResponse(answer, stream=True, strip=False, done=None)
+        return _RelayResponse(answer, stream=True, strip=False, done=done, as_is=True)
 
 
 class _RelayResponse(Response):
     """Relays an upstream response (streamed as it comes) and calls `done` however it ends: a client
-    that hangs up, an upstream that dies mid-stream, or the last byte sent."""
+    that hangs up, an upstream that dies mid-stream, or the last byte sent. A completion's is read
+    for its timings (and the reuse header); one relayed `as_is` (a passthrough), byte for byte."""
 
     def __init__(
-        self, answer: httpx.Response, stream: bool, strip: bool, done: Callable[[_Relay], Awaitable[None]] | None
+        self,
+        answer: httpx.Response,
+        stream: bool,
+        strip: bool,
+        done: Callable[[_Relay], Awaitable[None]] | None,
+        *,
+        as_is: bool = False,
     ) -> None:
-        self.answer, self.stream, self.strip, self.done = answer, stream, strip, done
+        self.answer, self.stream, self.strip, self.done, self.as_is = answer, stream, strip, done, as_is
         self.relay = _Relay({})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -760,7 +820,7 @@ class _RelayResponse(Response):
         headers = [
             (k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items() if k.lower() not in _HOP
         ]
-        if self.done is None or answer.status_code >= 400:  # passthrough, or llama-server's own error
+        if self.as_is or answer.status_code >= 400:  # passthrough, or llama-server's own error
             await _start(send, answer.status_code, headers)
             async for chunk in answer.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

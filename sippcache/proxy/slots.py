@@ -91,12 +91,18 @@ class Slot:
     #: grown past a bound, or the proxy stops.
     unsaved: int | None = None
     stored: int = 0  # how many of the tokens the slot holds the store holds too (or has queued)
+    #: llama-server may hold a state there the proxy does not know (from before the proxy started, a
+    #: request cut short or not read by the proxy, a failed save, a client's restore): another
+    #: tenant's request erases it first.
+    unknown: bool = True
     busy: bool = False
     used: int = 0  # a tick of the table's clock: the least recently used slot goes first
 
-    def forget(self) -> None:
-        """Believe the slot holds nothing (its server restarted, or what it holds is not known)."""
+    def forget(self, *, empty: bool = False) -> None:
+        """Believe the slot holds nothing the proxy can reuse: nothing at all with `empty` (its server
+        restarted, it was erased), else a state it does not know (`unknown`)."""
         self.tokens, self.origin, self.unsaved, self.stored = (), None, None, 0
+        self.unknown = not empty
 
 
 class SlotTable:
@@ -126,7 +132,13 @@ class SlotTable:
         # save before it changes hands), the least recently used.
         return max(
             ((s, self._held(s, tokens, scope)) for s in idle),
-            key=lambda p: (p[1], -load[p[0].server], not p[0].tokens, p[0].unsaved is None, -p[0].used),
+            key=lambda p: (
+                p[1],
+                -load[p[0].server],
+                not p[0].tokens and not p[0].unknown,
+                p[0].unsaved is None,
+                -p[0].used,
+            ),
         )
 
     def held(self, tokens: Sequence[int], scope: str) -> int:
@@ -188,7 +200,7 @@ class SlotTable:
             (self.down.add if down else self.down.discard)(server)
             for slot in self.slots:
                 if slot.server == server:
-                    slot.forget()
+                    slot.forget(empty=True)
             self._freed.notify_all()
 
     async def forget_idle(self, server: int) -> None:
