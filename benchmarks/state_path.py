@@ -32,7 +32,8 @@ them as GB/s and as a ratio to a plain memory copy of the same bytes measured in
   length, as for slot-file version 1 and before 2026-11-28); beside them, the same
   save and restore as the proxy made them before 2026-11-27 (a read into a new buffer and two more
   copies; a new staging file per restore), the alternative measured in the same run. Whole states
-  (``--chunk-tokens 0``), then in chunks: a save into an empty store (every chunk new), a save of a
+  (``--chunk-tokens 0``), then in chunks: a save into an empty store (every chunk new; also with
+  the slot file kept ready, the proxy's default), a save of a
   state sharing every chunk with a stored one (only its tail new: a chat's next turn), and a restore
   joined from chunks (beside it, the same restore with the chunks checked as before 2026-11-27:
   on other threads while the state is joined, not as the join copies them). Each save also has a
@@ -47,9 +48,10 @@ frames in a buffer used again where it keeps the bytes it is given (RAM, tiered:
 Sizes are the KV of 2K, 8K and 32K tokens of an 8B-class model (32 KiB a token). Goals, judged on
 the largest size: the proxy's restore (``_stage``, whole and from chunks) on RAM at least 0.5x
 memcpy; its save's own part (``keep`` less the backend's ``store`` calls; whole, and in chunks
-every chunk new) on LMDB at least 0.3x (the RAM backend keeps the frame it is given, so there the
-frame's new memory is the backend's write; a save's goal line also gives its floor, the slot file
-read and removed alone); the chunks joined (both V layouts) at least 0.5x.
+every chunk new, with the slot file removed and kept ready) on LMDB at least 0.3x (the RAM
+backend keeps the frame it is given, so there the frame's new memory is the backend's write; a
+save's goal line also gives its floor, the slot file read and removed alone); the chunks joined
+(both V layouts) at least 0.5x.
 Exit status 1 if a goal fails (unless --no-goals). Needs sippcache's ``proxy`` extra (httpx,
 starlette: `sippcache.proxy` imports them), not llama_cpp. Run it on an idle machine:
 
@@ -105,6 +107,8 @@ RESTORE_GOAL, SAVE_GOAL = 0.5, 0.3
 RESTORE_BACKEND, SAVE_BACKEND = "ram", "lmdb"
 CHUNKED, CHUNKED_RESTORE = "proxy save, chunks, every chunk new", "proxy restore, chunks"
 CHUNKED_NEXT = "proxy save, chunks, only the tail new"
+#: The proxy's default save of a new state: chunks, and the slot file kept ready, not removed.
+CHUNKED_READY = "proxy save, chunks, every chunk new, the file kept ready"
 AFTER_SHORTER = "proxy restore after one a quarter as long: _stage"
 CUT = ", cut to each state (slot-file version 1)"
 #: A restore from chunks is timed as this host checks it (`chunks.MEANWHILE_THREADS`), and the other way.
@@ -470,6 +474,27 @@ def proxy_chunked(
                     saved = slots.keep(Snapshot(path, key, len(key), time.perf_counter()), None, "bench")
                 if saved is None or len(cache) < len(key) // chunk_tokens:
                     sys.exit(f"FAIL: SlotStore.keep on {name} stored no chunks (errors: {slots.errors})")
+        ready = SlotStore(
+            cache,
+            fingerprint="bench",
+            facts={},
+            kind="full",
+            staging=staging,
+            min_tokens=16,
+            chunk_tokens=chunk_tokens,
+            ready_bytes=2 * len(state),
+        )
+        for i, key in enumerate(keys):  # the proxy's default: the file kept ready, not removed
+            cache.clear()  # untimed
+            path = os.path.join(staging, f"save-ready-{i}.slot")
+            with open(path, "wb") as f:
+                for part in slotfile.build(SLOT_VERSION, key, state):
+                    f.write(part)
+            with clock(f"{CHUNKED_READY}: keep ({name})", stores):
+                saved = ready.keep(Snapshot(path, key, len(key), time.perf_counter()), None, "bench")
+            if saved is None or os.path.exists(path) or len(ready.ready) != 1:
+                sys.exit(f"FAIL: SlotStore.keep on {name} kept no ready file (errors: {ready.errors})")
+            ready.close()  # untimed: the file removed, as room or the proxy's exit removes it later
         for i, key in enumerate(keys):  # states that share every chunk with the stored one: a tail each
             path, nxt = os.path.join(staging, f"next-{i}.slot"), (*key[:-1], (key[-1] + 1) % VOCAB)
             with open(path, "wb") as f:
@@ -722,6 +747,7 @@ def totals(rows: list[dict[str, Any]], backends: list[str]) -> list[dict[str, An
                 "restore_before_x": restore_before["x_memcpy"],
                 "chunked_save_x": chunked_save["x_memcpy"],
                 "chunked_save_own_x": by_stage[f"{CHUNKED}: keep ({name}){OWN_PART}"]["x_memcpy"],
+                "chunked_save_ready_own_x": by_stage[f"{CHUNKED_READY}: keep ({name}){OWN_PART}"]["x_memcpy"],
                 "chunked_next_save_x": by_stage[f"{CHUNKED_NEXT}: keep ({name})"]["x_memcpy"],
                 "chunked_restore_x": chunked_restore["x_memcpy"],
                 "chunked_restore_other_x": by_stage[f"{CHUNKED_RESTORE}: _stage ({name}){OTHER_WAY}"]["x_memcpy"],
@@ -782,7 +808,7 @@ def main() -> int:
             f"{sync}, restore {t['restore_ms']:,.1f} ms ({t['restore_x']:.2f}x), round trip {t['round_trip_x']:.2f}x;"
             f" before: save {t['save_before_x']:.2f}x, restore {t['restore_before_x']:.2f}x;"
             f" chunks of {args.chunk_tokens} tokens: save {t['chunked_save_x']:.2f}x (every chunk new;"
-            f" own part {t['chunked_save_own_x']:.2f}x),"
+            f" own part {t['chunked_save_own_x']:.2f}x; with the file kept ready {t['chunked_save_ready_own_x']:.2f}x),"
             f" {t['chunked_next_save_x']:.2f}x (only the tail new),"
             f" restore {t['chunked_restore_x']:.2f}x ({OTHER_WAY[2:]}: {t['chunked_restore_other_x']:.2f}x);"
             f" a restore after one a quarter as long {t['after_shorter_x']:.2f}x"
@@ -793,6 +819,13 @@ def main() -> int:
         ("chunked restore", RESTORE_BACKEND, RESTORE_GOAL, "chunked_restore_x", False),
         ("save, sippcache's own part,", SAVE_BACKEND, SAVE_GOAL, "save_own_x", True),
         ("chunked save (every chunk new), sippcache's own part,", SAVE_BACKEND, SAVE_GOAL, "chunked_save_own_x", True),
+        (
+            "chunked save (every chunk new), the file kept ready (the default), sippcache's own part,",
+            SAVE_BACKEND,
+            SAVE_GOAL,
+            "chunked_save_ready_own_x",
+            False,
+        ),
     )
     goals: dict[str, bool | None] = {}
     for what, backend, goal, ratio, floored in checks:

@@ -1162,15 +1162,27 @@ def test_attach_to_a_sliding_window_server_checks_it_extends_restores(
 
 def test_a_request_for_several_choices_gets_them_all(procs: Any, model: Path, tmp_path: Path) -> None:
     """n > 1: llama-server runs the extra choices in slots of its own choosing; the proxy relays them
-    all (and stops believing it knows what its other slots hold)."""
+    all, saves first the idle slot whose conversation an extra choice may overwrite, and then stops
+    believing it knows what its other slots hold: that conversation's next turn is restored. (The
+    choices are another tenant's, so their request takes the other slot and the extra choice B's.)"""
     reference = procs(model, "-c", "4096", "-np", "1", llama=True)
     proxy = procs(managed(model, f"lmdb://{tmp_path}/store", parallel=2))
+    other = turns("B", ["what was the weather?", "and the sea?"], proxy.url)  # its second turn unsaved in a slot
+    settle(proxy)
     messages = conversation("which ship passed first?")
     cold = chat(reference.url, messages, cache_prompt=False)[0]
-    status, _, data = proxy.post("/v1/chat/completions", {"messages": messages, "n": 2, **GREEDY})
+    status, _, data = proxy.post(
+        "/v1/chat/completions", {"messages": messages, "n": 2, **GREEDY}, {"X-Sippcache-Scope": "tenant"}
+    )
     assert status == 200, data
     assert [c["message"]["content"] for c in data["choices"]] == [cold, cold]
+    settle(proxy)
+    assert metric(proxy, "sippcache_proxy_slot_saves_total", reason="leave") == 1  # B's, before the choices ran
     assert chat(proxy.url, messages)[0] == cold  # and the next request is served as before
+    follow = [*other[-1][0], {"role": "assistant", "content": other[-1][1][0]}, {"role": "user", "content": "B: why?"}]
+    answer, reused, timings = chat(proxy.url, follow)
+    assert answer == chat(reference.url, follow, cache_prompt=False)[0]
+    assert reused == timings["cache_n"] >= prompt_length(other[-1][1][2]), timings
 
 
 # -- chunked states ----------------------------------------------------------------------------------------

@@ -313,6 +313,9 @@ class Proxy:
             slot.stored = min(slot.stored, keeps)
             if tokens and cached:
                 restore = await self._restore(upstream, slot, tokens, held)
+            fanned = isinstance(payload.get("n"), int) and payload["n"] > 1  # child tasks run in other slots
+            if fanned:
+                await self._save_idle_slots(slot.server)
             payload["id_slot"] = slot.id
             if tokens and _ids_for_text(request.url.path, how, upstream):
                 payload["prompt"] = tokens  # the ids it made of the text: not tokenized a second time
@@ -334,7 +337,6 @@ class Proxy:
             self._land(flight)
             await self.slots.release(slot)
             raise
-        fanned = isinstance(payload.get("n"), int) and payload["n"] > 1  # child tasks ran in other slots
 
         async def done(relay: _Relay) -> None:
             if fanned:  # while this request's own slot is still busy: its belief is kept
@@ -656,6 +658,12 @@ class Proxy:
         self._idle_saves.add(task)
         task.add_done_callback(self._idle_saves.discard)
 
+    async def _save_idle_slots(self, server: int) -> None:
+        """Save the idle slots of upstream `server` left unsaved: a request is about to run where
+        llama-server may overwrite any of them (`unread`, a request for several choices)."""
+        unsaved = [s for s in self.slots.slots if s.server == server and s.unsaved is not None]
+        await asyncio.gather(*(self._save_idle_slot(s, "leave") for s in unsaved))
+
     async def _save_idle_slot(self, slot: Slot, reason: str = "shutdown") -> None:
         """Save an idle slot left unsaved (busy, or saved meanwhile: nothing to do)."""
         if slot.unsaved is None or not await self.slots.take(slot):
@@ -755,8 +763,7 @@ class Proxy:
         except NoServer:
             return _unavailable("no llama-server is reachable")
         server = self.upstreams.index(upstream)
-        unsaved = [s for s in self.slots.slots if s.server == server and s.unsaved is not None]
-        await asyncio.gather(*(self._save_idle_slot(s, "leave") for s in unsaved))
+        await self._save_idle_slots(server)
 
         async def done(_: _Relay) -> None:
             await self.slots.forget_idle(server)
