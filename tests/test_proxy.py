@@ -941,6 +941,31 @@ def test_a_request_the_proxy_does_not_read_saves_the_slot_first_and_the_next_tur
     assert metric(proxy, "sippcache_proxy_restores_total", outcome="ok") == 1
 
 
+def test_two_conversations_over_different_system_prompts_keep_a_slot_each(
+    procs: Any, model: Path, tmp_path: Path
+) -> None:
+    """Two slots, two conversations sharing only the chat template's first tokens, taking turns: each
+    keeps its own slot, so nothing is saved but their first turns and nothing is restored (before,
+    each turn took the other's slot for those few tokens: a save and a restore a turn)."""
+    proxy = procs(managed(model, f"lmdb://{tmp_path}/store", parallel=2))
+    talks = {
+        name: [{"role": "system", "content": f"{system} " * 40}, {"role": "user", "content": "Who are you?"}]
+        for name, system in (("a", "You keep the lighthouse log."), ("b", "Harbour pilots answer tersely."))
+    }
+    last: dict[str, dict[str, Any]] = {}
+    for _ in range(3):
+        for name, messages in talks.items():
+            answer, reused, timings = chat(proxy.url, messages)
+            if name in last:  # its earlier turn is still in its slot
+                assert reused == timings["cache_n"] >= prompt_length(last[name]), timings
+            last[name] = timings
+            talks[name] = [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": "And?"}]
+    settle(proxy)
+    assert metric(proxy, "sippcache_proxy_slot_saves_total", reason="new") == 2
+    assert metric(proxy, "sippcache_proxy_slot_saves_total") == 2
+    assert metric(proxy, "sippcache_proxy_restores_total") == 0
+
+
 def test_a_conversation_back_in_a_slot_is_restored_from_the_file_llama_server_saved(
     procs: Any, model: Path, tmp_path: Path
 ) -> None:

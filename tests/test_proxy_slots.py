@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from sippcache.proxy.slots import NoServer, QueueFull, SlotTable, reusable
+from sippcache.proxy.slots import MIN_GAIN, NoServer, QueueFull, SlotTable, reusable
 
 PROMPT = tuple(range(100))
 
@@ -158,5 +158,25 @@ def test_a_slot_holds_an_unknown_state_until_the_proxy_puts_one_there_or_it_is_e
         await table.release(slot)
         await table.set_down(0, True)
         assert not any(s.unknown for s in table.slots)
+
+    run(scenario())
+
+
+def test_a_few_shared_tokens_do_not_take_a_conversations_slot_while_another_is_empty() -> None:
+    """Two conversations over different system prompts share only the chat template's first tokens:
+    the second goes to the empty slot, not to the first one's (which would be saved and later
+    restored for nothing, turn after turn). A prefix worth a restore still wins."""
+
+    async def scenario() -> None:
+        table = SlotTable([2])
+        first = table.slots[0]
+        first.tokens, first.unsaved, first.unknown = PROMPT[:3] + tuple(range(500, 600)), 103, False
+        table.slots[1].forget(empty=True)
+        slot, held = await table.acquire(PROMPT, "")
+        assert (slot, held) == (table.slots[1], 0)
+        await table.release(slot)
+        first.tokens = PROMPT[:MIN_GAIN] + tuple(range(500, 600))
+        slot, held = await table.acquire(PROMPT, "")
+        assert (slot, held) == (first, MIN_GAIN)
 
     run(scenario())

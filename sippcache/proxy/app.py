@@ -62,7 +62,7 @@ from ..rates import INEFFECTIVE_SHARE, RestoreRates
 from .metrics import ProxyMetrics
 from .prompts import KnownPrompts
 from .ready import ReadyFile
-from .slots import NoServer, Origin, QueueFull, Slot, SlotTable, common_prefix, reusable
+from .slots import MIN_GAIN, NoServer, Origin, QueueFull, Slot, SlotTable, common_prefix, reusable
 from .store import Restored, RestoreRefused, SlotStore, Snapshot
 from .upstream import Upstream, UpstreamDown, UpstreamRefused
 
@@ -107,8 +107,6 @@ REUSED_HEADER = "X-Sippcache-Prompt-Reused"
 SCOPE_HEADER = "X-Sippcache-Scope"
 #: Headers not forwarded either way (hop-by-hop, or recomputed by the HTTP libraries).
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length"}
-#: A stored state is restored only when it gives at least this many more tokens than the slot holds.
-MIN_GAIN = 32
 #: A slot's unsaved state is saved once it holds this many tokens beyond what the store holds (what a
 #: crash can lose), and once it has sat idle this many seconds.
 SAVE_EVERY = 2048

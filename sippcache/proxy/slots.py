@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from ..tokens import common_prefix
 
 __all__ = [
+    "MIN_GAIN",
     "SUPERSEDE_SLACK",
     "NoServer",
     "Origin",
@@ -35,6 +36,13 @@ __all__ = [
     "keeps",
     "reusable",
 ]
+
+
+#: Fewer tokens than this are not worth moving a state for: a stored state is restored only when it
+#: gives at least this many more than the slot holds, and a slot giving a prompt fewer than this
+#: counts as giving none when a slot is picked (every conversation shares a chat template's first
+#: tokens: for them, a conversation's slot would be taken, and saved, while another sits empty).
+MIN_GAIN = 32
 
 
 class QueueFull(Exception):
@@ -133,7 +141,7 @@ class SlotTable:
         return max(
             ((s, self._held(s, tokens, scope)) for s in idle),
             key=lambda p: (
-                p[1],
+                p[1] if p[1] >= MIN_GAIN else 0,
                 -load[p[0].server],
                 not p[0].tokens and not p[0].unknown,
                 p[0].unsaved is None,
