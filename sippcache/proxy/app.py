@@ -241,9 +241,10 @@ class Proxy:
 
     async def warm(self) -> int:
         """After the start: make the store's most recently used states of this model (of every
-        scope) ready files (`SlotStore.warm`), one at a time, each while no request has a slot, until the ready budget
-        is full or the proxy stops. A restarted proxy's follow-up is then llama-server's own
-        restore, not a store read and a staging copy on top of it. How many were made."""
+        scope) ready files (`SlotStore.warm`), one at a time, each while no request has a slot,
+        until the ready budget is full or the proxy stops. A restarted proxy's follow-up is then
+        llama-server's own restore, not a store read and a staging copy on top of it. How many
+        were made."""
         started, made = time.perf_counter(), 0
         self.metrics.ready_warming.set(1)
         try:
