@@ -167,7 +167,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--warm-ready",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="after the start, make the store's most recently used states of this model and --scope ready files "
+        help="after the start, make the store's most recently used states of this model (every scope's) ready files "
         "(within --ready-bytes, one at a time while no request runs), so a follow-up after a restart is "
         "llama-server's own restore (default: on)",
     )
