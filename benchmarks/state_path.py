@@ -87,6 +87,7 @@ from sippcache.backends.tiered import tiered_url
 from sippcache.chunks import DEFAULT_CHUNK_TOKENS, Assembled, ChunkedStates
 from sippcache.engine.directory import huge_pages, mount_of
 from sippcache.options import Size
+from sippcache.protocol import Blob
 from sippcache.proxy import slotfile
 from sippcache.proxy.store import KIND, SlotStore, Snapshot
 
@@ -248,6 +249,17 @@ def backend_url(name: str, root: str) -> str:
     return URLS[name].format(dir=root)
 
 
+def bench_slots(cache: sippcache.CacheBackend, staging: str, **options: Any) -> SlotStore:
+    """A proxy's slot store on `cache`, as these rows use it (states of 16 tokens and more kept)."""
+    return SlotStore(cache, fingerprint="bench", facts={}, kind="full", staging=staging, min_tokens=16, **options)
+
+
+def write_slot_file(path: str, key: tuple[int, ...], state: Blob) -> None:
+    """The slot file llama-server would save for `key` and `state` (untimed, before a save's row)."""
+    with open(path, "wb") as f:
+        f.writelines(slotfile.build(SLOT_VERSION, key, state))
+
+
 def anchors(clock: Clock, state: bytes, repeat: int, root: str) -> None:
     """memcpy, xxh3 and file writes of the state: what every other row is compared with; and the
     floor of a proxy save's own part (`SLOT_FILE_FLOOR`): llama-server's slot file mapped as the
@@ -347,16 +359,14 @@ def proxy(clock: Clock, name: str, url: str, state: bytes, keys: list[tuple[int,
         sippcache.open(url) as cache,
         StoreTimer(cache) as stores,
         closing(
-            SlotStore(cache, fingerprint="bench", facts={}, kind="full", staging=staging, min_tokens=16, chunk_tokens=0)
+            bench_slots(cache, staging, chunk_tokens=0)
         ) as slots,  # closed: its staging file, kept mapped, is freed
     ):
         namespace = slots.namespace("bench")
         for i in range(repeat):
             path = os.path.join(staging, f"save-{i}.slot")
             for label, framing in ("", None), (other_framing(cache), not keeps_bytes(cache)):
-                with open(path, "wb") as f:  # what llama-server's slot save writes (untimed)
-                    for part in slotfile.build(SLOT_VERSION, keys[i], state):
-                        f.write(part)
+                write_slot_file(path, keys[i], state)  # what llama-server's slot save writes (untimed)
                 with clock(f"proxy save: keep ({name}){label}", stores), framed_as(cache, framing):
                     saved = slots.keep(Snapshot(path, keys[i], len(keys[i]), time.perf_counter()), None, "bench")
                 if saved is None or os.path.exists(path):
@@ -366,9 +376,7 @@ def proxy(clock: Clock, name: str, url: str, state: bytes, keys: list[tuple[int,
                     cache.delete(keys[i], namespace=namespace)
         for i in range(repeat):  # the same save as the proxy made it before 2026-11-27, side by side
             path = os.path.join(staging, f"save-before-{i}.slot")
-            with open(path, "wb") as f:
-                for part in slotfile.build(SLOT_VERSION, last, state):
-                    f.write(part)
+            write_slot_file(path, last, state)
             with clock(f"proxy save, before: read + 3 copies ({name})"):
                 keep_before(cache, path, namespace)
         for _ in range(repeat):
@@ -382,21 +390,11 @@ def proxy(clock: Clock, name: str, url: str, state: bytes, keys: list[tuple[int,
                 sys.exit(f"FAIL: SlotStore._stage on {name} staged nothing (errors: {slots.errors})")
             if i == 0 and not holds(path, slotfile.build(SLOT_VERSION, last, state)):
                 sys.exit(f"FAIL: SlotStore._stage on {name} wrote another slot file")
-        ready = SlotStore(
-            cache,
-            fingerprint="bench",
-            facts={},
-            kind="full",
-            staging=staging,
-            chunk_tokens=0,
-            ready_bytes=2 * len(state),
-        )
+        ready = bench_slots(cache, staging, chunk_tokens=0, ready_bytes=2 * len(state))
         cache.delete(last, namespace=namespace)  # after the saves above: the store has grown as far for this one
         for i in range(repeat):  # the save as a proxy with ready files makes it: the file kept, not removed
             path = os.path.join(staging, f"save-ready-{i}.slot")
-            with open(path, "wb") as f:
-                for part in slotfile.build(SLOT_VERSION, keys[i], state):
-                    f.write(part)
+            write_slot_file(path, keys[i], state)
             with clock(f"{KEPT_READY} ({name})", stores):
                 saved = ready.keep(Snapshot(path, keys[i], len(keys[i]), time.perf_counter()), None, "bench")
             if saved is None or os.path.exists(path) or len(ready.ready) != 1:
@@ -418,9 +416,7 @@ def proxy_after_shorter(
     keys = [(first, *range(3, 2 + n)) for first, n in ((1, n_tokens // 4), (2, n_tokens))]  # parting at once
     with (
         sippcache.open(url) as cache,
-        closing(
-            SlotStore(cache, fingerprint="bench", facts={}, kind="full", staging=staging, min_tokens=16, chunk_tokens=0)
-        ) as slots,
+        closing(bench_slots(cache, staging, chunk_tokens=0)) as slots,
     ):
         for version, label in (SLOT_VERSION, ""), (1, CUT):
             scope = f"v{version}"
@@ -450,46 +446,23 @@ def proxy_chunked(
     with (
         sippcache.open(url) as cache,
         StoreTimer(cache) as stores,
-        closing(
-            SlotStore(
-                cache,
-                fingerprint="bench",
-                facts={},
-                kind="full",
-                staging=staging,
-                min_tokens=16,
-                chunk_tokens=chunk_tokens,
-            )
-        ) as slots,
+        closing(bench_slots(cache, staging, chunk_tokens=chunk_tokens)) as slots,
     ):
         namespace = slots.namespace("bench")
         for i, key in enumerate(keys):
             for label, framing in ("", None), (other_framing(cache), not keeps_bytes(cache)):
                 cache.clear()  # untimed
                 path = os.path.join(staging, f"save-{i}.slot")
-                with open(path, "wb") as f:
-                    for part in slotfile.build(SLOT_VERSION, key, state):
-                        f.write(part)
+                write_slot_file(path, key, state)
                 with clock(f"{CHUNKED}: keep ({name}){label}", stores), framed_as(cache, framing):
                     saved = slots.keep(Snapshot(path, key, len(key), time.perf_counter()), None, "bench")
                 if saved is None or len(cache) < len(key) // chunk_tokens:
                     sys.exit(f"FAIL: SlotStore.keep on {name} stored no chunks (errors: {slots.errors})")
-        ready = SlotStore(
-            cache,
-            fingerprint="bench",
-            facts={},
-            kind="full",
-            staging=staging,
-            min_tokens=16,
-            chunk_tokens=chunk_tokens,
-            ready_bytes=2 * len(state),
-        )
+        ready = bench_slots(cache, staging, chunk_tokens=chunk_tokens, ready_bytes=2 * len(state))
         for i, key in enumerate(keys):  # the proxy's default: the file kept ready, not removed
             cache.clear()  # untimed
             path = os.path.join(staging, f"save-ready-{i}.slot")
-            with open(path, "wb") as f:
-                for part in slotfile.build(SLOT_VERSION, key, state):
-                    f.write(part)
+            write_slot_file(path, key, state)
             with clock(f"{CHUNKED_READY}: keep ({name})", stores):
                 saved = ready.keep(Snapshot(path, key, len(key), time.perf_counter()), None, "bench")
             if saved is None or os.path.exists(path) or len(ready.ready) != 1:
@@ -497,9 +470,7 @@ def proxy_chunked(
             ready.close()  # untimed: the file removed, as room or the proxy's exit removes it later
         for i, key in enumerate(keys):  # states that share every chunk with the stored one: a tail each
             path, nxt = os.path.join(staging, f"next-{i}.slot"), (*key[:-1], (key[-1] + 1) % VOCAB)
-            with open(path, "wb") as f:
-                for part in slotfile.build(SLOT_VERSION, nxt, state):
-                    f.write(part)
+            write_slot_file(path, nxt, state)
             with clock(f"{CHUNKED_NEXT}: keep ({name})", stores):
                 saved = slots.keep(Snapshot(path, nxt, len(nxt), time.perf_counter()), None, "bench")
             if saved is None or saved.nbytes >= len(state) // 4:
