@@ -889,25 +889,10 @@ def test_a_slot_a_client_erases_through_the_proxy_is_saved_first_and_its_next_tu
     stored first, and the proxy no longer believes the slot holds it, so the next turn is restored
     (before, llama-server recomputed the whole prompt). A restore of a file it does not have is
     llama-server's own error, and the slot is believed empty after it too."""
-    proxy = procs(managed(model, f"lmdb://{tmp_path}/store"))
-    done = turns("A", ["which ship passed first?", "and her flag?"], proxy.url)
-    settle(proxy)
-    assert metric(proxy, "sippcache_proxy_slot_saves_total") == 1  # the first turn; the second is in the slot
-    status, _, answer = proxy.post("/slots/0?action=erase", {})
-    assert status == 200 and answer["id_slot"] == 0, answer
-    settle(proxy)
-    assert metric(proxy, "sippcache_proxy_slot_saves_total", reason="leave") == 1
-    follow = [*done[-1][0], {"role": "assistant", "content": done[-1][1][0]}, {"role": "user", "content": "A: why?"}]
-    answer, reused, timings = chat(proxy.url, follow)
-    reference = procs(model, "-c", "4096", "-np", "1", llama=True)
-    assert answer == chat(reference.url, follow, cache_prompt=False)[0]
-    assert reused == timings["cache_n"] >= prompt_length(done[-1][1][2]), timings
-    assert metric(proxy, "sippcache_proxy_restores_total", outcome="ok") == 1
+    proxy, follow_up = behind_a_conversations_back(procs, model, tmp_path, "/slots/0?action=erase", {})
     status, _, refused = proxy.post("/slots/0?action=restore", {"filename": "no-such-file.bin"})
     assert status >= 400, refused
-    answer, reused, timings = chat(proxy.url, follow)
-    assert answer == chat(reference.url, follow, cache_prompt=False)[0]
-    assert reused == timings["cache_n"] >= prompt_length(done[-1][1][2]), timings
+    follow_up()
     assert metric(proxy, "sippcache_proxy_restores_total", outcome="ok") == 2
 
 
@@ -925,6 +910,16 @@ def test_a_request_the_proxy_does_not_read_saves_the_slot_first_and_the_next_tur
     """A request llama-server runs in a slot of its own choosing (an API the proxy passes through):
     the turn the slot held unsaved is stored first, and the conversation's next turn is restored,
     not sent as if its state were still in the slot (before: llama-server recomputed all of it)."""
+    behind_a_conversations_back(procs, model, tmp_path, path, body)
+
+
+def behind_a_conversations_back(
+    procs: Any, model: Path, tmp_path: Path, path: str, body: dict[str, Any]
+) -> tuple[ProxyServer, Callable[[], None]]:
+    """Two turns of a conversation through a managed proxy (the second left unsaved in the slot),
+    then `body` posted to `path`, which changes what the slot holds behind the conversation: the
+    second turn was stored first ("leave"), and the third turn is restored, answered as llama-server
+    alone answers it. The proxy, and that third turn to ask again (checked the same way)."""
     proxy = procs(managed(model, f"lmdb://{tmp_path}/store"))
     done = turns("A", ["which ship passed first?", "and her flag?"], proxy.url)
     settle(proxy)
@@ -934,11 +929,16 @@ def test_a_request_the_proxy_does_not_read_saves_the_slot_first_and_the_next_tur
     settle(proxy)
     assert metric(proxy, "sippcache_proxy_slot_saves_total", reason="leave") == 1
     follow = [*done[-1][0], {"role": "assistant", "content": done[-1][1][0]}, {"role": "user", "content": "A: why?"}]
-    answer, reused, timings = chat(proxy.url, follow)
     reference = procs(model, "-c", "4096", "-np", "1", llama=True)
-    assert answer == chat(reference.url, follow, cache_prompt=False)[0]
-    assert reused == timings["cache_n"] >= prompt_length(done[-1][1][2]), timings
+
+    def follow_up() -> None:
+        answer, reused, timings = chat(proxy.url, follow)
+        assert answer == chat(reference.url, follow, cache_prompt=False)[0]
+        assert reused == timings["cache_n"] >= prompt_length(done[-1][1][2]), timings
+
+    follow_up()
     assert metric(proxy, "sippcache_proxy_restores_total", outcome="ok") == 1
+    return proxy, follow_up
 
 
 def test_two_conversations_over_different_system_prompts_keep_a_slot_each(
