@@ -909,8 +909,12 @@ def test_a_request_the_proxy_does_not_read_saves_the_slot_first_and_the_next_tur
 ) -> None:
     """A request llama-server runs in a slot of its own choosing (an API the proxy passes through):
     the turn the slot held unsaved is stored first, and the conversation's next turn is restored,
-    not sent as if its state were still in the slot (before: llama-server recomputed all of it)."""
-    behind_a_conversations_back(procs, model, tmp_path, path, body)
+    not sent as if its state were still in the slot (before: llama-server recomputed all of it).
+    Such requests are counted, and the first of a path is logged as passed through uncached."""
+    proxy, _ = behind_a_conversations_back(procs, model, tmp_path, path, body)
+    assert proxy.post(path, body)[0] == 200
+    assert metric(proxy, "sippcache_proxy_uncached_requests_total", path=path) == 2
+    assert proxy.log_tail(1 << 20).count(f"{path} requests pass through to llama-server uncached") == 1
 
 
 def behind_a_conversations_back(

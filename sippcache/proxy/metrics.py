@@ -26,6 +26,13 @@ class ProxyMetrics:
             ["upstream", "endpoint", "outcome"],
             registry=registry,
         )
+        self.uncached = Counter(
+            "sippcache_proxy_uncached_requests",
+            "Requests llama-server ran in a slot of its own choosing, passed through uncached: the proxy does"
+            " not read their prompts (Anthropic messages, OpenAI responses, infill, embeddings, ...).",
+            ["upstream", "path"],
+            registry=registry,
+        )
         self.prompt_tokens = Counter(
             "sippcache_proxy_prompt_tokens",
             "Prompt tokens as llama-server reports them: reused (timings.cache_n) or computed (timings.prompt_n).",
