@@ -198,7 +198,8 @@ class Proxy:
         self._idle_saves: set[asyncio.Task[Any]] = set()  # saves of idle slots, waiting their time: cancelled
         self._watchers: dict[int, asyncio.Task[Any]] = {}  # health polls of down servers: cancelled
         self._flights: set[_Flight] = set()
-        self._warned: set[str] = set()  # said once: upstreams of ineffective restores, paths passed through uncached
+        self._warned: set[str] = set()  # upstreams already warned about an ineffective restore
+        self._said_uncached: set[str] = set()  # paths already logged as passed through uncached
         self._stopping = False  # `warm` makes no more files
 
     # -- the ASGI entry --------------------------------------------------------
@@ -763,8 +764,8 @@ class Proxy:
             return _unavailable("no llama-server is reachable")
         server, path = self.upstreams.index(upstream), request.url.path
         self.metrics.uncached.labels(upstream.url, path).inc()
-        if path not in self._warned:  # once a path: a client of these APIs gains nothing from the proxy
-            self._warned.add(path)
+        if path not in self._said_uncached:  # once a path: a client of these APIs gains nothing from the proxy
+            self._said_uncached.add(path)
             log.warning(
                 "sippcache proxy: %s requests pass through to llama-server uncached (the proxy does not read "
                 "their prompts; docs/proxy.md)",
