@@ -259,3 +259,47 @@ def test_store_unsaved_stores_a_slot_once_and_keeps_its_conversation(tiny_model:
         for chain in chains:
             llama_cpp.llama_sampler_free(chain)
         llm.close()
+
+
+def test_a_completion_ends_its_job_with_its_answer_however_late_its_reader(tiny_model: Path, tmp_path: Path) -> None:
+    """A `--parallel` request's job ends where upstream's completion stops reading (its
+    ``max_tokens``), not when the request's thread closes the token stream: a reader late by any
+    amount leaves its slot, and what a stop stores of it, holding the prompt and the answer only.
+
+    Before, the engine went on sampling tokens nobody read until the thread came round, as many as
+    its lateness allowed (a loaded machine), and the slot held them: what a clean stop or an idle
+    store kept, and where the next turn's computation started after a restart, depended on timing.
+    Once, in the full suite, the first answer after a SIGTERM restart parted from the never-cached
+    one (llama.cpp's logits move by a few thousandths with where a prompt's evaluation is split:
+    a near tie flipped). Here the reader sleeps after every token, so the old engine ran far ahead."""
+    from llama_cpp.server.settings import ModelSettings, ServerSettings
+
+    from sippcache.server.settings import Settings
+    from sippcache.server.stores import CachePool
+    from sippcache.server.upstream import CachingLlamaProxy, LlamaProxy, install
+
+    store = f"lmdb://{tmp_path}/store"
+    settings = ModelSettings(model=str(tiny_model), model_alias="t", n_ctx=SLOT_CTX, verbose=False)
+    pool = CachePool.open(Settings(ServerSettings(), [settings], {"t": ModelOptions(parallel=2)}), store)
+    install(pool)
+    proxy = CachingLlamaProxy([settings])
+    prompt = f"{SYSTEM}This is conversation L. Question 1:"
+    try:
+        pieces = []
+        stream = proxy("t").create_completion(prompt, stream=True, max_tokens=MAX_TOKENS, logit_bias=BIAS, **SAMPLING)
+        for chunk in stream:
+            pieces.append(chunk["choices"][0]["text"])
+            time.sleep(0.05)  # the engine's own step takes about a millisecond here
+        heard = proxy("t").tokenize((prompt + "".join(pieces)).encode())
+    finally:
+        import llama_cpp.server.app as app
+
+        app.LlamaProxy = LlamaProxy
+        proxy.free()  # its scheduler parks both slots in the store, as a stop does
+        pool.close()
+    with sippcache.open(store) as cache:
+        keys = [e.key for e in cache.entries() if chunks.chunk_namespace_parts(e.namespace) is None]
+    # Stored: the prompt's end (a new prompt) and, parked, the slot: the prompt and the answer but
+    # its last token (sampled, never evaluated). Nothing beyond what the reader heard.
+    assert sorted(map(len, keys)) == [len(heard) - MAX_TOKENS, len(heard) - 1], (len(heard), keys)
+    assert all(tuple(heard[: len(key)]) == key for key in keys)

@@ -93,6 +93,11 @@ class Job:
     on_finish: Callable[[Job], None] | None = None
     #: Kept alive while the engine holds the job: the owner of `chain`, if it frees it.
     keepalive: Any = None
+    #: Tokens its reader has asked for so far (None: `max_new` alone bounds the job). Past them the
+    #: job waits, its last token sampled and not evaluated, until the reader asks for more or leaves:
+    #: a reader on another thread (the server's requests) ends the job where it stops reading, not
+    #: where the engine had got to by the time it said so.
+    allowed: int | None = None
 
     # -- set by the engine ----------------------------------------------------------
     state: str = "queued"  # queued, prefill, decode, done
@@ -113,6 +118,11 @@ class Job:
     _position: int = 0  # next prompt position to evaluate
     _plan: CheckpointPlan = field(default_factory=lambda: CheckpointPlan([]))
     _slot: _Slot | None = None
+
+    @property
+    def waiting(self) -> bool:
+        """Whether it has sampled all its reader asked for (`allowed`)."""
+        return self.allowed is not None and len(self.generated) >= self.allowed
 
     @property
     def context(self) -> list[int]:
@@ -274,8 +284,11 @@ class BatchEngine:
 
     @property
     def busy(self) -> bool:
-        """Whether a step would do anything."""
-        return bool(self._queue or self._running)
+        """Whether a step would do anything: a job to admit while a slot is free, to prefill, to
+        decode (not `Job.waiting` for its reader) or to drop."""
+        if self._queue and len(self._running) < self.slots:
+            return True
+        return any(job.cancelled or not job.waiting for job in self._running)
 
     def step(self) -> StepReport:
         """Admit what fits, then one `llama_decode` of every decoding job's next token and
@@ -285,7 +298,7 @@ class BatchEngine:
         self._drop_cancelled(report)
         self._admit_queued(report)
         items: list[tuple[int, int, int, bool]] = []
-        decoding = [job for job in self._running if job.state == "decode"]
+        decoding = [job for job in self._running if job.state == "decode" and not job.waiting]
         for job in decoding:
             assert job._slot is not None
             items.append((job._slot.seq, job.evaluated, job.generated[-1], True))

@@ -68,6 +68,7 @@ class BatchedLlama(llama_cpp.Llama):
         self._job: Job | None = None
         self._wants_rows = False  # logprobs or a stopping criterion read a row of logits per token
         self._logit_bias: dict[int, float] = {}  # applied by llama.cpp's own sampler: see `create_completion`
+        self._max_tokens: int | None = None  # the completion's own bound: see `generate`
 
     def __getattr__(self, name: str) -> Any:
         """Anything this request does not own is the model's (weights, tokenizer, settings)."""
@@ -101,6 +102,8 @@ class BatchedLlama(llama_cpp.Llama):
         if reason is not None:
             return self._scheduler.serialized(reason, lambda: self._base.create_completion(*args, **kwargs))
         self._wants_rows = arguments.get("logprobs") is not None or arguments.get("stopping_criteria") is not None
+        max_tokens = arguments.get("max_tokens", _COMPLETION_SIGNATURE.parameters["max_tokens"].default)
+        self._max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None
         self._logit_bias = {}
         if arguments.get("logit_bias") and arguments.get("logits_processor") is None:
             # Upstream adds a bias with a Python logits processor that copies the whole
@@ -167,10 +170,17 @@ class BatchedLlama(llama_cpp.Llama):
                 self.scores[job.evaluated - 1, :] = logits
             tokens_out.put(token)
 
+        # The job samples what upstream's completion reads (its `max_tokens`, and one token more
+        # each time it asks past them: the end of a character cut in two), not what the engine had
+        # got to by the time the request's thread closed this generator: tokens no client sees,
+        # as many as the thread's lateness allowed (a whole context, for a slow reader), would sit
+        # in the slot, and what a stop or an idle time stored of it, and where a next turn's
+        # computation started, would depend on timing.
         job = Job(
             prompt,
             sampler.sampler,
             max_new=max(1, self._n_ctx - len(prompt)),
+            allowed=self._max_tokens,
             keep_logits=rows,
             on_token=on_token,
             on_finish=lambda job: tokens_out.put(None),
@@ -178,8 +188,11 @@ class BatchedLlama(llama_cpp.Llama):
         )
         self._job = job
         self._scheduler.submit(job, CURRENT.get())
+        read = 0
         try:
             while True:
+                if job.allowed is not None and read >= job.allowed:
+                    self._scheduler.allow(job, read + 1)  # upstream reads on past its max_tokens
                 token = tokens_out.get()
                 if token is None:
                     if job.error is not None:
@@ -189,6 +202,7 @@ class BatchedLlama(llama_cpp.Llama):
                     self._input_ids, self.scores[job.evaluated - 1, :]
                 ):
                     return
+                read += 1
                 yield token
         finally:
             self._scheduler.cancel(job)  # the consumer stopped (or left): free the slot at the next step

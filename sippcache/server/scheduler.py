@@ -154,6 +154,12 @@ class Scheduler:
         with self._wake:
             self._wake.notify()
 
+    def allow(self, job: Job, tokens: int) -> None:
+        """Let `job` sample up to `tokens` tokens (`Job.allowed`; from its reader's thread)."""
+        job.allowed = tokens
+        with self._wake:
+            self._wake.notify()
+
     def interrupted(self, request: RequestContext) -> bool:
         """Whether `request`'s stream is to end for a request waiting for a slot."""
         return request in self._interrupted
@@ -193,17 +199,17 @@ class Scheduler:
         while True:
             with self._wake:
                 idle = False
-                while not (self._incoming or self.engine.busy or self._closing):
-                    if not self.engine.unstored:
-                        self._wake.wait()
+                while not (self._incoming or self.engine.busy):
+                    if self._closing and not (self.engine.running or self.engine.queued):
+                        return
+                    if self._closing or self.engine.running or not self.engine.unstored:
+                        self._wake.wait()  # a job, a reader asking for more or leaving, the close
                         continue
                     left = worked + self.save_idle - time.monotonic()
                     if left <= 0:
                         idle = True
                         break
                     self._wake.wait(left)
-                if self._closing and not (self._incoming or self.engine.busy):
-                    return
                 incoming, self._incoming = self._incoming, []
             if idle:
                 self._store_idle()
