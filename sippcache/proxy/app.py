@@ -59,6 +59,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from ..rates import INEFFECTIVE_SHARE, RestoreRates
+from .apis import Translator, Unconvertible, anthropic, responses
 from .metrics import ProxyMetrics
 from .prompts import KnownPrompts
 from .ready import ReadyFile
@@ -78,14 +79,20 @@ COMPLETION_PATHS = {
     "/completions": "completion",
     "/completion": "completion",
 }
+#: The agentic clients' APIs, run as the chat llama-server converts them to (`sippcache.proxy.apis`):
+#: path -> (the conversion of a request, the translator of the chat's answer back).
+CONVERTED_PATHS: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], Callable[[str], Translator]]] = {
+    "/v1/messages": (anthropic.to_chat, anthropic.AnthropicTranslator),
+    "/v1/responses": (responses.to_chat, responses.ResponsesTranslator),
+    "/responses": (responses.to_chat, responses.ResponsesTranslator),
+}
+#: The chat path a converted request goes to.
+CHAT_PATH = "/v1/chat/completions"
 #: The paths whose requests llama-server runs in a slot of its own choosing while the proxy does not
-#: read their prompt (Anthropic messages, OpenAI responses, infill, embeddings, reranking, audio):
-#: passed through, not cached (`Proxy.unread`).
+#: read their prompt (infill, embeddings, reranking, audio, and the converted APIs' requests the proxy
+#: cannot convert): passed through, not cached (`Proxy.unread`).
 UNREAD_PATHS = frozenset(
     {
-        "/v1/messages",
-        "/v1/responses",
-        "/responses",
         "/infill",
         "/embedding",
         "/embeddings",
@@ -215,6 +222,8 @@ class Proxy:
             response: Response = Response(self.metrics.render(), media_type=self.metrics.content_type)
         elif request.method == "POST" and request.url.path in COMPLETION_PATHS:
             response = await self.complete(request, COMPLETION_PATHS[request.url.path])
+        elif request.method == "POST" and request.url.path in CONVERTED_PATHS:
+            response = await self.converted(request)
         elif request.method == "POST" and request.url.path in UNREAD_PATHS:
             response = await self.unread(request)
         elif (
@@ -276,16 +285,49 @@ class Proxy:
 
     async def complete(self, request: Request, how: str) -> Response:
         body = await request.body()
-        try:
-            payload = json.loads(body)
-        except ValueError:
-            payload = None
-        if not isinstance(payload, dict):
+        payload = _json_object(body)
+        if payload is None:
             return await self.passthrough(request, body)  # llama-server's own 400
+        return await self._complete(request, body, payload, request.url.path, how)
+
+    async def converted(self, request: Request) -> Response:
+        """An Anthropic messages or OpenAI responses request (`CONVERTED_PATHS`): converted to the chat
+        llama-server would make of it, run as a chat (a slot, the best stored prefix, ``id_slot``),
+        and its answer turned back into the API's. One the proxy cannot convert exactly passes through
+        uncached (`unread`), counted with the reason."""
+        body = await request.body()
+        path, payload = request.url.path, _json_object(body)
+        convert, translator = CONVERTED_PATHS[path]
+        try:
+            if payload is None:
+                raise Unconvertible("invalid", "not a JSON object")
+            chat = convert(payload)
+        except Unconvertible as exc:
+            self.metrics.unconverted.labels(path, exc.reason).inc()
+            log.debug("sippcache proxy: a %s request passes through uncached: %s", path, exc)
+            return await self.unread(request, body)
+        model = payload.get("model")
+        return await self._complete(request, body, chat, CHAT_PATH, "chat", translator(str(model or "")))
+
+    async def _complete(
+        self,
+        request: Request,
+        body: bytes,
+        payload: dict[str, Any],
+        path: str,
+        how: str,
+        translator: Translator | None = None,
+    ) -> Response:
+        """Run `payload` at llama-server's `path` in a slot (module docstring); `translator` turns the
+        answer into the API `request` came in (a converted request: `converted`)."""
+
+        async def as_is() -> Response:  # a request llama-server rejects: its own answer, as it is
+            return await (self.passthrough(request, body) if translator is None else self.unread(request, body))
+
         try:
             tokens = await self._prompt_tokens(how, payload)
         except UpstreamRefused:
-            return await self.passthrough(request, body)  # a request llama-server rejects: its own answer
+            return await as_is()
         except (UpstreamDown, NoServer):
             return _unavailable("no llama-server is reachable")
         scope = request.headers.get(SCOPE_HEADER, self.scope)
@@ -317,7 +359,7 @@ class Proxy:
             if fanned:
                 await self._save_idle_slots(slot.server)
             payload["id_slot"] = slot.id
-            if tokens and _ids_for_text(request.url.path, how, upstream):
+            if tokens and _ids_for_text(path, how, upstream):
                 payload["prompt"] = tokens  # the ids it made of the text: not tokenized a second time
             stream = bool(payload.get("stream"))
             if stream and not payload.get("timings_per_token"):
@@ -326,7 +368,7 @@ class Proxy:
             else:
                 strip = False
             upstream_request = self.client.build_request(
-                "POST", upstream.url + request.url.path, headers=_forwarded(request.headers), json=payload, timeout=None
+                "POST", upstream.url + path, headers=_forwarded(request.headers), json=payload, timeout=None
             )
             answer = await self.client.send(upstream_request, stream=True)
         except (UpstreamDown, httpx.TransportError) as exc:  # a slot call, or the request itself
@@ -343,7 +385,7 @@ class Proxy:
                 await self.slots.forget_idle(slot.server)
             await self._finish(slot, how, relay, tokens, flight, restore)
 
-        return _RelayResponse(answer, stream, strip, done)
+        return _RelayResponse(answer, stream, strip, done, translator=translator)
 
     async def _prompt_tokens(self, how: str, payload: dict[str, Any]) -> list[int] | None:
         """The prompt's tokens as llama-server will see them; None for a request that has no single prompt."""
@@ -751,7 +793,7 @@ class Proxy:
 
     # -- everything else ------------------------------------------------------------
 
-    async def unread(self, request: Request) -> Response:
+    async def unread(self, request: Request, body: bytes | None = None) -> Response:
         """A request llama-server runs in a slot of its own choosing, whose prompt the proxy does not
         read (`UNREAD_PATHS`), passed through and not cached. It may take any idle slot of that
         llama-server, so the idle slots there holding a state not stored yet are saved first, and
@@ -776,7 +818,7 @@ class Proxy:
         async def done(_: _Relay) -> None:
             await self.slots.forget_idle(server)
 
-        return await self.passthrough(request, upstream=upstream, done=done)
+        return await self.passthrough(request, body, upstream=upstream, done=done)
 
     async def passthrough(
         self,
@@ -808,7 +850,8 @@ class Proxy:
 class _RelayResponse(Response):
     """Relays an upstream response (streamed as it comes) and calls `done` however it ends: a client
     that hangs up, an upstream that dies mid-stream, or the last byte sent. A completion's is read
-    for its timings (and the reuse header); one relayed `as_is` (a passthrough), byte for byte."""
+    for its timings (and the reuse header), and a converted request's turned into its API's answer
+    (`translator`); one relayed `as_is` (a passthrough), byte for byte."""
 
     def __init__(
         self,
@@ -818,9 +861,12 @@ class _RelayResponse(Response):
         done: Callable[[_Relay], Awaitable[None]] | None,
         *,
         as_is: bool = False,
+        translator: Translator | None = None,
     ) -> None:
         self.answer, self.stream, self.strip, self.done, self.as_is = answer, stream, strip, done, as_is
+        self.translator = translator  # a converted request's: the answer goes out in its API's form
         self.relay = _Relay({})
+        self._ended = False  # the translator's last events are out
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -854,9 +900,12 @@ class _RelayResponse(Response):
             if data is None:
                 return  # the client hung up: llama-server stops when its connection closes
             try:
-                self.relay.timings = dict(json.loads(data).get("timings") or {})
-            except (ValueError, AttributeError):
-                pass
+                decoded = json.loads(data)
+                self.relay.timings = dict(decoded.get("timings") or {})
+            except (ValueError, AttributeError, TypeError):
+                decoded = None
+            if self.translator is not None and isinstance(decoded, dict):
+                data = _dumps(self.translator.body(decoded))
             headers.append((b"content-length", str(len(data)).encode()))
             await self._start_with_reuse(send, headers)
             await send({"type": "http.response.body", "body": data, "more_body": False})
@@ -876,10 +925,16 @@ class _RelayResponse(Response):
                         continue
                     await self._start_with_reuse(send, headers)
                     event, held = b"".join(held), None
-                await send({"type": "http.response.body", "body": event, "more_body": True})
+                if event:
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
             # llama-server's answer ran to its end, so the slot holds all of it: complete, even if the
             # client leaves now, having read the last event (a short-lived client closes at [DONE]).
             self.relay.complete = True
+            if self.translator is not None and not self._ended:  # a stream that ended with no [DONE]
+                last = b"".join(self.translator.end())
+                held = None if held is None else [*held, last]
+                if held is None:
+                    await send({"type": "http.response.body", "body": last, "more_body": True})
             if held is not None:
                 await self._start_with_reuse(send, headers)
                 await send({"type": "http.response.body", "body": b"".join(held), "more_body": True})
@@ -895,21 +950,45 @@ class _RelayResponse(Response):
         await _start(send, self.answer.status_code, [*headers, (REUSED_HEADER.lower().encode(), reused)])
 
     def _read(self, event: bytes) -> bytes:
-        """Note an SSE event's timings; drop the per-token timings the proxy asked for itself."""
+        """Note an SSE event's timings; drop the per-token timings the proxy asked for itself; a
+        converted request's events become its API's (`Translator.events`, and `Translator.end` for
+        the chat's ``[DONE]``)."""
+        if event.startswith(b"data: [DONE]") and self.translator is not None:
+            self._ended = True
+            return b"".join(self.translator.end())
         if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
             return event
         try:
             data = json.loads(event[6:])
         except ValueError:
             return event
-        if not isinstance(data, dict) or not isinstance(data.get("timings"), dict):
+        if not isinstance(data, dict):
             return event
-        self.relay.timings = data["timings"]
+        if isinstance(data.get("timings"), dict):
+            self.relay.timings = data["timings"]
+        if self.translator is not None:
+            return b"".join(self.translator.events(data))
+        if not isinstance(data.get("timings"), dict):
+            return event
         final = _is_final(data)
         if self.strip and not final:
             del data["timings"]
-            return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+            return b"data: " + _dumps(data) + b"\n\n"
         return event
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    """A request body's JSON object, or None (not JSON, or not an object)."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+def _dumps(data: Any) -> bytes:
+    """JSON as llama-server writes it: compact, UTF-8."""
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _token_ids(prompt: Any) -> list[int] | None:

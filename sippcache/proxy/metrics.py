@@ -29,8 +29,17 @@ class ProxyMetrics:
         self.uncached = Counter(
             "sippcache_proxy_uncached_requests",
             "Requests llama-server ran in a slot of its own choosing, passed through uncached: the proxy does"
-            " not read their prompts (Anthropic messages, OpenAI responses, infill, embeddings, ...).",
+            " not read their prompts (infill, embeddings, ..., and the messages and responses requests it"
+            " could not convert).",
             ["upstream", "path"],
+            registry=registry,
+        )
+        self.unconverted = Counter(
+            "sippcache_proxy_unconverted_requests",
+            "Anthropic messages and OpenAI responses requests the proxy could not convert to the chat"
+            " llama-server makes of them (a shape it does not know, media, input llama-server rejects):"
+            " passed through uncached, by reason.",
+            ["path", "reason"],
             registry=registry,
         )
         self.prompt_tokens = Counter(
