@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from sippcache.proxy.app import REUSED_HEADER, _Relay, _RelayResponse
+from sippcache.proxy.relay import REUSED_HEADER, Relay, RelayResponse
 
 TIMINGS = {"cache_n": 40, "prompt_n": 10}
 
@@ -30,11 +30,11 @@ STREAM = sse(
 )
 
 
-def relay(leave_after: bytes | None) -> tuple[_Relay, list[dict[str, Any]]]:
+def relay(leave_after: bytes | None) -> tuple[Relay, list[dict[str, Any]]]:
     """Relay `STREAM` to a client that hangs up as soon as it has been sent the event holding
     `leave_after` (never, if None); what the relay concluded, and what the client was sent."""
     sent: list[dict[str, Any]] = []
-    outcome: list[_Relay] = []
+    outcome: list[Relay] = []
 
     async def scenario() -> None:
         gone = asyncio.Event()
@@ -50,11 +50,11 @@ def relay(leave_after: bytes | None) -> tuple[_Relay, list[dict[str, Any]]]:
                 await asyncio.sleep(0)  # the server notices the hang-up before it sends again
                 await asyncio.sleep(0)
 
-        async def done(result: _Relay) -> None:
+        async def done(result: Relay) -> None:
             outcome.append(result)
 
         answer = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=httpx.ByteStream(STREAM))
-        await _RelayResponse(answer, stream=True, strip=False, done=done)({"type": "http"}, receive, send)
+        await RelayResponse(answer, stream=True, strip=False, done=done)({"type": "http"}, receive, send)
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=30))
     assert len(outcome) == 1, "done is called once, however the relay ends"

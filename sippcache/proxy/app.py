@@ -49,7 +49,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,7 @@ from .apis import Translator, Unconvertible, anthropic, responses
 from .metrics import ProxyMetrics
 from .prompts import KnownPrompts
 from .ready import ReadyFile
+from .relay import HOP, REUSED_HEADER, Relay, RelayResponse, forwarded
 from .slots import MIN_GAIN, NoServer, Origin, QueueFull, Slot, SlotTable, common_prefix, reusable
 from .store import Restored, RestoreRefused, SlotStore, Snapshot
 from .upstream import Upstream, UpstreamDown, UpstreamRefused
@@ -108,12 +109,8 @@ UNREAD_PATHS = frozenset(
 #: llama-server's slot actions (``POST /slots/{id}?action=...``) that change what a slot holds.
 SLOT_PATH = re.compile(r"/slots/(\d+)")
 CHANGING_ACTIONS = frozenset({"erase", "restore"})
-#: The response header with llama-server's own count of prompt tokens it did not evaluate.
-REUSED_HEADER = "X-Sippcache-Prompt-Reused"
 #: The request header naming the tenant (scope) a request belongs to; default: the proxy's --scope.
 SCOPE_HEADER = "X-Sippcache-Scope"
-#: Headers not forwarded either way (hop-by-hop, or recomputed by the HTTP libraries).
-_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length"}
 #: A slot's unsaved state is saved once it holds this many tokens beyond what the store holds (what a
 #: crash can lose), and once it has sat idle this many seconds.
 SAVE_EVERY = 2048
@@ -125,7 +122,6 @@ MIN_FLIGHT_LEAD = 256
 #: again this often (seconds): a restore or prefill gets the cores and memory to itself.
 WARM_PAUSE = 0.05
 RETRY_AFTER = "2"
-_LOST = b'{"error":{"code":502,"message":"llama-server closed the connection","type":"unavailable_error"}}'
 
 
 @dataclass(eq=False)
@@ -152,15 +148,6 @@ class _Restore:
 
     restored: Restored
     promised: int
-
-
-@dataclass
-class _Relay:
-    """What one relayed completion reported: llama-server's timings, and whether it ran to the end."""
-
-    timings: dict[str, Any]
-    complete: bool = False
-    lost: bool = False  # the upstream connection broke: the server may be down
 
 
 class Proxy:
@@ -368,7 +355,7 @@ class Proxy:
             else:
                 strip = False
             upstream_request = self.client.build_request(
-                "POST", upstream.url + path, headers=_forwarded(request.headers), json=payload, timeout=None
+                "POST", upstream.url + path, headers=forwarded(request.headers), json=payload, timeout=None
             )
             answer = await self.client.send(upstream_request, stream=True)
         except (UpstreamDown, httpx.TransportError) as exc:  # a slot call, or the request itself
@@ -380,12 +367,12 @@ class Proxy:
             await self.slots.release(slot)
             raise
 
-        async def done(relay: _Relay) -> None:
+        async def done(relay: Relay) -> None:
             if fanned:  # while this request's own slot is still busy: its belief is kept
                 await self.slots.forget_idle(slot.server)
             await self._finish(slot, how, relay, tokens, flight, restore)
 
-        return _RelayResponse(answer, stream, strip, done, translator=translator)
+        return RelayResponse(answer, stream, strip, done, translator=translator)
 
     async def _prompt_tokens(self, how: str, payload: dict[str, Any]) -> list[int] | None:
         """The prompt's tokens as llama-server will see them; None for a request that has no single prompt."""
@@ -586,7 +573,7 @@ class Proxy:
         self,
         slot: Slot,
         how: str,
-        relay: _Relay,
+        relay: Relay,
         tokens: list[int] | None,
         flight: _Flight | None,
         restore: _Restore | None = None,
@@ -609,7 +596,7 @@ class Proxy:
         self,
         slot: Slot,
         how: str,
-        relay: _Relay,
+        relay: Relay,
         tokens: list[int] | None,
         flight: _Flight | None,
         restore: _Restore | None,
@@ -778,7 +765,7 @@ class Proxy:
         try:
             if slot.unsaved is not None:
                 await self._save_slot(slot, slot.unsaved, "leave")
-            answer = await self.client.post(url, headers=_forwarded(request.headers), content=body, timeout=None)
+            answer = await self.client.post(url, headers=forwarded(request.headers), content=body, timeout=None)
         except (UpstreamDown, httpx.TransportError) as exc:
             await self._lost(slot, exc)
             return _unavailable(f"llama-server at {upstream.url} is not reachable")
@@ -788,7 +775,7 @@ class Proxy:
             raise
         slot.forget(empty=answer.is_success and request.query_params["action"] == "erase")
         await self.slots.release(slot)
-        headers = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP | {"content-encoding"}}
+        headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP | {"content-encoding"}}
         return Response(answer.content, answer.status_code, headers=headers)
 
     # -- everything else ------------------------------------------------------------
@@ -815,7 +802,7 @@ class Proxy:
             )
         await self._save_idle_slots(server)
 
-        async def done(_: _Relay) -> None:
+        async def done(_: Relay) -> None:
             await self.slots.forget_idle(server)
 
         return await self.passthrough(request, body, upstream=upstream, done=done)
@@ -826,7 +813,7 @@ class Proxy:
         body: bytes | None = None,
         *,
         upstream: Upstream | None = None,
-        done: Callable[[_Relay], Awaitable[None]] | None = None,
+        done: Callable[[Relay], Awaitable[None]] | None = None,
     ) -> Response:
         """Forward a request as it is to a reachable llama-server (`upstream`, if given) and relay its
         answer as it is; then `done`, if given, however the relay ends."""
@@ -838,143 +825,13 @@ class Proxy:
         url = upstream.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
         content = body if body is not None else await request.body()
         outgoing = self.client.build_request(
-            request.method, url, headers=_forwarded(request.headers), content=content, timeout=None
+            request.method, url, headers=forwarded(request.headers), content=content, timeout=None
         )
         try:
             answer = await self.client.send(outgoing, stream=True)
         except httpx.TransportError:
             return _unavailable(f"llama-server at {upstream.url} is not reachable")
-        return _RelayResponse(answer, stream=True, strip=False, done=done, as_is=True)
-
-
-class _RelayResponse(Response):
-    """Relays an upstream response (streamed as it comes) and calls `done` however it ends: a client
-    that hangs up, an upstream that dies mid-stream, or the last byte sent. A completion's is read
-    for its timings (and the reuse header), and a converted request's turned into its API's answer
-    (`translator`); one relayed `as_is` (a passthrough), byte for byte."""
-
-    def __init__(
-        self,
-        answer: httpx.Response,
-        stream: bool,
-        strip: bool,
-        done: Callable[[_Relay], Awaitable[None]] | None,
-        *,
-        as_is: bool = False,
-        translator: Translator | None = None,
-    ) -> None:
-        self.answer, self.stream, self.strip, self.done, self.as_is = answer, stream, strip, done, as_is
-        self.translator = translator  # a converted request's: the answer goes out in its API's form
-        self.relay = _Relay({})
-        self._ended = False  # the translator's last events are out
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await self._send(receive, send)
-        finally:
-            await self.answer.aclose()
-            if self.done is not None:
-                await self.done(self.relay)
-
-    async def _send(self, receive: Receive, send: Send) -> None:
-        answer = self.answer
-        headers = [
-            (k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items() if k.lower() not in _HOP
-        ]
-        if self.as_is or answer.status_code >= 400:  # passthrough, or llama-server's own error
-            await _start(send, answer.status_code, headers)
-            async for chunk in answer.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
-        # Completions are read decoded (aread, aiter_bytes): their body goes out as plain bytes.
-        headers = [(k, v) for k, v in headers if k.lower() != b"content-encoding"]
-        if not self.stream:
-            try:
-                data = await _unless_disconnected(answer.aread(), receive)
-            except httpx.TransportError:
-                self.relay.lost = True
-                await _start(send, 502, [(b"content-type", b"application/json")])
-                await send({"type": "http.response.body", "body": _LOST, "more_body": False})
-                return
-            if data is None:
-                return  # the client hung up: llama-server stops when its connection closes
-            try:
-                decoded = json.loads(data)
-                self.relay.timings = dict(decoded.get("timings") or {})
-            except (ValueError, AttributeError, TypeError):
-                decoded = None
-            if self.translator is not None and isinstance(decoded, dict):
-                data = _dumps(self.translator.body(decoded))
-            headers.append((b"content-length", str(len(data)).encode()))
-            await self._start_with_reuse(send, headers)
-            await send({"type": "http.response.body", "body": data, "more_body": False})
-            self.relay.complete = True
-            return
-        events = _events(answer.aiter_bytes())
-        disconnected = asyncio.ensure_future(_disconnect(receive))
-        held: list[bytes] | None = []  # events before the first with timings: the header waits for cache_n
-        try:
-            async for event in events:
-                event = self._read(event)
-                if disconnected.done():
-                    return  # the client left mid-answer: llama-server stops when its connection closes
-                if held is not None:
-                    held.append(event)
-                    if not self.relay.timings:
-                        continue
-                    await self._start_with_reuse(send, headers)
-                    event, held = b"".join(held), None
-                if event:
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
-            # llama-server's answer ran to its end, so the slot holds all of it: complete, even if the
-            # client leaves now, having read the last event (a short-lived client closes at [DONE]).
-            self.relay.complete = True
-            if self.translator is not None and not self._ended:  # a stream that ended with no [DONE]
-                last = b"".join(self.translator.end())
-                held = None if held is None else [*held, last]
-                if held is None:
-                    await send({"type": "http.response.body", "body": last, "more_body": True})
-            if held is not None:
-                await self._start_with_reuse(send, headers)
-                await send({"type": "http.response.body", "body": b"".join(held), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except httpx.TransportError:
-            self.relay.lost = True  # the upstream died mid-stream: the client's stream ends here
-        finally:
-            disconnected.cancel()
-
-    async def _start_with_reuse(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
-        """Start the response with the header carrying llama-server's cache_n (once its timings are known)."""
-        reused = str(self.relay.timings.get("cache_n", "")).encode()
-        await _start(send, self.answer.status_code, [*headers, (REUSED_HEADER.lower().encode(), reused)])
-
-    def _read(self, event: bytes) -> bytes:
-        """Note an SSE event's timings; drop the per-token timings the proxy asked for itself; a
-        converted request's events become its API's (`Translator.events`, and `Translator.end` for
-        the chat's ``[DONE]``)."""
-        if event.startswith(b"data: [DONE]") and self.translator is not None:
-            self._ended = True
-            return b"".join(self.translator.end())
-        if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
-            return event
-        try:
-            data = json.loads(event[6:])
-        except ValueError:
-            return event
-        if not isinstance(data, dict):
-            return event
-        if isinstance(data.get("timings"), dict):
-            self.relay.timings = data["timings"]
-        if self.translator is not None:
-            return b"".join(self.translator.events(data))
-        if not isinstance(data.get("timings"), dict):
-            return event
-        final = _is_final(data)
-        if self.strip and not final:
-            del data["timings"]
-            return b"data: " + _dumps(data) + b"\n\n"
-        return event
+        return RelayResponse(answer, stream=True, strip=False, done=done, as_is=True)
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:
@@ -986,11 +843,6 @@ def _json_object(body: bytes) -> dict[str, Any] | None:
     return payload if isinstance(payload, dict) else None
 
 
-def _dumps(data: Any) -> bytes:
-    """JSON as llama-server writes it: compact, UTF-8."""
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
-
-
 def _token_ids(prompt: Any) -> list[int] | None:
     """A completion's prompt given as token ids (a non-empty JSON list of ints, no bools), else
     None. Checked in C (`map(type, ...)`): 1.4 ms for a 32K-token prompt, 5.2 ms as a Python step
@@ -1000,53 +852,8 @@ def _token_ids(prompt: Any) -> list[int] | None:
     return None
 
 
-def _is_final(data: dict[str, Any]) -> bool:
-    if data.get("stop") is True:  # /completion
-        return True
-    choices = data.get("choices")
-    if isinstance(choices, list):
-        return any(isinstance(c, dict) and c.get("finish_reason") for c in choices) or not choices
-    return False
-
-
-async def _events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Split a byte stream into SSE events (each with its blank-line terminator)."""
-    buffer = b""
-    async for chunk in chunks:
-        buffer += chunk
-        while (end := buffer.find(b"\n\n")) >= 0:
-            yield buffer[: end + 2]
-            buffer = buffer[end + 2 :]
-    if buffer:
-        yield buffer
-
-
-async def _unless_disconnected(reading: Awaitable[bytes], receive: Receive) -> bytes | None:
-    """The body being read, or None if the client hangs up first (then the read is cancelled)."""
-    read, gone = asyncio.ensure_future(reading), asyncio.ensure_future(_disconnect(receive))
-    try:
-        await asyncio.wait((read, gone), return_when=asyncio.FIRST_COMPLETED)
-        return read.result() if read.done() else None
-    finally:
-        read.cancel()
-        gone.cancel()
-
-
-async def _disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _start(send: Send, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-
-
 def _seconds(value: float | None) -> str:
     return "?" if value is None else f"{value:.4g}"
-
-
-def _forwarded(headers: Any) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP}
 
 
 def _ids_for_text(path: str, how: str, upstream: Upstream) -> bool:
