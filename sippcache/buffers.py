@@ -9,11 +9,13 @@ them before a backend copies them into its own storage (`sippcache.frame.encode_
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["MADV_POPULATE_WRITE", "POPULATE_SLICE", "StateBuffers", "allocate", "populate"]
 
@@ -23,23 +25,63 @@ MADV_POPULATE_WRITE = 23
 POPULATE_SLICE = 2 << 20
 
 
-def populate(buffer: mmap.mmap, stop: Callable[[], bool] | None = None) -> bool:
-    """Make every page of the writable mapping `buffer` present now (`MADV_POPULATE_WRITE`, else
-    a write to each page: the bytes are to be overwritten), a slice at a time; `stop`, asked
-    before each slice, ends it there when it says True. True when every page was made. A page
+def populate(
+    buffer: mmap.mmap, stop: Callable[[], bool] | None = None, *, length: int | None = None, own: bool = False
+) -> bool:
+    """Make every page of the writable mapping `buffer` (of its first `length` bytes, if given)
+    present now (`MADV_POPULATE_WRITE`, else a write to each page: the bytes are to be
+    overwritten), a slice at a time; `stop`, asked before each slice, ends it there when it says
+    True. True when every page was made. With `own` (no other thread can see `buffer` yet: a
+    buffer made ahead in a helper thread), madvise is called through ctypes, which lets the GIL go
+    while the kernel makes a slice's pages: with `mmap.madvise`, which holds it, a gemma-3-270m
+    process whose first request came at once waited through most of its 20 ms of pages. A page
     fault per 4 KiB as a copy reaches them costs more than the copy; and one call for the whole
     mapping (``mmap(MAP_POPULATE)``) holds the GIL throughout, so every other thread, the proxy's
     event loop too, waits: 2.2 s for 1 GiB of /dev/shm on this project's machines, and on an H200
     host a restarted proxy's first request waited 350-580 ms, likely for its staging files."""
-    for start in range(0, len(buffer), POPULATE_SLICE):
+    end = len(buffer) if length is None else min(length, len(buffer))
+    for start in range(0, end, POPULATE_SLICE):
         if stop is not None and stop():
             return False
-        size = min(POPULATE_SLICE, len(buffer) - start)
+        size = min(POPULATE_SLICE, end - start)
+        if own and _madvise_unlocked(buffer, start, size):
+            continue
         try:
             buffer.madvise(MADV_POPULATE_WRITE, start, size)
         except (OSError, ValueError, AttributeError):  # before Linux 5.14, or elsewhere
             buffer[start : start + size : mmap.PAGESIZE] = bytes(len(range(0, size, mmap.PAGESIZE)))
     return True
+
+
+def _madvise_unlocked(buffer: mmap.mmap, start: int, size: int) -> bool:
+    """`MADV_POPULATE_WRITE` on `size` bytes of `buffer` from `start`, the GIL let go meanwhile
+    (a ctypes call); False where that cannot be done (no libc madvise, an error): do it otherwise."""
+    madvise = _libc_madvise()
+    if madvise is None:
+        return False
+    try:
+        view = (ctypes.c_char * len(buffer)).from_buffer(buffer)  # held: the mapping cannot go meanwhile
+    except (TypeError, ValueError):  # not writable, say
+        return False
+    try:
+        return bool(madvise(ctypes.addressof(view) + start, size, MADV_POPULATE_WRITE) == 0)
+    finally:
+        del view
+
+
+_madvise: list[Any] = []
+
+
+def _libc_madvise() -> Any:
+    """libc's madvise through ctypes, or None where there is none."""
+    if not _madvise:
+        try:
+            function: Any = ctypes.CDLL(None, use_errno=True).madvise
+            function.argtypes, function.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        except (OSError, AttributeError):
+            function = None
+        _madvise.append(function)
+    return _madvise[0]
 
 
 def allocate(fd: int, offset: int, length: int) -> None:

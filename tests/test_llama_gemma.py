@@ -4,6 +4,7 @@ must never reach the user."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import llama_cpp
@@ -83,6 +84,15 @@ def test_the_live_layout_only_moves_the_window(gemma_model, make_llama, tokens) 
     assert llama_cpp.llama_memory_seq_pos_min(mem, 0) == 687 - 175
     assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == 1198
     assert bytes(states.copy_state(llm.ctx, 0)) == state
+    # Padded in place (a join buffer with room after the state) or into a buffer given: the same bytes.
+    buffer = mmap.mmap(-1, layout.padded_size_bound(len(state), 512, layout.KV_ALIGNMENT))
+    buffer[: len(state)] = state
+    in_place = layout.live_layout(memoryview(buffer)[: len(state)], 512, layout.KV_ALIGNMENT, into=lambda n: buffer)
+    assert in_place is not None and in_place.start == 687 and bytes(in_place.state) == bytes(padded.state)
+    other = bytearray(len(padded.state) + 10)
+    given = layout.live_layout(state, 512, layout.KV_ALIGNMENT, into=lambda n: other)
+    assert given is not None and bytes(given.state) == bytes(padded.state)
+    del in_place, given
     assert layout.live_layout(state, 0) is None  # no sliding window
     assert layout.live_layout(state[:-1], 512) is None and layout.live_layout(state + b"\0", 512) is None
     assert layout.live_layout(b"\0" * 64, 512) is None

@@ -176,25 +176,27 @@ def test_the_join_buffer_is_made_ahead_for_the_largest_state_kept(
     and computes what the never-cached path does."""
     url, tokens, rates_dir = f"lmdb://{tmp_path}/store", prompt(600), tmp_path / "rates"
     with PrefixCache(make_llama(tiny_model), url, rates_dir=rates_dir) as first:
-        assert first._states._joins_ahead is None  # nothing kept yet
+        assert first._states._joins.ahead is None  # nothing kept yet
         first.prefill(tokens)
         first.flush()
         largest = first.rates.largest_state("")
+        # A state this large was snapshotted: its join buffer is made ahead for this process too.
+        assert largest is not None and first._states._ahead_for == largest
         assert first.rates.measured("").save_samples == 1  # stored whole (all new): its time prices restores
     assert largest is not None
     query = tokens + prompt(20, seed=1)[1:]
     llm = make_llama(tiny_model)
     with PrefixCache(llm, url, rates_dir=rates_dir) as second:
-        ahead = second._states._joins_ahead
+        ahead = second._states._joins.ahead
         assert ahead is not None
         made = ahead.result(60)
         assert len(made) == largest
         reused = second.prefill(query).restored
-        assert reused >= 599 and second._states._joins is made  # joined into the buffer made ahead
+        assert reused >= 599 and second._states._joins.buffer is made  # joined into the buffer made ahead
     _, split = reference_logits(make_llama, tiny_model, query, (reused,))
     np.testing.assert_array_equal(last_logits(llm), split)
     with PrefixCache(make_llama(tiny_model), url, rates_dir="") as unkept:
-        assert unkept._states._joins_ahead is None
+        assert unkept._states._joins.ahead is None
 
 
 def test_a_join_buffer_that_cannot_be_made_ahead_costs_nothing_but_its_gain(
@@ -206,16 +208,16 @@ def test_a_join_buffer_that_cannot_be_made_ahead_costs_nothing_but_its_gain(
         first.prefill(tokens)
     made = seqcache._anonymous
 
-    def no_memory(nbytes: int, *, populate: bool = False) -> Any:
+    def no_memory(nbytes: int, *, populate: bool = False, room: int = 0) -> Any:
         if populate:
             raise MemoryError("no room")
-        return made(nbytes)
+        return made(nbytes, room=room)
 
     monkeypatch.setattr(seqcache, "_anonymous", no_memory)
     query = tokens + prompt(20, seed=1)[1:]
     llm = make_llama(tiny_model)
     with PrefixCache(llm, url, rates_dir=rates_dir) as second:
-        assert second._states._joins_ahead is not None
+        assert second._states._joins.ahead is not None
         reused = second.prefill(query).restored
         assert reused >= 599
     assert "the join buffer made ahead failed: no room" in caplog.text

@@ -388,6 +388,7 @@ def test_llama_cache_serves_the_model_it_is_bound_to(make_llama, tiny_model, url
     with pytest.raises(RuntimeError, match=r"bind\(llm\)"):
         unbound.prefix_cache()  # the explicit API needs the model
     assert unbound.bind(plain) is unbound and unbound.bind(plain) is unbound  # binding again to it: fine
+    assert unbound._prefix_cache is not None  # made when bound, not in the first request (issue 53)
     assert plain.create_completion(text, max_tokens=2, temperature=0.0)["choices"][0]["text"] == expected
     assert unbound.stats() == unbound.prefix_cache().stats()  # bound: the fast path's counters
     with pytest.raises(ValueError, match="one LlamaCache per model"):

@@ -47,12 +47,13 @@ one, exact where the kernels allow it.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["KV_ALIGNMENT", "Padded", "live_layout"]
+__all__ = ["KV_ALIGNMENT", "Padded", "live_layout", "padded_size_bound"]
 
 #: llama.cpp attends over the KV cache's cells in blocks of 256 (llama-kv-cache.cpp:
 #: the number of cells a step attends over is padded to a multiple of max(n_pad, 256)),
@@ -72,8 +73,8 @@ _V_T_HEAD = struct.Struct("<iII")  # type, element size, n_embd_v_gqa
 @dataclass(frozen=True)
 class Padded:
     """A state with its sliding-window section padded to a live context's layout: `state`
-    (a new array) and `start`, the first position whose keys and values it really holds
-    in the sliding-window layers."""
+    (a new array, or a view of the buffer `live_layout`'s `into` gave) and `start`, the first
+    position whose keys and values it really holds in the sliding-window layers."""
 
     state: np.ndarray
     start: int
@@ -135,13 +136,16 @@ def _read_section(data: np.ndarray, offset: int) -> _Section | None:
     return _Section(offset, at, cells, table[:, 0].copy(), bool(v_trans), k_layers, v_layers)
 
 
-def live_layout(state: Any, n_swa: int, align: int = 0) -> Padded | None:
+def live_layout(state: Any, n_swa: int, align: int = 0, *, into: Callable[[int], Any] | None = None) -> Padded | None:
     """`state` (a sequence state of an iSWA model holding positions 0 .. n - 1) with
     zero cells prepended to its sliding-window section, whose first position p0 then
     lands in slot p0 modulo `align` (in slot p0 itself with `align` 0) when restored
     into an empty sequence; None when there is nothing to move (no sliding window,
     the window starts at a slot a live context has, modulo `align`) or the state
-    does not read as the two-cache form described in this module's docstring."""
+    does not read as the two-cache form described in this module's docstring.
+    `into(nbytes)`, if given, is a writable buffer of at least `nbytes` bytes that the
+    padded state is written into (one used before: a new array's page faults cost
+    more than the copy), else it is a new array."""
     if n_swa <= 0:
         return None
     data = np.frombuffer(state, dtype=np.uint8)
@@ -164,47 +168,69 @@ def live_layout(state: Any, n_swa: int, align: int = 0) -> Padded | None:
     fill = start % align if align else start
     if fill == 0:
         return None
-    return Padded(_padded(data, window, fill, start - fill), start)
+    return Padded(_padded(data, window, fill, start - fill, into), start)
 
 
-def _padded(data: np.ndarray, window: _Section, fill: int, first: int) -> np.ndarray:
-    """`data` with `fill` zero cells (positions first .. first + fill - 1) in front of `window`'s cells."""
+def padded_size_bound(nbytes: int, n_swa: int, align: int) -> int:
+    """The most bytes `live_layout` makes of a state of `nbytes` bytes: at most `align` - 1 cells
+    are put in front of a window of about `n_swa` cells, each no larger than a window cell."""
+    return nbytes + nbytes * max(align - 1, 0) // max(n_swa, 1)
+
+
+def _padded(
+    data: np.ndarray, window: _Section, fill: int, first: int, into: Callable[[int], Any] | None = None
+) -> np.ndarray:
+    """`data` with `fill` zero cells (positions first .. first + fill - 1) in front of `window`'s
+    cells, in a new array or at the start of `into(size)`, which may be the very memory `data` is
+    in (at its start): then it is padded in place. The pieces are written last first, each moved
+    right (numpy copies overlapping ranges as if through a temporary), so that none overwrites a
+    piece not yet moved."""
     cells = window.cells
     per_cell = 12 + sum(row for _, row in window.k_layers) + sum(size * rows for _, size, rows in window.v_layers)
-    out = np.empty(len(data) + fill * per_cell, dtype=np.uint8)
-    at = window.begin
-    out[:at] = data[:at]
-    _U32X2.pack_into(out.data, at, 1, cells + fill)
-    at += 8
+    nbytes = len(data) + fill * per_cell
+    out = (
+        np.empty(nbytes, dtype=np.uint8) if into is None else np.frombuffer(into(nbytes), dtype=np.uint8, count=nbytes)
+    )
     table = np.empty((fill, 3), dtype="<i4")
     table[:, 0] = np.arange(first, first + fill)
     table[:, 1] = 1
     table[:, 2] = np.frombuffer(data, dtype="<i4", count=1, offset=4)[0]  # its seq id (read past by llama.cpp)
-    out[at : at + 12 * fill] = table.view(np.uint8).reshape(-1)
-    at += 12 * fill
-    src = window.begin + 8
+    counts = np.frombuffer(_U32X2.pack(1, cells + fill), dtype=np.uint8)
+    # (to, from, bytes): from `data` if `from` is not None, else zeros; rows of a transposed V as
+    # (to, from, rows, zero bytes, data bytes) in `blocks`. In the order of the layout.
+    pieces: list[tuple[int, int | None, int] | tuple[int, int, int, int, int]] = []
+    at = window.begin + 8 + 12 * fill  # past the cell counts and the cells put in front
     length = 12 * cells + 8  # the window's own cell table, then v_trans and n_layer
-    out[at : at + length] = data[src : src + length]
+    pieces.append((at, window.begin + 8, length))
     at += length
     for header, row in window.k_layers:
-        out[at : at + _K_HEAD.size] = data[header : header + _K_HEAD.size]
+        pieces.append((at, header, _K_HEAD.size))
         at += _K_HEAD.size
-        out[at : at + fill * row] = 0
+        pieces.append((at, None, fill * row))
         at += fill * row
-        src = header + _K_HEAD.size
-        out[at : at + cells * row] = data[src : src + cells * row]
+        pieces.append((at, header + _K_HEAD.size, cells * row))
         at += cells * row
     for header, size, rows in window.v_layers:
         head = _V_T_HEAD.size if window.v_trans else _K_HEAD.size
-        out[at : at + head] = data[header : header + head]
+        pieces.append((at, header, head))
         at += head
-        src = header + head
         # Transposed V is one row of `cells` elements per embedding dimension: pad each row.
-        block = out[at : at + rows * (fill + cells) * size].reshape(rows, (fill + cells) * size)
-        block[:, : fill * size] = 0
-        block[:, fill * size :] = data[src : src + rows * cells * size].reshape(rows, cells * size)
+        pieces.append((at, header + head, rows, fill * size, cells * size))
         at += rows * (fill + cells) * size
     tail = len(data) - window.end
-    out[at : at + tail] = data[window.end :]
-    assert at + tail == len(out)
+    pieces.append((at, window.end, tail))
+    assert at + tail == nbytes
+    for piece in reversed(pieces):
+        if len(piece) == 5:
+            to, source, rows, zeros, held = piece
+            block = out[to : to + rows * (zeros + held)].reshape(rows, zeros + held)
+            block[:, zeros:] = data[source : source + rows * held].reshape(rows, held)
+            block[:, :zeros] = 0  # after the move: in place, these bytes were its source
+        else:
+            to, start, count = piece[0], piece[1], piece[2]
+            out[to : to + count] = 0 if start is None else data[start : start + count]
+    out[window.begin + 8 : window.begin + 8 + 12 * fill] = table.view(np.uint8).reshape(-1)
+    out[window.begin : window.begin + 8] = counts
+    if not np.may_share_memory(out, data):
+        out[: window.begin] = data[: window.begin]
     return out

@@ -204,16 +204,64 @@ def check_prompt(tokens: _tokens.Tokens, n_vocab: int, *, what: str = "") -> lis
     return ids
 
 
-def _anonymous(nbytes: int, *, populate: bool = False) -> mmap.mmap:
+def _anonymous(nbytes: int, *, populate: bool = False, room: int = 0) -> mmap.mmap:
     """`nbytes` of anonymous memory (not zeroed by Python, as a bytearray is), in huge pages where
     the kernel has them (a 2 MB page faulted in at a time); with `populate`, its pages made now
-    (`buffers.populate`)."""
-    buffer = mmap.mmap(-1, max(nbytes, 1))
+    (`buffers.populate`). `room`: as many bytes more after them, whose pages are made only where
+    they are written."""
+    buffer = mmap.mmap(-1, max(nbytes + room, 1))
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buffer.madvise(mmap.MADV_HUGEPAGE)
     if populate:
-        buffers.populate(buffer)
+        buffers.populate(buffer, length=nbytes, own=True)  # no other thread sees it yet
     return buffer
+
+
+class _KeptBuffer:
+    """Memory a restore copies a state into, kept from restore to restore: a new buffer's page
+    faults cost as much as the copy. Grown to the largest state, up to `JOIN_BUFFER_LIMIT`; a
+    larger one gets a buffer of its own each time. `make_ahead` makes one with its pages in a
+    helper thread, which the next restore takes (waiting for it if it is still being made).
+    Used on the thread that owns the context only."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what  # for the log
+        self.buffer = mmap.mmap(-1, 1)
+        #: A buffer being made (`make_ahead`), not yet taken.
+        self.ahead: Future[mmap.mmap] | None = None
+
+    def get(self, nbytes: int) -> mmap.mmap:
+        """A buffer of at least `nbytes` bytes: the kept one, else a new one (then kept)."""
+        if self.ahead is not None:
+            made, self.ahead = self.ahead, None
+            try:
+                ahead = made.result()
+            except Exception as exc:  # no memory for it, say: the restore makes its own
+                log.warning("sippcache: the %s buffer made ahead failed: %s", self.what, exc)
+            else:
+                if len(ahead) > len(self.buffer):
+                    self.buffer = ahead
+        if nbytes <= len(self.buffer):
+            return self.buffer
+        buffer = _anonymous(nbytes)
+        if nbytes <= JOIN_BUFFER_LIMIT:
+            self.buffer = buffer
+        return buffer
+
+    def make_ahead(self, nbytes: int, room: int = 0) -> None:
+        """Have a buffer of `nbytes` (and `room` more, not populated) made in a helper thread."""
+        if self.ahead is not None:
+            self.ahead.cancel()  # one for a smaller state: not needed now (if made, freed unused)
+        self.ahead = helpers.pool("prepare", 1).submit(_anonymous, nbytes, populate=True, room=room)
+
+    def close(self) -> None:
+        """Free the kept buffer (once no view of it is held) and drop one still being made."""
+        if self.ahead is not None:
+            self.ahead.cancel()
+            self.ahead = None
+        kept, self.buffer = self.buffer, mmap.mmap(-1, 1)
+        with contextlib.suppress(BufferError):  # a view of it still held: freed with the view
+            kept.close()
 
 
 def open_cache_argument(cache: str | CacheBackend | None) -> tuple[CacheBackend, bool]:
@@ -324,8 +372,11 @@ class SequenceCache:
         self._perf_seen: tuple[int, int, float] | None = None  # (context, n_p_eval, t_p_eval_ms) last read
         self._writer = BackgroundWriter(self._write_entry, max_pending=options.max_pending_writes)
         self._queued: dict[int, list[int]] = {}  # keys of snapshots not yet written, by snapshot id
-        self._joins = mmap.mmap(-1, 1)  # `_join_buffer`
-        self._joins_ahead = self._prepare_join_buffer()
+        #: Where a state in chunks is joined for llama.cpp, and padded in place to a live context's
+        #: layout (`_restore_state`); where a whole state is padded. Made ahead where sizes are known.
+        self._joins = _KeptBuffer("join")
+        self._ahead_for = 0  # the state size the kept buffers are made (or being made) for
+        self._prepare_buffers()
         self._buffers = StateBuffers()  # what snapshots are copied into, used again once written
         self._queued_lock = threading.Lock()
 
@@ -497,16 +548,31 @@ class SequenceCache:
 
     def _restore_state(self, ctx: Any, seq: int, state: memoryview, length: int) -> str | None:
         """`states.restore_state` into the emptied sequence `seq`, with a live context's
-        cell layout when `live_layout` is on and the state needs it (a copy of the
-        state with zero cells below the window; a plain restore if llama.cpp refuses
-        that, which a full-size SWA cache never should)."""
-        padded = layout.live_layout(state, self.kind.n_swa, layout.KV_ALIGNMENT) if self.live_layout else None
+        cell layout when `live_layout` is on and the state needs it (the state with zero
+        cells below the window; a plain restore if llama.cpp refuses that, which a
+        full-size SWA cache never should, unless it was padded in place).
+
+        The padded state is made in the kept join buffer (made ahead where the sizes are
+        known: `_prepare_buffers`): a state joined there is padded in place (it was given
+        the room: `_join_room`), a whole one copied there. It was a new array each time: a
+        new process's first padded copy of a 11.8 MB gemma-3-270m state (1,284 tokens)
+        took 13-20 ms (its page faults), later ones 1-3 ms (malloc had the pages by then);
+        and a second buffer as large as the join's would double the pages a new process
+        makes before its first restore (8-10 ms per 12 MB here)."""
+        padded = (
+            layout.live_layout(state, self.kind.n_swa, layout.KV_ALIGNMENT, into=self._joins.get)
+            if self.live_layout
+            else None
+        )
         if padded is not None:
             if states.restore_state(ctx, seq, padded.state, length, self.kind) is None:
                 self._window_starts[_sequence_key(ctx, seq)] = padded.start
                 return None
-            log.debug("sippcache: llama.cpp refused a state padded to a live layout; restoring it as stored")
             self.clear(ctx, seq)
+            if np.may_share_memory(padded.state, np.frombuffer(state, dtype=np.uint8)):
+                log.warning("sippcache: llama.cpp refused a state padded to a live layout")
+                return states.REFUSED_LOAD  # padded in place: the state as stored is gone
+            log.debug("sippcache: llama.cpp refused a state padded to a live layout; restoring it as stored")
         return states.restore_state(ctx, seq, state, length, self.kind)
 
     def _fetch_and_restore(
@@ -559,7 +625,7 @@ class SequenceCache:
         if found.whole:
             state = memoryview(found.state) if self.states.check(found) else None
         else:
-            state = memoryview(self._join_buffer(nbytes))[:nbytes]
+            state = memoryview(self._joins.get(nbytes + self._join_room(nbytes)))[:nbytes]
             if not self.states.write_checked(found, state):
                 state = None
         if state is None:
@@ -584,37 +650,29 @@ class SequenceCache:
         self.rates.flush()
         return Restored(length, logits)
 
-    def _join_buffer(self, nbytes: int) -> mmap.mmap:
-        """Where a state in chunks is joined for llama.cpp: one buffer kept from restore to restore
-        (a new one's page faults cost as much as the copy), grown to the largest state, up to
-        `JOIN_BUFFER_LIMIT`; a larger state gets a buffer of its own each time. The first one
-        may have been made ahead (`_prepare_join_buffer`)."""
-        if self._joins_ahead is not None:
-            made, self._joins_ahead = self._joins_ahead, None
-            try:
-                ahead = made.result()
-            except Exception as exc:  # no memory for it, say: the restore makes its own
-                log.warning("sippcache: the join buffer made ahead failed: %s", exc)
-            else:
-                if len(ahead) > len(self._joins):
-                    self._joins = ahead
-        if nbytes <= len(self._joins):
-            return self._joins
-        buffer = _anonymous(nbytes)
-        if nbytes <= JOIN_BUFFER_LIMIT:
-            self._joins = buffer
-        return buffer
-
-    def _prepare_join_buffer(self) -> Future[mmap.mmap] | None:
-        """Where the kept rates (`CacheOptions.rates_dir`) saw states here before, the join buffer
-        for the largest of them (up to `JOIN_BUFFER_LIMIT`), made with its pages in a helper
-        thread: a new process's first restore from chunks then copies into pages that are there
-        (SmolLM2, a 46 MB state: 18-20 ms instead of 35-37 ms; docs/llama.md). Its cost is that
-        memory, from the start."""
+    def _prepare_buffers(self) -> None:
+        """Where the rates know the size of the largest state here (kept from the processes before,
+        `CacheOptions.rates_dir`, or a snapshot taken now), up to `JOIN_BUFFER_LIMIT`, and the kept
+        buffer is not made for it yet: make it with its pages in a helper thread (with the room to
+        pad it in place, `_join_room`). A restore then copies into pages that are there: SmolLM2,
+        a 46 MB state joined: 18-20 ms instead of 35-37 ms (docs/llama.md); gemma-3-270m, a
+        11.8 MB state padded: 1-3 ms instead of 13-20 ms. Made when a snapshot is taken before
+        the first restore too, so that a process that computed its prompts first restores them
+        as fast the first time as later (gemma-3-270m: 26-36 ms, was 114). Its cost is that
+        memory, from then on."""
         largest = self.rates.largest_state("")
-        if not largest or largest > JOIN_BUFFER_LIMIT:
-            return None
-        return helpers.pool("prepare", 1).submit(_anonymous, largest, populate=True)
+        if not largest or largest > JOIN_BUFFER_LIMIT or largest <= self._ahead_for:
+            return
+        self._ahead_for = largest
+        self._joins.make_ahead(largest, room=self._join_room(largest))
+
+    def _join_room(self, nbytes: int) -> int:
+        """The bytes a joined state of `nbytes` bytes may need after it to be padded in place to a
+        live context's layout (`_restore_state`): address space, whose pages are made only where
+        the padding writes (`layout.padded_size_bound`); 0 without `live_layout`."""
+        if not self.live_layout:
+            return 0
+        return layout.padded_size_bound(nbytes, self.kind.n_swa, layout.KV_ALIGNMENT) - nbytes
 
     def _refuse(self, key_length: int, reason: str) -> None:
         """Count and log an entry of `key_length` tokens not used, for `reason`: a warning
@@ -682,6 +740,8 @@ class SequenceCache:
             return 0
         snapshot = states.Snapshot(key, state, logits, time.time_ns(), pinned, supersede, time.perf_counter() - started)
         self.rates.record_size("", len(key), len(state))  # known now, for the next request's decision
+        if not self.stats.hits:  # for the first restore; after it the kept buffer grows as states do
+            self._prepare_buffers()
         with self._queued_lock:
             self._queued[id(snapshot)] = key
         self._writer.submit(snapshot)
@@ -738,14 +798,10 @@ class SequenceCache:
         self._writer.flush()
 
     def close(self) -> None:
-        """Write pending snapshots, stop the writer, free the join buffer, and close a cache
+        """Write pending snapshots, stop the writer, free the kept buffers, and close a cache
         opened from a URL; the rates are written to their file (`rates_path`)."""
         self._writer.close()
         self._flush_rates()
-        if self._joins_ahead is not None:  # made meanwhile: freed with the other
-            self._join_buffer(0)
-        joins, self._joins = self._joins, mmap.mmap(-1, 1)
-        with contextlib.suppress(BufferError):  # a view of it still held: freed with the view
-            joins.close()
+        self._joins.close()
         if self._owns_cache:
             self.cache.close()
