@@ -1,8 +1,11 @@
 """The pages a reader opens first: README.md, CONTRIBUTING.md, CHANGELOG.md and docs/.
 
 - every relative link and ``#anchor`` resolves, as GitHub renders the anchors;
-- every figure in the README's results table is in docs/benchmarks.md, with the command
-  that produced it (the README links there rather than repeating how it was measured);
+- every figure in the README's results table, and in its "Will it help me?" table, is in the
+  section of docs/benchmarks.md that its row (its cell) links to, and that section spells the
+  command that produced it (the README links there rather than repeating how it was measured);
+- docs/benchmarks.md is the summary (a section per benchmark script with its command, the
+  date of its last run and a link to its history) and docs/benchmarks-log.md keeps the history;
 - README's test command is the one `.ci/run` runs, and the chart the README shows is the
   generated one, with the command that regenerates it;
 - every page with a `sippcache` command is one tests/test_doc_commands.py runs, and every
@@ -27,6 +30,7 @@ from tests.test_doc_commands import shell_blocks
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+BENCHMARKS_LOG = ROOT / "docs" / "benchmarks-log.md"
 #: Every page whose links are checked.
 PAGES = [README, ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -112,56 +116,108 @@ def test_slugs_as_github_makes_them() -> None:
     assert slug("Route 1: `KVBackend` over a map") == "route-1-kvbackend-over-a-map"
 
 
-def results_table() -> list[str]:
-    """The rows of the README's results table: the first table under `## Results`."""
+def readme_table(title: str) -> list[str]:
+    """The rows of the first table under the README's heading `title` (e.g. ``## Results``),
+    its header and rule left out."""
     rows: list[str] = []
     inside = False
     for _, line in prose(README):
         if line.startswith("## "):
             if inside and rows:
                 break
-            inside = line.strip() == "## Results"
+            inside = line.strip() == title
             continue
         if inside and line.startswith("|"):
             rows.append(line)
         elif inside and rows:
             break
-    return rows[2:]  # the header and its rule left out
+    return rows
+
+
+def cells(row: str) -> list[str]:
+    return [cell.strip() for cell in row.strip().strip("|").split("|")]
 
 
 #: A figure: a number with a unit, or a ratio such as "43x" or "3.36x".
 _FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:\s?(?:ms|µs|s|MB|GB|GiB|tokens/s|tok/s|%|U)|x)(?![\w/])")
 
 
-def test_every_readme_figure_is_in_the_benchmarks_page_with_its_command() -> None:
-    """Each figure of the README's results table is in docs/benchmarks.md, and the row links to
-    a section of that page which spells the command that produced it."""
-    rows = results_table()
-    assert len(rows) >= 5, "README.md has no results table under '## Results'"
-    page = BENCHMARKS.read_text()
-    flat = " ".join(page.split()).replace("**", "")
-    sections = benchmark_sections()
+def figures(text: str) -> list[str]:
+    return [" ".join(f.split()) for f in _FIGURE.findall(_INLINE_CODE.sub("", text).replace("**", ""))]
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split()).replace("**", "")
+
+
+def holds(section: str, figure: str) -> bool:
+    """The section spells the figure as a number of its own: "0.24 s" is not found in "10.24 s"."""
+    return re.search(rf"(?<![\d.,]){re.escape(figure)}(?![\d])", flat(section)) is not None
+
+
+def figures_against_their_sections(text: str, where: str) -> list[str]:
+    """Problems with `text` (a row or a cell): it links to one section of docs/benchmarks.md,
+    that section holds each of its figures and spells a command."""
+    targets = [t for t in _LINK.findall(text) if t.startswith("docs/benchmarks.md#")]
+    if len(targets) != 1:
+        return [f"{where} links to {len(targets)} sections of docs/benchmarks.md, not one: {text}"]
+    anchor = targets[0].partition("#")[2]
+    section = benchmark_sections().get(anchor)
+    if section is None:
+        return [f"{where}: no section #{anchor} in docs/benchmarks.md"]
+    problems = [
+        f"{figure!r} ({where}: {text}) is not in the section #{anchor} of docs/benchmarks.md"
+        for figure in figures(text)
+        if not holds(section, figure)
+    ]
+    if not re.search(r"(python benchmarks/\w+\.py|sippcache demo|bash benchmarks/gpu/)", section):
+        problems.append(f"#{anchor}: the section spells no command")
+    return problems
+
+
+def test_every_readme_figure_is_in_the_section_its_row_links_to() -> None:
+    """The README's results table: at most 8 rows of scenario | without | with | setup, each
+    linking to one section of docs/benchmarks.md that holds every figure of the row (its own
+    section, not anywhere on the page) and spells the command that produced them."""
+    header, _, *rows = readme_table("## Results")
+    assert cells(header) == ["scenario", "without sippcache", "with sippcache", "setup"], header
+    assert 5 <= len(rows) <= 8, f"README.md's results table has {len(rows)} rows, not 5 to 8"
     problems = []
     for row in rows:
-        figures = _FIGURE.findall(_INLINE_CODE.sub("", row).replace("**", ""))
-        assert figures, f"a results row without a figure: {row}"
-        for figure in figures:
-            if " ".join(figure.split()) not in flat:
-                problems.append(f"{figure!r} (row: {row.strip()}) is not in docs/benchmarks.md")
-        targets = [t for t in _LINK.findall(row) if t.startswith("docs/benchmarks.md#")]
-        if not targets:
-            problems.append(f"row links to no section of docs/benchmarks.md: {row.strip()}")
-        for target in targets:
-            text = sections.get(target.partition("#")[2], "")
-            if not re.search(r"(python benchmarks/\w+\.py|sippcache demo)", text):
-                problems.append(f"{target}: the section spells no command")
+        assert len(cells(row)) == 4, f"a results row without its four columns: {row}"
+        assert figures(row), f"a results row without a figure: {row}"
+        problems += figures_against_their_sections(row, "row")
     assert not problems, "\n".join(problems)
 
 
-def benchmark_sections(level: int = 1) -> dict[str, str]:
-    """docs/benchmarks.md's sections of heading `level` or deeper, by anchor, each with its text
-    up to the next heading of the same or a higher level."""
-    lines = BENCHMARKS.read_text().splitlines()
+def test_every_will_it_help_figure_is_in_the_section_its_cell_links_to() -> None:
+    """The README's "Will it help me?" table: a row per setup (the two CPU ways, Apple Silicon,
+    an NVIDIA GPU), a column per workload; a cell with a figure links to the section of
+    docs/benchmarks.md that holds it, and a cell without one says what is not measured."""
+    header, _, *rows = readme_table("## Will it help me?")
+    columns = " ".join(cells(header)[1:])
+    for workload in ("restart", "slots", "shared", "agent", "live"):
+        assert workload in columns, f"no column for {workload!r}: {header}"
+    setups = [cells(row)[0] for row in rows]
+    for setup in ("llama-cpp-python", "llama-server", "Apple Silicon", "NVIDIA GPU"):
+        assert any(setup in s for s in setups), f"no row for {setup!r}: {setups}"
+    problems = []
+    for row in rows:
+        setup, *by_workload = cells(row)
+        assert len(by_workload) == len(cells(header)) - 1, row
+        for cell in by_workload:
+            if figures(cell):
+                problems += figures_against_their_sections(cell, f"cell of {setup!r}")
+            elif "not measured" not in cell and "nothing to gain" not in cell:
+                problems.append(f"a cell of {setup!r} with no figure says neither 'not measured' nor why: {cell}")
+    assert not problems, "\n".join(problems)
+
+
+def benchmark_sections(level: int = 1, page: Path = BENCHMARKS, leaves: bool = False) -> dict[str, str]:
+    """A benchmarks page's sections of heading `level` or deeper, by anchor, each with its text
+    up to the next heading of the same or a higher level (`leaves`: only those with no heading
+    below them)."""
+    lines = page.read_text().splitlines()
     headings = []
     fenced = False
     for i, line in enumerate(lines):
@@ -172,25 +228,48 @@ def benchmark_sections(level: int = 1) -> dict[str, str]:
             headings.append((i, len(heading.group(1)), slug(heading.group(2))))
     out = {}
     for k, (i, depth, anchor) in enumerate(headings):
-        if depth >= level:
-            end = next((j for j, d, _ in headings[k + 1 :] if d <= depth), len(lines))
-            out[anchor] = "\n".join(lines[i:end])
+        if depth < level or (leaves and k + 1 < len(headings) and headings[k + 1][1] > depth):
+            continue
+        end = next((j for j, d, _ in headings[k + 1 :] if d <= depth), len(lines))
+        out[anchor] = "\n".join(lines[i:end])
     return out
 
 
+_DATE = re.compile(r"20\d\d-\d\d-\d\d")
+
+
 def test_each_benchmark_has_a_section_with_date_machine_and_goals() -> None:
-    """A section per script in benchmarks/, naming its command; the page names the machines."""
-    page = BENCHMARKS.read_text()
+    """docs/benchmarks.md, the summary: a section per script in benchmarks/, naming its command,
+    with the date of its last run, listed in the table of goals, and linking to the section of
+    the same name in docs/benchmarks-log.md, which keeps every run (each section dated there too).
+    Both pages name the machines; the summary stays a summary."""
     scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
-    missing = [s for s in scripts if f"python benchmarks/{s}" not in page]
-    assert not missing, f"no command for {missing} in docs/benchmarks.md"
-    undated = [
-        anchor
-        for anchor, text in benchmark_sections(level=2).items()
-        if "python benchmarks/" in text and not re.search(r"20\d\d-\d\d-\d\d", text)
-    ]
-    assert not undated, f"sections of docs/benchmarks.md with a command but no date: {undated}"
-    assert "cores" in page and "Xeon" in page
+    for page in (BENCHMARKS, BENCHMARKS_LOG):
+        text = page.read_text()
+        missing = [s for s in scripts if f"python benchmarks/{s}" not in text]
+        assert not missing, f"no command for {missing} in {page.name}"
+        undated = [
+            anchor
+            for anchor, section in benchmark_sections(level=2, page=page).items()
+            if "python benchmarks/" in section and not _DATE.search(section)
+        ]
+        assert not undated, f"sections of {page.name} with a command but no date: {undated}"
+        assert "cores" in text and "Xeon" in text, page.name
+    summary = BENCHMARKS.read_text()
+    assert len(summary.splitlines()) <= 420, "docs/benchmarks.md is the summary: the history goes to the log"
+    table = summary.partition("## Where each goal stands")[2].partition("\n## ")[0]
+    assert table.count("\n|") >= len(scripts), "the table of goals has fewer rows than benchmarks/ has scripts"
+    listed = set(re.findall(r"\]\(#([\w-]+)\)", table))
+    log_anchors = anchors(BENCHMARKS_LOG)
+    problems = []
+    for anchor, section in benchmark_sections(level=2, leaves=True).items():
+        if "python benchmarks/" not in section:
+            continue
+        if anchor not in listed:
+            problems.append(f"#{anchor} is not in the table of goals")
+        if anchor not in log_anchors or f"(benchmarks-log.md#{anchor})" not in section:
+            problems.append(f"#{anchor} does not link to its history, benchmarks-log.md#{anchor}")
+    assert not problems, "\n".join(problems)
 
 
 def test_readme_test_command_is_what_ci_runs() -> None:
