@@ -330,11 +330,100 @@ def test_claude_codes_side_requests_keep_the_conversations_slot_and_state(
     assert stack.computed() - before == usage["input"] <= 0.02 * (usage["input"] + usage["cached"]), usage
 
 
+#: Request shapes Claude Code sends (written from Anthropic's documented format): the oracle's corpus.
+_CALL = {"type": "tool_use", "id": "toolu_1", "name": "read_log", "input": {"day": "monday", "lines": [1, 2.5]}}
+_SYSTEM_BLOCKS = [
+    {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.0; cc_entrypoint=cli; cch=a1b2c;"},
+    {"type": "text", "text": "You are the keeper's clerk.", "cache_control": {"type": "ephemeral"}},
+]
+ANTHROPIC_SHAPES: dict[str, dict[str, Any]] = {
+    "text": {"system": "Be brief.", "messages": [{"role": "user", "content": "Which ship passed?"}]},
+    "no-system": {"messages": [{"role": "user", "content": "Which ship passed?"}]},
+    "system-blocks-and-tools": {
+        "system": _SYSTEM_BLOCKS,
+        "tools": TOOLS,
+        "tool_choice": {"type": "auto"},
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Read Monday's log."}]}],
+    },
+    "tool-call-and-results": {
+        "system": _SYSTEM_BLOCKS,
+        "tools": TOOLS,
+        "messages": [
+            {"role": "user", "content": "Read Monday's log."},
+            {"role": "assistant", "content": [{"type": "text", "text": "Reading it."}, _CALL]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "3 ships"}]},
+                    {"type": "text", "text": "And Tuesday?", "cache_control": {"type": "ephemeral"}},
+                ],
+            },
+            {"role": "assistant", "content": [{**_CALL, "id": "toolu_2", "input": {"day": "tuesday"}}]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "no log", "is_error": True}],
+            },
+        ],
+    },
+    "thinking": {
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": [
+            {"role": "user", "content": "Think, then answer."},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "The log says two.", "signature": "c2ln"},
+                    {"type": "text", "text": "Two."},
+                ],
+            },
+            {"role": "user", "content": "Why?"},
+        ],
+    },
+    "sampling-and-stops": {
+        "system": "Be brief.",
+        "stop_sequences": ["\n\nQ:"],
+        "metadata": {"user_id": "user_42"},
+        "top_k": 5,
+        "top_p": 0.9,
+        "tools": TOOLS,
+        "tool_choice": {"type": "any"},
+        "messages": [{"role": "user", "content": "Which ship?"}, {"role": "assistant", "content": "The Eider."}],
+    },
+}
+#: Request shapes Codex CLI sends (written from OpenAI's documented Responses format).
+_FUNCTION = {"type": "function", "name": "read_log", "parameters": TOOLS[0]["input_schema"], "strict": False}
+RESPONSES_SHAPES: dict[str, dict[str, Any]] = {
+    "text": {"input": "Which ship passed?"},
+    "instructions-and-messages": {
+        "instructions": "Be brief.",
+        "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Answer in English."}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Which ship passed?"}]},
+        ],
+    },
+    "function-call-and-output": {
+        "instructions": "You are a coding agent.",
+        "tools": [_FUNCTION],
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "store": False,
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Read the log."}]},
+            {"type": "function_call", "call_id": "call_1", "name": "read_log", "arguments": '{"day":"monday"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "3 ships"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Three ships."}]},
+            {"type": "message", "role": "user", "content": "And Tuesday?"},
+        ],
+    },
+}
+
+
 def test_count_tokens_is_the_proxys_own_count_of_the_prompt(model: Path, tmp_path: Path, started: list[Any]) -> None:
-    """The oracle of the Anthropic conversion: for request shapes Claude Code sends, llama-server's own
-    ``/v1/messages/count_tokens`` (through the proxy, passed through) equals the prompt the proxy
-    computed for that request (the tokens of the chat it converted it to, which llama-server then
-    reports as its prompt: cached + computed)."""
+    """The oracle of the Anthropic conversion: for each request shape Claude Code sends, llama-server's
+    own ``/v1/messages/count_tokens`` (passed through the proxy as it is: llama-server's conversion)
+    equals the prompt llama-server computed for the chat the proxy converted the request to (cached
+    and computed, as the answer's usage reports them); and the same request sent to llama-server
+    itself then reuses all of that chat's tokens but the last: the two prompts are the same tokens."""
     stack = Stack(model, tmp_path, started)
     client = claude(stack.proxy.url)
     for talk in (AnthropicTalk("A", blocks=False, stream=False), AnthropicTalk("B", blocks=True, stream=False)):
@@ -342,19 +431,27 @@ def test_count_tokens_is_the_proxys_own_count_of_the_prompt(model: Path, tmp_pat
         counted = client.messages.count_tokens(**body).input_tokens  # type: ignore[arg-type]
         answer = client.messages.create(max_tokens=1, extra_body=GREEDY, **body)  # type: ignore[arg-type]
         assert answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0) == counted
-    thinking = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], thinking={"type": "enabled"})
-    thinking["thinking"] = {"type": "enabled", "budget_tokens": 1024}
-    counted = client.messages.count_tokens(**thinking).input_tokens  # type: ignore[arg-type]
-    answer = client.messages.create(max_tokens=1, extra_body=GREEDY, **thinking)  # type: ignore[arg-type]
-    assert answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0) == counted
+    for name, shape in ANTHROPIC_SHAPES.items():
+        status, counted = _post(stack.proxy.url + "/v1/messages/count_tokens", {"model": "tiny", **shape})
+        assert status == 200, (name, counted)
+        status, answer = _post(stack.proxy.url + "/v1/messages", {"model": "tiny", "max_tokens": 1, **GREEDY, **shape})
+        assert status == 200, (name, answer)
+        usage = answer["usage"]
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] == counted["input_tokens"], (name, usage)
+        # Token for token: the same request sent to llama-server itself (its own conversion) finds all
+        # of its prompt but the last token in the slot the proxy's chat left (llama-server evaluates one).
+        status, own = _post(stack.llama.url + "/v1/messages", {"model": "tiny", "max_tokens": 1, **GREEDY, **shape})
+        assert status == 200 and own["usage"]["cache_read_input_tokens"] == counted["input_tokens"] - 1, (name, own)
+    assert metric(stack.proxy, "sippcache_proxy_unconverted_requests_total") == 0
 
 
 def test_the_responses_conversion_gives_llama_servers_own_prompt(
     model: Path, tmp_path: Path, started: list[Any], reference: LlamaServer
 ) -> None:
-    """The oracle of the Responses conversion: the prompt length llama-server reports for a request
-    sent to it directly equals the one it reports through the proxy (the chat the proxy converted
-    the request to), for the shapes Codex sends."""
+    """The oracle of the Responses conversion: for each request shape Codex sends, the prompt length
+    llama-server reports for the request sent to it directly equals the one it reports through the
+    proxy (the chat the proxy converted the request to), and llama-server's own conversion then
+    reuses all of that chat's tokens but the last."""
     stack = Stack(model, tmp_path, started)
     talk = ResponsesTalk("A", stream=False)
     direct, through = codex(reference.url), codex(stack.proxy.url)
@@ -365,6 +462,18 @@ def test_the_responses_conversion_gives_llama_servers_own_prompt(
         own = direct.responses.create(**body).usage
         ours = through.responses.create(**body).usage
         assert own is not None and ours is not None and own.input_tokens == ours.input_tokens
+    for name, shape in RESPONSES_SHAPES.items():
+        request = {"model": "tiny", "max_output_tokens": 1, **GREEDY, **shape}
+        (status, own), (got, ours) = (
+            _post(reference.url + "/v1/responses", request),
+            _post(stack.proxy.url + "/v1/responses", request),
+        )
+        assert status == got == 200, (name, own, ours)
+        assert own["usage"]["input_tokens"] == ours["usage"]["input_tokens"], (name, own["usage"], ours["usage"])
+        status, again = _post(stack.llama.url + "/v1/responses", request)  # token for token, as above
+        cached = again["usage"]["input_tokens_details"]["cached_tokens"]
+        assert status == 200 and cached == own["usage"]["input_tokens"] - 1, (name, again["usage"])
+    assert metric(stack.proxy, "sippcache_proxy_unconverted_requests_total") == 0
 
 
 @pytest.mark.parametrize(
