@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from sippcache.proxy.apis import Unconvertible
-from sippcache.proxy.apis.responses import ResponsesTranslator, to_chat
+from sippcache.proxy.apis.responses import to_chat
+from sippcache.proxy.apis.responses_answer import ResponsesTranslator
 
 #: The HTTP library the installed SDK is built on (``httpx``, or ``httpx2`` in its later releases).
 _http = sys.modules[openai.DefaultHttpxClient.__mro__[1].__module__]

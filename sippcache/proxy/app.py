@@ -59,7 +59,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from ..rates import INEFFECTIVE_SHARE, RestoreRates
-from .apis import Translator, Unconvertible, anthropic, responses
+from .apis import Translator, Unconvertible, anthropic, responses, responses_answer
 from .metrics import ProxyMetrics
 from .prompts import KnownPrompts
 from .ready import ReadyFile
@@ -84,8 +84,8 @@ COMPLETION_PATHS = {
 #: path -> (the conversion of a request, the translator of the chat's answer back).
 CONVERTED_PATHS: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], Callable[[str], Translator]]] = {
     "/v1/messages": (anthropic.to_chat, anthropic.AnthropicTranslator),
-    "/v1/responses": (responses.to_chat, responses.ResponsesTranslator),
-    "/responses": (responses.to_chat, responses.ResponsesTranslator),
+    "/v1/responses": (responses.to_chat, responses_answer.ResponsesTranslator),
+    "/responses": (responses.to_chat, responses_answer.ResponsesTranslator),
 }
 #: The chat path a converted request goes to.
 CHAT_PATH = "/v1/chat/completions"
