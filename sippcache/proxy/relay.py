@@ -13,9 +13,9 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from .apis import Translator
+from .apis import Translator, dumps
 
-__all__ = ["HOP", "REUSED_HEADER", "Relay", "RelayResponse", "dumps", "forwarded"]
+__all__ = ["HOP", "REUSED_HEADER", "Relay", "RelayResponse", "forwarded"]
 
 #: The response header with llama-server's own count of prompt tokens it did not evaluate.
 REUSED_HEADER = "X-Sippcache-Prompt-Reused"
@@ -118,8 +118,9 @@ class RelayResponse(Response):
             self.relay.complete = True
             if self.translator is not None and not self._ended:  # a stream that ended with no [DONE]
                 last = b"".join(self.translator.end())
-                held = None if held is None else [*held, last]
-                if held is None:
+                if held is not None:
+                    held.append(last)
+                else:
                     await send({"type": "http.response.body", "body": last, "more_body": True})
             if held is not None:
                 await self._start_with_reuse(send, headers)
@@ -161,11 +162,6 @@ class RelayResponse(Response):
             del data["timings"]
             return b"data: " + dumps(data) + b"\n\n"
         return event
-
-
-def dumps(data: Any) -> bytes:
-    """JSON as llama-server writes it: compact, UTF-8."""
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _is_final(data: dict[str, Any]) -> bool:

@@ -12,9 +12,10 @@ a whole body, or streamed events.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol
 
-__all__ = ["Translator", "Unconvertible"]
+__all__ = ["Translator", "Unconvertible", "dumps", "sse_event"]
 
 
 class Unconvertible(ValueError):
@@ -29,7 +30,6 @@ class Unconvertible(ValueError):
 class Translator(Protocol):
     """Turns llama-server's answer to the converted chat back into the API's answer."""
 
-    #: The answer's content type (streamed: ``text/event-stream``).
     def body(self, chat: dict[str, Any]) -> dict[str, Any]:
         """A whole chat completion (``stream`` false) as the API's response body."""
         ...
@@ -42,3 +42,14 @@ class Translator(Protocol):
     def end(self) -> list[bytes]:
         """The API's last events, after the chat stream's ``[DONE]``."""
         ...
+
+
+def dumps(data: Any) -> bytes:
+    """JSON as llama-server writes it (nlohmann's ``dump()``): compact, UTF-8, nothing escaped."""
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def sse_event(kind: str, data: Any) -> bytes:
+    """One server-sent event as llama-server frames its Anthropic and Responses events:
+    ``event: <kind>``, then ``data: <json>`` and a blank line."""
+    return b"event: " + kind.encode() + b"\ndata: " + dumps(data) + b"\n\n"

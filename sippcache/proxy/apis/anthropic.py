@@ -20,7 +20,7 @@ import json
 import math
 from typing import Any
 
-from . import Unconvertible
+from . import Unconvertible, dumps, sse_event
 
 __all__ = ["AnthropicTranslator", "to_chat"]
 
@@ -328,7 +328,7 @@ def _dumped(value: Any) -> str:
     arguments, which the chat template prints. Python writes numbers the same way except floats
     from 1e15 to 1e16 (it writes no exponent there) and integers past 64 bits; those raise."""
     _check_numbers(value)
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return dumps(value).decode()
 
 
 def _check_numbers(value: Any) -> None:
@@ -371,6 +371,5 @@ def _usage(usage: dict[str, Any], timings: dict[str, Any]) -> dict[str, int]:
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:
-    """One server-sent event as llama-server frames them (``format_anthropic_sse``)."""
-    text = json.dumps({"type": kind, **data}, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {kind}\ndata: {text}\n\n".encode()
+    """One Anthropic event (``format_anthropic_sse``): its type is in its data too."""
+    return sse_event(kind, {"type": kind, **data})

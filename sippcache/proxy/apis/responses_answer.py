@@ -6,13 +6,13 @@ stream (``sequence_number``, ``output_index``, ``content_index``, ``logprobs``) 
 
 from __future__ import annotations
 
-import json
 import secrets
 import string
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import dumps, sse_event
 from .responses import _JSON, _array, _string
 
 __all__ = ["ResponsesTranslator"]
@@ -238,7 +238,7 @@ class ResponsesTranslator:
         ``function_call_arguments`` delta. A chunk's ``usage`` and ``timings`` are kept for the end;
         an error chunk passes as llama-server passes it (a bare ``data:`` frame)."""
         if "error" in chunk:
-            return [b"data: " + _dumps({"error": chunk["error"]}) + b"\n\n"]
+            return [b"data: " + dumps({"error": chunk["error"]}) + b"\n\n"]
         events: list[_JSON] = []
         if not self._started:
             self._model = str(chunk.get("model") or self._model)
@@ -255,7 +255,7 @@ class ResponsesTranslator:
             events += self._delta_events(choices[0].get("delta"))
         if events and "prompt_progress" in chunk:
             events[-1]["prompt_progress"] = chunk["prompt_progress"]
-        return [_frame(event) for event in events]
+        return [sse_event(event["type"], event) for event in events]
 
     def end(self) -> list[bytes]:
         """The stream's last events: each item's ``done`` events (reasoning, message, function calls,
@@ -296,15 +296,4 @@ class ResponsesTranslator:
         if self._timings is not None:
             completed["timings"] = self._timings
         events.append(completed)
-        return [_frame(event) for event in events]
-
-
-def _dumps(data: Any) -> bytes:
-    """JSON as llama-server writes it into an event: compact, UTF-8."""
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-def _frame(event: _JSON) -> bytes:
-    """One server-sent event as llama-server's ``format_oai_resp_sse`` frames it."""
-    kind: str = event["type"]
-    return b"event: " + kind.encode() + b"\ndata: " + _dumps(event) + b"\n\n"
+        return [sse_event(event["type"], event) for event in events]
