@@ -1,6 +1,6 @@
 """Every memory kind, side by side with llama-cpp-python's `LlamaRAMCache` on the same model.
 
-One row per memory kind: tiny generated models (tests/tinymodel.py) of full attention
+One row per memory kind: tiny generated models (harness/tinymodel.py) of full attention
 (llama), sliding window (gemma3, iSWA), recurrent (mamba) and hybrid (jamba), and the
 real gemma-3-270m (iSWA) when its PyPI package is installed. For each, in one run:
 
@@ -51,7 +51,7 @@ Result = dict[str, Any]
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-#: Tiny generated models (tests/tinymodel.py) and the real gemma-3-270m.
+#: Tiny generated models (harness/tinymodel.py) and the real gemma-3-270m.
 KINDS = ("attention", "swa", "recurrent", "hybrid", "gemma")
 N_CTX = 4096
 #: Tokens the model answers each turn with (greedy; fewer if it ends its answer, more if the
@@ -94,8 +94,8 @@ def load(model: str, cls: Any = None) -> Any:
 
 def child_sippcache_ttft(model: str, url: str, n: int) -> Result:
     """The demo's path in a fresh process: `PrefixCache.prefill` then `sample`, timed."""
+    from harness.llama_tools import start_counting, tokens_evaluated
     from sippcache.llama import Llama, PrefixCache
-    from tests.llama_tools import start_counting, tokens_evaluated
 
     llm = load(model, Llama)
     tokens = document(llm, n - len(question(llm, 0))) + question(llm, 0)
@@ -139,7 +139,7 @@ def timed_completion(llm: Any, tokens: list[int], max_tokens: int) -> Result:
     character (which the tiny models' byte tokens often do)."""
     import llama_cpp
 
-    from tests.llama_tools import start_counting, tokens_evaluated
+    from harness.llama_tools import start_counting, tokens_evaluated
 
     first: list[float] = []
     sampled: list[int] = []
@@ -311,7 +311,7 @@ def goals_of(row: Result) -> dict[str, bool]:
 
 
 def model_paths(kinds: list[str], folder: Path) -> dict[str, str]:
-    from tests.tinymodel import write_tiny_model
+    from harness.tinymodel import write_tiny_model
 
     paths = {}
     for kind in kinds:

@@ -24,14 +24,14 @@ os.environ["SIPPCACHE_RATES_DIR"] = ""
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.tinymodel import write_tiny_model
+    from harness.tinymodel import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny.gguf")
 
 
 @pytest.fixture(scope="session")
 def tiny_model_other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.tinymodel import write_tiny_model
+    from harness.tinymodel import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-other.gguf", seed=1)
 
@@ -94,9 +94,9 @@ def make_llama() -> Iterator[Callable[..., object]]:
 
 @pytest.fixture
 def servers(tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    """Start `sippcache serve` processes (`start(args)`, see tests/servers.py); every one is
+    """Start `sippcache serve` processes (`start(args)`, see harness/servers.py); every one is
     stopped at teardown."""
-    from tests.servers import Server
+    from harness.servers import Server
 
     started: list[Server] = []
 

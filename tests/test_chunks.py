@@ -28,11 +28,11 @@ import pytest
 import xxhash
 
 import sippcache
+from harness import tinymodel
+from harness.llama_tools import ROOT, last_logits, reference_logits
 from sippcache import chunks, frame
 from sippcache import stateformat as sf
 from sippcache.errors import CorruptEntry
-from tests import tinymodel
-from tests.llama_tools import ROOT, last_logits, reference_logits
 from tests.test_llama_tiny import assert_close
 
 C = 64  # tokens a chunk: small, so that a few hundred tokens make a chain
@@ -739,7 +739,7 @@ import json, sys
 sys.path.insert(0, sys.argv[3])
 import numpy as np
 from sippcache.llama import Llama, PrefixCache
-from tests.llama_tools import last_logits
+from harness.llama_tools import last_logits
 llm = Llama(model_path=sys.argv[1], n_ctx=2048, n_batch=512, flash_attn=False, verbose=False)
 with PrefixCache(llm, sys.argv[2]) as cache:  # chunks of 64 tokens, the default
     cache.prefill(json.loads(sys.stdin.read()))

@@ -157,8 +157,8 @@ def test_readme_managed_proxy_starts_and_answers(tmp_path: Path) -> None:
     """README's managed command, started by the `sippcache` console script with the
     placeholders filled in (a free port, the store in $SIPPCACHE_URL): llama-server gets the arguments after
     ``--`` (its context size shows them) and a completion is answered."""
-    from tests.proxy_tools import ProxyServer, llama_server_binary
-    from tests.tinymodel import write_tiny_model
+    from harness.proxy_tools import ProxyServer, llama_server_binary
+    from harness.tinymodel import write_tiny_model
 
     model = write_tiny_model(tmp_path / "model.gguf", n_ctx_train=65536)
     args = _readme_managed_proxy()[1:]
@@ -194,9 +194,9 @@ def test_proxy_attach_example_starts_and_answers(tmp_path: Path) -> None:
     """docs/proxy.md's attach example as spelled, placeholders filled (the model, a free port for
     8080, a folder for /dev/shm/slots, the store): llama-server takes its flags, the proxy's start
     checks pass (the probe slot save lands in --slot-dir), and a completion is answered through it."""
-    from tests.proxy_tools import LlamaServer, ProxyServer, llama_server_binary
-    from tests.servers import free_port
-    from tests.tinymodel import write_tiny_model
+    from harness.proxy_tools import LlamaServer, ProxyServer, llama_server_binary
+    from harness.servers import free_port
+    from harness.tinymodel import write_tiny_model
 
     model = write_tiny_model(tmp_path / "model.gguf", n_ctx_train=8192)
     port = free_port()

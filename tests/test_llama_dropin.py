@@ -24,10 +24,10 @@ import pytest
 from llama_cpp.llama_cache import LlamaRAMCache
 
 import sippcache
+from harness.llama_tools import last_logits
 from sippcache import frame
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama import LlamaCache, wholestate
-from tests.llama_tools import last_logits
 
 A = "The quick brown fox jumps over the lazy dog. " * 20
 B = "Pack my box with five dozen liquor jugs. " * 20

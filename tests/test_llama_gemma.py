@@ -11,10 +11,10 @@ import llama_cpp
 import numpy as np
 import pytest
 
+from harness.llama_tools import LOG_TEXT, last_logits, prefill_in_new_process, reference_logits, unique_text_tokens
 from sippcache.llama import CHECKPOINT_ALIGNMENT, LlamaCache, PrefixCache, layout, states
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama.seqcache import SequenceCache
-from tests.llama_tools import LOG_TEXT, last_logits, prefill_in_new_process, reference_logits, unique_text_tokens
 
 pytestmark = pytest.mark.gemma
 

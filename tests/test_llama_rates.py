@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from harness.llama_tools import last_logits, reference_logits, start_counting, tokens_evaluated
 from sippcache.llama import CacheOptions, PrefixCache, seqcache
 from sippcache.rates import MODE_ENVIRONMENT_VARIABLE, RATES_DIR_ENVIRONMENT_VARIABLE, mode_from_environment
-from tests.llama_tools import last_logits, reference_logits, start_counting, tokens_evaluated
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

@@ -17,10 +17,10 @@ import llama_cpp
 import numpy as np
 import pytest
 
+from harness.llama_tools import last_logits, prefill_in_new_process, reference_logits, unique_text_tokens
+from harness.servers import QUESTIONS, SYSTEM, served_args
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama import LlamaCache, PrefixCache, states
-from tests.llama_tools import last_logits, prefill_in_new_process, reference_logits, unique_text_tokens
-from tests.servers import QUESTIONS, SYSTEM, served_args
 
 pytestmark = pytest.mark.smollm2
 

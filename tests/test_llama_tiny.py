@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import sippcache
+from harness.llama_tools import last_logits, prefill_in_new_process, reference_logits
 from sippcache import chunks, frame
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama import LlamaCache, PrefixCache
-from tests.llama_tools import last_logits, prefill_in_new_process, reference_logits
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

@@ -1,7 +1,7 @@
 """Every memory kind, exactly, with real reuse: full attention, sliding window (iSWA),
 recurrent (Mamba) and hybrid (Jamba: Mamba + attention layers).
 
-Each kind gets a tiny generated model (tests/tinymodel.py). A recurrent state is one
+Each kind gets a tiny generated model (harness/tinymodel.py). A recurrent state is one
 cell at the sequence's last position: llama.cpp cannot cut it back, so a state is
 used only at exactly the length it was stored, and shared between sequences only
 whole (`sippcache.llama.states.MemoryKind`). For each kind: an exact repeat in a new
@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 import sippcache
+from harness.llama_tools import last_logits, prefill_in_new_process, reference_logits, start_counting, tokens_evaluated
+from harness.tinymodel import ARCHITECTURES, N_SWA, write_tiny_model
 from sippcache.llama import Llama, LlamaCache, PrefixCache, SessionPool, states
-from tests.llama_tools import last_logits, prefill_in_new_process, reference_logits, start_counting, tokens_evaluated
-from tests.tinymodel import ARCHITECTURES, N_SWA, write_tiny_model
 
 KINDS = tuple(ARCHITECTURES)
 #: Logits of a batched step against a sequence alone: float32 rounding of other batch shapes.

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 
 import sippcache
+from harness.proxy_tools import LlamaServer, ProxyServer, metric, settle
 from sippcache import chunks, frame
 from sippcache.proxy.cli import STAGING_PREFIX, _staging_base
 from sippcache.proxy.prompts import RETOKENIZED
 from sippcache.testing.bounded import join_all
-from tests.proxy_tools import LlamaServer, ProxyServer, metric, settle
 
 SYSTEM = (
     "You are the archivist of a lighthouse on the northern cape. You keep the keeper's log: every ship that "
@@ -37,7 +37,7 @@ GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 8}
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny full-attention model, with room for four 4,096-token slots."""
-    from tests.tinymodel import write_tiny_model
+    from harness.tinymodel import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("proxy-model") / "tiny.gguf", n_ctx_train=16384)
 
@@ -65,7 +65,7 @@ def procs(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 
 def managed(model: Path, cache: str, *extra: str, parallel: int = 1) -> list[str]:
     """A managed proxy's arguments (restoring always: tests/conftest.py sets SIPPCACHE_RESTORE)."""
-    from tests.proxy_tools import llama_server_binary
+    from harness.proxy_tools import llama_server_binary
 
     return [
         "--llama-server",
@@ -450,7 +450,7 @@ def test_a_llama_server_run_as_another_user_restores_what_the_proxy_stages(
     import shutil
     import tempfile
 
-    from tests.proxy_tools import llama_server_binary
+    from harness.proxy_tools import llama_server_binary
 
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("running llama-server as another user needs root and setpriv")
@@ -1123,7 +1123,7 @@ def test_the_proxy_imports_nothing_from_llama_cpp() -> None:
 def test_every_memory_kind_extends_a_stored_state_after_a_restart(procs: Any, tmp_path: Path, kind: str) -> None:
     """A completion, everything restarted, then the same text and more: llama-server extends the
     stored state (a recurrent or hybrid one at exactly its length), and answers as it does cold."""
-    from tests.tinymodel import write_tiny_model
+    from harness.tinymodel import write_tiny_model
 
     model = write_tiny_model(tmp_path / f"{kind}.gguf", kind=kind, n_ctx_train=16384)
     cache, prompt = f"lmdb://{tmp_path}/store", SYSTEM + "\nQ: which ship passed first?\nA:"
@@ -1177,7 +1177,7 @@ def test_attach_to_a_sliding_window_server_checks_it_extends_restores(
 ) -> None:
     """Without --swa-full llama-server recomputes every restored state of a sliding-window model:
     the proxy refuses to start with one line naming the flag; with it, the proxy starts."""
-    from tests.tinymodel import write_tiny_model
+    from harness.tinymodel import write_tiny_model
 
     model = write_tiny_model(tmp_path / "swa.gguf", kind="swa", n_ctx_train=16384)
     slots = tmp_path / "slots"

@@ -21,8 +21,8 @@ import anthropic
 import openai
 import pytest
 
-from tests.proxy_tools import LlamaServer, ProxyServer, metric, settle
-from tests.servers import parse_metrics
+from harness.proxy_tools import LlamaServer, ProxyServer, metric, settle
+from harness.servers import parse_metrics
 
 #: A long system prompt per conversation (about 4,800 tokens on the tiny model's byte vocabulary,
 #: where the chat template's tags are a token a character too), so that 2% of a follow-up's prompt,
@@ -47,7 +47,7 @@ SLOT_CTX = 8192
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.tinymodel import write_tiny_model
+    from harness.tinymodel import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("agents-model") / "tiny.gguf", n_ctx_train=16384)
 

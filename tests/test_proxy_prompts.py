@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.proxy_tools import LlamaServer
 from sippcache.proxy.prompts import MIN_KNOWN_CHARS, RETOKENIZED, KnownPrompts
 from sippcache.proxy.upstream import Upstream
-from tests.proxy_tools import LlamaServer
 
 DOCUMENT = " ".join(f"Day {d}: the brig Eider passed at {d % 12 + 1} o'clock under a grey sky." for d in range(60))
 ANSWERS = ["The Eider, at seven.", "\n\nIt was grey.\n", "Nine o'clock, and the sea was calm."]

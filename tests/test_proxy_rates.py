@@ -21,6 +21,8 @@ import httpx
 import pytest
 
 import sippcache
+from harness.proxy_tools import LlamaServer, ProxyServer, llama_server_binary, metric, settle
+from harness.servers import parse_metrics
 from sippcache.protocol import CacheBackend
 from sippcache.proxy.app import MIN_FLIGHT_LEAD, REUSED_HEADER, Proxy, _Flight, _Restore
 from sippcache.proxy.cli import STAGING_PREFIX, _staging_base, build_parser
@@ -29,8 +31,6 @@ from sippcache.proxy.slots import Origin, SlotTable
 from sippcache.proxy.store import Restored, SlotStore
 from sippcache.proxy.upstream import Upstream
 from sippcache.rates import KEEP_EVERY, MIN_PREFILL_TOKENS, RESTORE_PER_SERVER_SAVE, WINDOW, RestoreRates
-from tests.proxy_tools import LlamaServer, ProxyServer, llama_server_binary, metric, settle
-from tests.servers import parse_metrics
 
 HERE = "http://127.0.0.1:8080"
 PARTS = ("sippcache", "llama_server")  # sippcache_proxy_restore_part_seconds' parts

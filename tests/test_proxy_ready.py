@@ -37,7 +37,7 @@ def state(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     """A real llama.cpp state (the tiny model's): what a proxy checks in a file another proxy kept."""
     import llama_cpp
 
-    from tests.tinymodel import write_tiny_model
+    from harness.tinymodel import write_tiny_model
 
     path = write_tiny_model(tmp_path_factory.mktemp("proxy-ready-model") / "tiny.gguf")
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, verbose=False)

@@ -79,7 +79,7 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
     ("kind", "expected"), [("attention", "full"), ("swa", "swa"), ("recurrent", "recurrent"), ("hybrid", "recurrent")]
 )
 def test_model_facts_tell_every_memory_kind_apart(tmp_path: Path, kind: str, expected: str) -> None:
-    from tests.tinymodel import N_SWA, write_tiny_model
+    from harness.tinymodel import N_SWA, write_tiny_model
 
     facts = read_model_facts(write_tiny_model(tmp_path / f"{kind}.gguf", kind=kind))
     assert facts.kind == expected

@@ -356,7 +356,7 @@ CHUNK = 64
 def tiny_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     import llama_cpp
 
-    from tests.tinymodel import write_tiny_model
+    from harness.tinymodel import write_tiny_model
 
     path = write_tiny_model(tmp_path_factory.mktemp("proxy-store-model") / "tiny.gguf")
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_batch=512, verbose=False)

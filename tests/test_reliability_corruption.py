@@ -41,8 +41,8 @@ import numpy as np
 import pytest
 
 import sippcache
+from harness.llama_tools import last_logits, reference_logits
 from sippcache import frame
-from tests.llama_tools import last_logits, reference_logits
 
 SCRIPT = Path(sys.executable).with_name("sippcache")
 NS = "ns"

@@ -26,10 +26,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import sippcache
+from harness.llama_tools import last_logits, reference_logits
 from sippcache import BadOption, CorruptEntry, SippcacheError, UnknownBackend, frame
 from sippcache.options import Size
 from sippcache.registry import parse_url
-from tests.llama_tools import last_logits, reference_logits
 from tests.reliability_tools import SLOW
 
 FUZZ = settings(max_examples=20_000 if SLOW else 2_000, deadline=None, derandomize=True, database=None)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.servers import (
+from harness.servers import (
     QUESTIONS,
     SYSTEM,
     Conversation,

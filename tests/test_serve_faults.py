@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import sippcache
-from tests.servers import QUESTIONS, Conversation, gemma_args
+from harness.servers import QUESTIONS, Conversation, gemma_args
 
 pytestmark = pytest.mark.gemma
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import sippcache
+from harness.servers import briefed, delta
 from sippcache.chunks import NAMESPACE_MARK
-from tests.servers import briefed, delta
 
 pytestmark = pytest.mark.gemma
 

@@ -33,8 +33,7 @@ from typing import Any
 import openai
 import pytest
 
-from sippcache.testing.bounded import join_all
-from tests.servers import (
+from harness.servers import (
     QUESTIONS,
     Conversation,
     Server,
@@ -42,6 +41,7 @@ from tests.servers import (
     assert_warm,
     gemma_args,
 )
+from sippcache.testing.bounded import join_all
 
 pytestmark = pytest.mark.gemma
 

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 import sippcache
+from harness.servers import Server
 from sippcache import chunks
 from sippcache.llama import CacheOptions
 from sippcache.llama.batch import BatchEngine, Job
@@ -35,7 +36,6 @@ from sippcache.llama.pool import Sampling
 from sippcache.llama.seqcache import SequenceCache
 from sippcache.llama.states import MemoryKind
 from sippcache.server.settings import ModelOptions, ServeError
-from tests.servers import Server
 
 SLOT_CTX = 512
 MAX_TOKENS = 16

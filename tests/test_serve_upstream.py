@@ -377,7 +377,7 @@ def test_metrics_need_the_api_key_when_one_is_set(tiny_model: Path, tmp_path: Pa
     import urllib.error
     import urllib.request
 
-    from tests.servers import Server
+    from harness.servers import Server
 
     def get(path: str, key: str | None = None) -> int:
         headers = {"Authorization": f"Bearer {key}"} if key else {}

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from harness.llama_tools import last_logits, reference_logits
 from sippcache.buffers import StateBuffers, allocate
 from sippcache.llama import PrefixCache
-from tests.llama_tools import last_logits, reference_logits
 
 
 def test_a_buffer_given_back_serves_the_next_state_that_fits() -> None:

@@ -11,7 +11,7 @@ every longer state. What is not understood raises `UnsupportedState`.
 
 The long and the short state are computed with the same batch split (every batch of the
 short one is a batch of the long one), so the K/V numbers are the same and only the
-layout is under test. Models: the tiny generated ones (tests/tinymodel.py: full
+layout is under test. Models: the tiny generated ones (harness/tinymodel.py: full
 attention, iSWA, Mamba, Jamba), one with 64-wide heads (q8_0 needs heads of a multiple
 of 32, and llama.cpp rotates quantized K/V of 64-multiple heads: version 4 writes the
 rotation sizes), and gemma-3-270m for the real iSWA case.
@@ -33,9 +33,9 @@ import numpy as np
 import pytest
 import xxhash
 
+from harness import tinymodel
 from sippcache import stateformat as sf
 from sippcache.proxy import slotfile
-from tests import tinymodel
 
 N = 300  # the long state's tokens
 STEP = 64  # batches end at multiples of STEP (and at every prefix length tested)
@@ -663,7 +663,7 @@ def test_a_window_cache_is_chunked_while_the_state_is_within_the_window(contexts
 def test_gemma_states(gemma_model: Path) -> None:
     """gemma-3-270m: 3 global layers in the first cache, 15 sliding-window layers (512
     positions) in the second; heads of 256."""
-    from tests.llama_tools import unique_text_tokens
+    from harness.llama_tools import unique_text_tokens
 
     tokens = unique_text_tokens(gemma_model, 300, at_least=600)[:600]
     llm = llama_cpp.Llama(model_path=str(gemma_model), n_ctx=64, verbose=False)
@@ -859,7 +859,7 @@ def server_states(model: Path, tmp_path: Path, args: list[str], lengths: list[in
     """The slot files llama-server writes after evaluating TOKENS[:n] for each n (one prompt
     each, in an erased slot, so each is one batch: unlike the tests above, the long and short
     states do not share their batch split)."""
-    from tests.proxy_tools import LlamaServer
+    from harness.proxy_tools import LlamaServer
 
     slots = tmp_path / "slots"
     slots.mkdir(exist_ok=True)

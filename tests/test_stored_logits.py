@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 import sippcache
+from harness.llama_tools import last_logits
 from sippcache import chunks, frame
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama import LlamaCache, PrefillResult, PrefixCache
-from tests.llama_tools import last_logits
 
 #: Sampler settings a caller may use; `seed` is set on the model first.
 SAMPLERS: dict[str, dict[str, Any]] = {

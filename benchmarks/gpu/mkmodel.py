@@ -2,7 +2,7 @@
 
     python3 mkmodel.py SHAPE PATH        # SHAPE: 8b-slice | 1b | tiny
 
-The tokenizer is tests/tinymodel.py's: llama (SPM) with <unk>, <s>, </s>, the 256 byte
+The tokenizer is harness/tinymodel.py's: llama (SPM) with <unk>, <s>, </s>, the 256 byte
 tokens and "▁", so every byte of a text without spaces is one token and a prompt's
 token count is known from its length. Weights are one block of N(0, 0.02) values
 tiled over every matrix, and every layer shares the same arrays: a 3.5 GB file is

@@ -68,6 +68,6 @@ def opened() -> Iterator[list[Any]]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.tinymodel import write_tiny_model
+    from harness.tinymodel import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny.gguf")

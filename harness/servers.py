@@ -1,4 +1,4 @@
-"""Helpers for the tests that run `sippcache serve` as a real process on 127.0.0.1 and talk
+"""Helpers for the tests and benchmarks that run `sippcache serve` as a real process on 127.0.0.1 and talk
 to it over real HTTP with the official `openai` client: `Server` (one server process),
 conversations, metrics parsing. The `servers` fixture (tests/conftest.py) starts them."""
 

@@ -1,4 +1,5 @@
-"""Helpers for tests that compare logits with the never-cached path on a real llama.cpp model."""
+"""Helpers for tests that compare logits with the never-cached path on a real llama.cpp model, and
+llama.cpp's own count of the tokens it evaluated (which the benchmarks report too)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-#: The repository root (a child process imports `tests.llama_tools` from it).
+#: The repository root (a child process imports `harness.llama_tools` from it).
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -93,7 +94,7 @@ _PREFILL_SCRIPT = textwrap.dedent(
     model, url, out, n_ctx, root = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
     sys.path.insert(0, root)
     from sippcache.llama import PrefixCache
-    from tests.llama_tools import start_counting, tokens_evaluated
+    from harness.llama_tools import start_counting, tokens_evaluated
     tokens = json.loads(sys.stdin.read())
     llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_batch=512, verbose=False)
     start_counting(llm.ctx)

@@ -1,4 +1,4 @@
-"""Helpers for the tests that run `sippcache proxy` in front of real llama-server processes on
+"""Helpers for the tests and benchmarks that run `sippcache proxy` in front of real llama-server processes on
 127.0.0.1 and talk to it with the official `openai` client."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.servers import Server, free_port
+from harness.servers import Server, free_port
 
 
 def llama_server_binary() -> Path:
@@ -135,7 +135,7 @@ class LlamaServer:
 
 def metric(proxy: ProxyServer, name: str, **labels: str) -> float:
     """The sum of a proxy metric's series whose labels include `labels`."""
-    from tests.servers import parse_metrics
+    from harness.servers import parse_metrics
 
     total = 0.0
     for key, value in parse_metrics(proxy.get("/metrics").decode()).items():
