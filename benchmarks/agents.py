@@ -22,7 +22,7 @@ after the restart, sippcache's turns compute at most 2% of their prompts (plain:
 first one); its first turn after the restart reaches its first event at least 10x sooner than
 plain's; every answer is plain's.
 
-    python benchmarks/agents.py [--model gemma|tiny] [--apis anthropic,responses] [--tool-tokens 8000]
+    python -m benchmarks.agents [--model gemma|tiny] [--apis anthropic,responses] [--tool-tokens 8000]
 """
 
 from __future__ import annotations
@@ -38,12 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from harness.proxy_tools import LlamaServer, ProxyServer, settle
+from harness.servers import parse_metrics
 from sippcache.demo.model import gemma_model_path
 from sippcache.proxy.cli import MANAGED_FLAGS
-from tests.proxy_tools import LlamaServer, ProxyServer, settle
-from tests.servers import parse_metrics
 
 TURNS, RESTART_AFTER = 8, 4
 MAX_TOKENS = 16
@@ -210,7 +208,7 @@ def main() -> int:
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="sipp-agents-"))
     if args.model == "tiny":
-        from tests.tinymodel import write_tiny_model
+        from harness.tinymodel import write_tiny_model
 
         model, swa = write_tiny_model(tmp / "tiny.gguf", n_ctx_train=CTX), []
     else:

@@ -29,7 +29,7 @@ sippcache reuses no smaller share of any turn's prompt than `LlamaRAMCache`. The
 are compared with the no-cache run's, token for token, and reported, not a goal: a
 restored state's batch split differs from a cold one's, so a near-tie may go the other way.
 
-    python benchmarks/families.py [--kinds attention,swa,recurrent,hybrid,gemma] [--tokens 2000]
+    python -m benchmarks.families [--kinds attention,swa,recurrent,hybrid,gemma] [--tokens 2000]
                                   [--runs 5] [--gemma-runs 3] [--json]
 """
 
@@ -45,11 +45,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import ROOT
+
 #: One measurement, as the JSON output carries it.
 Result = dict[str, Any]
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 #: Tiny generated models (harness/tinymodel.py) and the real gemma-3-270m.
 KINDS = ("attention", "swa", "recurrent", "hybrid", "gemma")
@@ -236,7 +235,12 @@ def child_conversation(model: str, url: str, n: int) -> Result:
 
 def run_child(*args: str) -> Result:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", *args], capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, "-m", __spec__.name, "--child", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     if out.returncode != 0:
         raise RuntimeError(f"child {args[0]} failed:\n{out.stderr[-3000:]}")

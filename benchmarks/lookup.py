@@ -12,9 +12,9 @@ keys. Goals: every backend at least 1,000x faster than the scan at 5,000
 entries, and flat (at most 2x slower) at 50,000. Every timed lookup is checked
 to return the right key. Exit status 1 if a goal is missed.
 
-    python benchmarks/lookup.py            # table; a few minutes (filling 50,000 entries)
-    python benchmarks/lookup.py --quick    # fewer repetitions, same sizes and goals
-    python benchmarks/lookup.py --json     # one JSON object instead of the table
+    python -m benchmarks.lookup            # table; a few minutes (filling 50,000 entries)
+    python -m benchmarks.lookup --quick    # fewer repetitions, same sizes and goals
+    python -m benchmarks.lookup --json     # one JSON object instead of the table
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ alternate, so machine noise hits both alike; the medians and their ratio are
 printed. Every timed lookup must return the stored key. Goal: open plus first
 lookup from the snapshot under 0.5 s. Exit status 1 if it is missed.
 
-    python benchmarks/open_time.py             # 3 rounds; the first run builds the store (about a minute)
-    python benchmarks/open_time.py --rounds 5
-    python benchmarks/open_time.py --json      # one JSON object instead of the table
+    python -m benchmarks.open_time             # 3 rounds; the first run builds the store (about a minute)
+    python -m benchmarks.open_time --rounds 5
+    python -m benchmarks.open_time --json      # one JSON object instead of the table
 """
 
 from __future__ import annotations

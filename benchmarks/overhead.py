@@ -19,7 +19,7 @@ miss is <= 5% for every size, both ways. A warm repeat of the last prompt is
 printed too (the prompt restored with its logits from LMDB into an emptied
 context), so the speed a cache exists for is in the same table.
 
-    python benchmarks/overhead.py [--runs 5] [--sizes 1000,2000,4000] [--json]
+    python -m benchmarks.overhead [--runs 5] [--sizes 1000,2000,4000] [--json]
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ step, and per token.
 Memory (each in a new process, resident set size after one turn of 4
 conversations): one model with a 4-slot pool against 4 `Llama` objects.
 
-    python benchmarks/pool.py [--rounds N] [--json]
+    python -m benchmarks.pool [--rounds N] [--json]
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
+
+from benchmarks import ROOT
 
 N_CONVERSATIONS, N_TURNS, NEW_TOKENS, SLOTS = 8, 4, 32, 4
 N_CTX = 4096
@@ -165,7 +167,12 @@ def memory_child(kind: str) -> dict[str, Any]:
 
 def run_memory_child(kind: str) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, __file__, "--memory", kind], capture_output=True, text=True, check=True, timeout=900
+        [sys.executable, "-m", __spec__.name, "--memory", kind],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=900,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 

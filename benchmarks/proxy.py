@@ -34,7 +34,7 @@ identical, or parting from it only at a near-tie, whose margin is printed. Workl
 measures the floor: the follow-up on llama-server whose slot still holds the conversation.
 Goals (issue 23), PASS/FAIL, exit code 1 if one fails:
 
-    python benchmarks/proxy.py [--models gemma,tiny] [--workloads 1,2,3,4,5,6]
+    python -m benchmarks.proxy [--models gemma,tiny] [--workloads 1,2,3,4,5,6]
 """
 
 from __future__ import annotations
@@ -52,12 +52,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import sippcache
+from harness.proxy_tools import LlamaServer, ProxyServer, free_port, llama_server_binary, settle
 from sippcache.chunks import usage
 from sippcache.demo.model import gemma_model_path
-from tests.proxy_tools import LlamaServer, ProxyServer, free_port, llama_server_binary, settle
 
 #: A grammar for the tiny model's answers: letters, which its byte-level vocabulary tokenizes back
 #: as generated (a generated space is a byte token; the space in a prompt, "▁"), as a real model's
@@ -392,7 +390,7 @@ def _saves(target: Target) -> str:
     """The proxy's slot saves and stored bytes per answer (its /metrics), once its writes settled."""
     import urllib.request
 
-    from tests.servers import parse_metrics
+    from harness.servers import parse_metrics
 
     def total(name: str, label: str = "") -> float:
         with urllib.request.urlopen(target.url + "/metrics", timeout=60) as response:
@@ -524,7 +522,7 @@ def main() -> int:
         tmp = Path(tmp_name)
         for name in args.models.split(","):
             if name == "tiny":
-                from tests.tinymodel import write_tiny_model
+                from harness.tinymodel import write_tiny_model
 
                 model, words, n_ctx = write_tiny_model(tmp / "tiny.gguf", n_ctx_train=16384), 600, 8192
                 body = {"grammar": TEXT_ONLY}  # random weights: keep answers to text that tokenizes back alike

@@ -17,7 +17,7 @@ Goals: a miss is 1 round trip and a hit 2 (the sync script, then the blob) at
 every size and prompt length, and the median time at 100,000 entries is at
 most 2x the time at 100. Exit status 1 if a goal is missed.
 
-    python benchmarks/redis_lookup.py [--reps 200] [--json]
+    python -m benchmarks.redis_lookup [--reps 200] [--json]
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ LMDB's zero-copy restore costs almost nothing, so Redis's ratio to it is the
 transfer of the entry over TCP (printed, no goal: about 7 ms for 15 MB here).
 Exit status 1 if a goal is missed.
 
-    python benchmarks/redis_restore.py            # table
-    python benchmarks/redis_restore.py --reps 3   # fewer warm repetitions
-    python benchmarks/redis_restore.py --json
+    python -m benchmarks.redis_restore            # table
+    python -m benchmarks.redis_restore --reps 3   # fewer warm repetitions
+    python -m benchmarks.redis_restore --json
 """
 
 from __future__ import annotations

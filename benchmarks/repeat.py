@@ -14,7 +14,7 @@ Time to first token runs from `prefill` (or `eval`) to the sampled token; the
 three must sample the same token. Goals: stored logits >= 400x faster than
 cold and >= 3x faster than restore + decode.
 
-    python benchmarks/repeat.py [--tokens 2000] [--runs 5] [--json]
+    python -m benchmarks.repeat [--tokens 2000] [--runs 5] [--json]
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from benchmarks import ROOT
 
 N_CTX = 4608
 TEXT = (
@@ -72,7 +74,8 @@ def child(model: str, mode: str, url: str, n: int) -> dict:
 
 def run_child(model: str, mode: str, url: str, n: int) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", model, mode, url, str(n)],
+        [sys.executable, "-m", __spec__.name, "--child", model, mode, url, str(n)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,

@@ -20,7 +20,7 @@ costs the same everywhere and is not counted. Goal: each shared set-up
 evaluates at most 60% of the prompt tokens the separate one does. Exit status
 1 if missed.
 
-    python benchmarks/replicas.py [--turns 8] [--json]
+    python -m benchmarks.replicas [--turns 8] [--json]
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ restart, has a time to first token at least 10x shorter than upstream's ram
 cache (mean of the round's turns); the round after the restart is warm (every
 turn restores at least 90% of its prompt from the store).
 
-    python benchmarks/serve.py [--json] [--rounds 6] [--conversations 4] [--system-tokens 1500] [--logits-all false]
+    python -m benchmarks.serve [--json] [--rounds 6] [--conversations 4] [--system-tokens 1500] [--logits-all false]
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks import ROOT
+
 N_CTX = 4096
 MAX_TOKENS = 32
 GOAL = 10.0

@@ -29,7 +29,7 @@ count <= 8, (c) >= 3x (a) in tokens per second and >= 1.5x (d)'s better
 setting, TTFT p95 <= (d)'s better one, and after the restart (c)'s TTFT p50 <=
 1/5 of (d)'s; at 1 client, (c) within 5% of (b).
 
-    python benchmarks/serve_parallel.py [--clients 1,4,8] [--turns 2] [--tokens 64] [--parallel 8]
+    python -m benchmarks.serve_parallel [--clients 1,4,8] [--turns 2] [--tokens 64] [--parallel 8]
                                         [--llama-server PATH] [--quick]
 
 ``--as-users-run-it`` runs instead the workload as a user sets it up (issue
@@ -58,11 +58,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from benchmarks import ROOT
 from sippcache.demo.model import gemma_model_path
 
-ROOT = Path(__file__).resolve().parent.parent
 #: Bans gemma's <eos> and <end_of_turn>, so every answer is exactly --tokens long.
 NO_END = {"1": -100, "106": -100}
 WORDS = (

@@ -55,9 +55,9 @@ save's goal line also gives its floor, the slot file read and removed alone); th
 Exit status 1 if a goal fails (unless --no-goals). Needs sippcache's ``proxy`` extra (httpx,
 starlette: `sippcache.proxy` imports them), not llama_cpp. Run it on an idle machine:
 
-    python benchmarks/state_path.py                            # 64M, 256M, 1G: a few GB of RAM
-    python benchmarks/state_path.py --sizes 16M --repeat 1     # a quick smoke test
-    python benchmarks/state_path.py --backends ram,lmdb,tiered --dir /var/tmp --json out.json
+    python -m benchmarks.state_path                            # 64M, 256M, 1G: a few GB of RAM
+    python -m benchmarks.state_path --sizes 16M --repeat 1     # a quick smoke test
+    python -m benchmarks.state_path --backends ram,lmdb,tiered --dir /var/tmp --json out.json
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ noise; the goal is "no worse"). Answers may part from whole states' only at a
 near-tie (the same tokens computed in other batches differ in their last bits: docs/proxy.md,
 "Chunked states"). Exit code 1 if one is missed:
 
-    python benchmarks/store_growth.py [--path proxy|dropin|pool|serve] [--model smollm2|tiny|gemma]
+    python -m benchmarks.store_growth [--path proxy|dropin|pool|serve] [--model smollm2|tiny|gemma]
         [--chunk-tokens 64[,128,...]] [--conversations 4] [--turns 5]
 """
 
@@ -54,12 +54,10 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import sippcache
+from harness.proxy_tools import ProxyServer, llama_server_binary, metric, settle
 from sippcache import chunks, frame
 from sippcache import stateformat as sf
-from tests.proxy_tools import ProxyServer, llama_server_binary, metric, settle
 
 WRITTEN_GOAL, KEPT_GOAL = 2.0, 1.3
 #: Time to first token against whole states', turn by turn: "no worse", up to the machine's noise.
@@ -193,7 +191,7 @@ class Run:
 def model_path(name: str, folder: Path) -> tuple[Path, dict[str, Any]]:
     """The model file, and the request options its answers need."""
     if name == "tiny":
-        from tests.tinymodel import write_tiny_model
+        from harness.tinymodel import write_tiny_model
 
         # Letters only: the byte-level vocabulary tokenizes them back as generated.
         return write_tiny_model(folder / "tiny.gguf", n_ctx_train=16384), {"grammar": "root ::= [a-z ]+"}
@@ -379,7 +377,7 @@ def run_serve(model: Path, folder: Path, chunk_tokens: int, conversations: int, 
     layout of `run_llama`, streamed."""
     from llama_cpp import Llama as Tokenizer
 
-    from tests.servers import Server
+    from harness.servers import Server
 
     url = f"lmdb://{folder}/serve-{chunk_tokens}"
     vocab = Tokenizer(model_path=str(model), vocab_only=True, verbose=False)

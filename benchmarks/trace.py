@@ -36,7 +36,7 @@ The replay is checked against the Mooncake README's own figures for plain LRU
 default reuses at least as many tokens as LRU on every workload at every
 budget; each is printed as PASS or FAIL, and the exit code is 1 if any fails.
 
-    python benchmarks/trace.py [--trace PATH] [--workloads mooncake,conversations]
+    python -m benchmarks.trace [--trace PATH] [--workloads mooncake,conversations]
                                [--budgets 1e6,3e6,1e7] [--seed 0] [--json]
 """
 

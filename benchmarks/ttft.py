@@ -21,7 +21,7 @@ path (`LlamaCache(url).bind(llm)` on the plain `Llama`, and with
 unbound cached call no slower than `LlamaRAMCache`'s; the bound ones >= 10x
 faster.
 
-    python benchmarks/ttft.py [--json] [--quick] [--dropin]
+    python -m benchmarks.ttft [--json] [--quick] [--dropin]
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from benchmarks import ROOT
 
 SIZES = (1000, 2000, 4000)
 N_CTX = 4608
@@ -98,7 +100,8 @@ def child_prefill(model: str, url: str, n: int) -> dict:
 
 def run_child(model: str, url: str, n: int) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", model, url, str(n)],
+        [sys.executable, "-m", __spec__.name, "--child", model, url, str(n)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,

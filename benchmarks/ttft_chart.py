@@ -24,7 +24,7 @@ machine); `--from-json` draws the chart again from the JSON without measuring. W
 defaults it took 15 and 19 minutes on 2 cores shared with other work (2026-11-27); `--runs 1`
 takes a third of that.
 
-    python benchmarks/ttft_chart.py [--sizes 500,1000,2000,4000] [--runs 3] [--no-server]
+    python -m benchmarks.ttft_chart [--sizes 500,1000,2000,4000] [--runs 3] [--no-server]
                                     [--out docs/ttft.svg] [--from-json docs/ttft.json]
 """
 
@@ -46,13 +46,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from benchmarks import ROOT
 from benchmarks.families import document, question, run_child
+from harness.proxy_tools import LlamaServer, ProxyServer, llama_server_binary, settle
 from sippcache.demo.model import gemma_model_path
-from tests.proxy_tools import LlamaServer, ProxyServer, llama_server_binary, settle
 
-ROOT = Path(__file__).resolve().parent.parent
 SIZES = (500, 1000, 2000, 4000)
 #: Context of every llama-server slot: the longest prompt and its answer fit.
 SERVER_CTX = 8192
@@ -244,7 +242,7 @@ def main() -> int:
         started = time.monotonic()
         rows = measure([int(s) for s in args.sizes.split(",") if s], args.runs, not args.no_server)
         data = {
-            "command": "python " + " ".join([Path(__file__).relative_to(ROOT).as_posix(), *sys.argv[1:]]),
+            "command": " ".join(["python -m", __spec__.name, *sys.argv[1:]]),
             "date": datetime.date.today().isoformat(),
             "machine": machine(),
             "model": gemma_model_path().name,

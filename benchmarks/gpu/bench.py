@@ -462,8 +462,7 @@ def start_proxy(
 
 
 def make_model(shape: str) -> dict | None:
-    sys.path.insert(0, HERE)
-    import mkmodel
+    import mkmodel  # beside this script, which Python puts first on sys.path
 
     need = 15 + mkmodel.describe(shape)["params"] * 2 / 0.5e9  # generous: 0.5 GB/s
     if skip(f"{shape}: model", need):

@@ -35,7 +35,6 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.environ.get("OUT") or os.path.join(os.getcwd(), "gpu-out")
 DEADLINE = float(os.environ.get("DEADLINE") or time.time() + 540)
 T0 = float(os.environ.get("T0") or time.time())
@@ -179,8 +178,7 @@ def run_step(kind: str, model: str, kv: str, n: int, url: str = "", rates: str =
 
 
 def make_model(shape: str) -> dict | None:
-    sys.path.insert(0, HERE)
-    import mkmodel
+    import mkmodel  # beside this script, which Python puts first on sys.path
 
     if skip(f"{shape}: model", 15 + mkmodel.describe(shape)["params"] * 2 / 0.5e9):
         return None

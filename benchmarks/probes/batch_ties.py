@@ -1,4 +1,8 @@
-"""How far llama.cpp's batched arithmetic moves a request's logits, and which tokens it flips.
+"""Decided: a request batched with others is held to its answer alone except at near-ties (a006c5c,
+which added this script beside --parallel's default): every token a batch flipped was at a small
+top-2 margin, so tests/test_serve_parallel.py checks the solo margin where the two texts part.
+
+How far llama.cpp's batched arithmetic moves a request's logits, and which tokens it flips.
 
 `sippcache serve --parallel` decodes several requests in one `llama_decode`. The
 quantized CPU kernels give results that depend on the shape of the batch (and
@@ -10,7 +14,7 @@ system prompt, each its own question) run one at a time, then all together;
 for each, the logits of every token both runs generated alike are compared,
 and at the first token that differs, the solo run's top-2 margin is recorded.
 
-    python benchmarks/batch_ties.py [--requests 8] [--tokens 64] [--rounds 3]
+    python -m benchmarks.probes.batch_ties [--requests 8] [--tokens 64] [--rounds 3]
 
 Printed: tokens compared, the largest and the 99th-percentile logit shift, how
 many requests flipped a token, and the solo margins at those flips. The figures
@@ -22,12 +26,9 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-from pathlib import Path
 
 import llama_cpp
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sippcache.demo.model import gemma_model_path
 from sippcache.llama import CacheOptions

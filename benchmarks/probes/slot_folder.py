@@ -1,4 +1,7 @@
-"""What a folder costs slot files: llama-server's save (a new file), and the proxy's read and removal of it.
+"""Decided: a slot folder on a tmpfs with huge pages is offered as a measured trade, not a default
+(75794ac: docs/proxy.md's "a RAM disk with huge pages"; the proxy's --staging-dir, 924ee7e).
+
+What a folder costs slot files: llama-server's save (a new file), and the proxy's read and removal of it.
 
 llama-server writes every slot save as a new file, in writes of a layer's rows (--piece); the
 proxy maps the file, reads it through, unmaps it and removes it. On a tmpfs with 4 KiB pages
@@ -12,7 +15,8 @@ removed) and after --pause seconds (a save after a quiet spell, as a chat's turn
 Per folder (--dirs; default /dev/shm and every tmpfs mounted with huge pages), alternating,
 medians of --repeat, against a memory copy of the same bytes in the same run:
 
-    python benchmarks/slot_folder.py [--dirs /dev/shm,/mnt/slots] [--size 256M] [--pause 3] [--repeat 3] [--no-goals]
+    python -m benchmarks.probes.slot_folder [--dirs /dev/shm,/mnt/slots] [--size 256M] [--pause 3] [--repeat 3]
+        [--no-goals]
         [--llama-server PATH --model GGUF [--tokens 4096]]
 
 With --llama-server, each folder also gets a llama-server of its own (its --slot-save-path),
@@ -39,15 +43,12 @@ import urllib.request
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from benchmarks.state_path import filesystem, parse_size, random_bytes
 from sippcache.engine.directory import huge_pages
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from state_path import filesystem, parse_size, random_bytes
 
 STAGES = ("save, back to back", "save, after the pause", "proxy: map, read, unmap, remove")
 #: With --llama-server: its own save (a new file of the prompt's state) and restore, each as it times it.

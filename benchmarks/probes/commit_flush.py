@@ -1,4 +1,7 @@
-"""What LMDB's flushes cost a state stored in chunks, on a disk.
+"""Decided: sippcache opens LMDB with ``MDB_NOMETASYNC``, one flush a commit instead of LMDB's two
+(986453c).
+
+What LMDB's flushes cost a state stored in chunks, on a disk.
 
 A state stored in chunks of 64 tokens is one LMDB commit a chunk (and one for its
 tail): 129 for 8,192 tokens, 513 for 32,768. With ``sync=true`` (the default) each
@@ -20,7 +23,7 @@ as in `state_path.py`) stored through `ChunkedStates.store` with
 and the flushes' cost per commit. Goal: one flush a commit at most as slow as
 two (a 5% margin for noise); exit status 1 if missed (unless --no-goals).
 
-    python benchmarks/commit_flush.py [--tokens 8192] [--repeat 5] [--dir PATH] [--no-goals]
+    python -m benchmarks.probes.commit_flush [--tokens 8192] [--repeat 5] [--dir PATH] [--no-goals]
 """
 
 from __future__ import annotations
@@ -32,16 +35,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import lmdb
 
 import sippcache
+from benchmarks.state_path import SLOT_VERSION, synthetic_state
 from sippcache.chunks import DEFAULT_CHUNK_TOKENS, ChunkedStates
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from state_path import SLOT_VERSION, synthetic_state
 
 #: (label, URL's sync option, LMDB's metasync): the settings, in the order they are timed.
 SETTINGS = (

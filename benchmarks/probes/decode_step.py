@@ -1,4 +1,7 @@
-"""What one batched decode step costs as requests are added: the default of ``--parallel``.
+"""Decided: `sippcache serve --parallel` defaults to 4 (a006c5c): a step of 4 requests gave 2.5x the
+tokens/s of 1, and 8 gave 3.1x for twice the KV (this script, f81a542, is that measurement).
+
+What one batched decode step costs as requests are added: the default of ``--parallel``.
 
 A step of `sippcache serve --parallel N` decodes the next token of every running
 request in one `llama_decode`, then samples each with its own chain (upstream's:
@@ -8,7 +11,7 @@ per second grow with N until the batch's own arithmetic takes over. This measure
 `sippcache.llama.batch.BatchEngine` for each N, in one process: N requests with
 200-token prompts decoding, the median of `--steps` steps.
 
-    python benchmarks/decode_step.py [--slots 1,2,4,8,16] [--steps 30] [--rounds 2]
+    python -m benchmarks.probes.decode_step [--slots 1,2,4,8,16] [--steps 30] [--rounds 2]
 
 Printed per N: decode and sampling time per step, tokens per second, against
 N = 1, and each request's time per output token.
@@ -20,11 +23,8 @@ import argparse
 import random
 import statistics
 import sys
-from pathlib import Path
 
 import llama_cpp
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sippcache.demo.model import gemma_model_path
 from sippcache.llama import CacheOptions

@@ -1,11 +1,15 @@
-"""The least time to first token any exact cache can reach on a chat turn, on gemma-3-270m.
+"""Decided: serve's round 3 stays short of 10x, and entries that can be cut anywhere were not built
+(ae28a0b): any exact cache's floor for a turn, 126 / 173 ms for 30 / 60 new tokens, is above the
+136 ms that 10x would need, and cutting anywhere would save two tokens (this script: dbfd16a).
+
+The least time to first token any exact cache can reach on a chat turn, on gemma-3-270m.
 
 A turn whose prompt matches a stored entry up to its last k tokens costs at
 least: restoring the entry, evaluating the k new tokens (2 batch threads, as
 `sippcache serve` and upstream's server run the model), and one single-token
 decode (upstream's streaming holds back this model's first answer token, `<`,
 a prefix of the stop string `</s>`, so every server decodes a second token
-before the first chunk). `benchmarks/serve.py`'s 10x goal against upstream's
+before the first chunk). `benchmarks.serve`'s 10x goal against upstream's
 ram cache needs sippcache's time to first token at most a tenth of the ram
 cache's; this prints the floor for k = 30 (a usual turn) and k = 60 (a turn
 whose previous answer came back re-tokenized from its second token) and the
@@ -14,7 +18,7 @@ largest ram-cache TTFT for which 10x is then out of reach.
 Goal: the restore and evaluation behave (the context holds exactly the
 restored positions, each evaluation adds exactly k); exit code 1 otherwise.
 
-    python benchmarks/turn_floor.py [--context 1761] [--runs 5] [--json]
+    python -m benchmarks.probes.turn_floor [--context 1761] [--runs 5] [--json]
 """
 
 from __future__ import annotations

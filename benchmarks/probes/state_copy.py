@@ -1,4 +1,7 @@
-"""Copying a sequence state out of llama.cpp (the llama-cpp-python layer's save): into new memory
+"""Decided: snapshots are copied out of llama.cpp into buffers used before, not new memory (f1a3a35:
+`StateBuffers`, each reserved at twice its state; a 268-352 MB state in 37-60 ms, was 198-301 ms).
+
+Copying a sequence state out of llama.cpp (the llama-cpp-python layer's save): into new memory
 against into a buffer used before (`sippcache.buffers.StateBuffers`), and a memory copy of the same bytes.
 
 A snapshot is copied out of the context on the thread that computes (the next prefill waits for
@@ -8,14 +11,14 @@ project's CPU machines several times the copy itself. So snapshots are copied in
 are given back once stored, each reserved at twice its state, so that a conversation's next,
 longer state fits the same pages.
 
-A KV-heavy, compute-light generated model (`gpu/mkmodel.py`'s "wide": 64 KiB of K/V a token,
+A KV-heavy, compute-light generated model (`benchmarks/gpu/mkmodel.py`'s "wide": 64 KiB of K/V a token,
 flash attention on) is run as a conversation: a 4,096-token prompt, then turns of 256 tokens;
 after each, the state is copied both ways (alternating, median of --repeat) and a warm memory
 copy of as many bytes is the anchor. Goals: the copy into a used buffer at least 0.3x a memory
 copy (issue 29's floor for sippcache's part of a save) and at least 2x faster than into new
 memory, on the median turn.
 
-    python benchmarks/state_copy.py [--turns 5] [--repeat 5]
+    python -m benchmarks.probes.state_copy [--turns 5] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -31,11 +34,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
-
-import mkmodel
-
+from benchmarks.gpu import mkmodel
 from sippcache.buffers import StateBuffers
 from sippcache.llama import states
 
