@@ -9,7 +9,7 @@
 - README's test command is the one `.ci/run` runs, and the chart the README shows is the
   generated one, with the command that regenerates it;
 - every page with a `sippcache` command is one tests/test_doc_commands.py runs, and every
-  `python benchmarks/NAME.py` a page spells names a script that takes the options given.
+  `python -m benchmarks.NAME` a page spells names a module that takes the options given.
 
 These read files only: no model, no server.
 """
@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 BENCHMARKS_LOG = ROOT / "docs" / "benchmarks-log.md"
+#: What names a benchmark's (or a probe's) command on a page.
+BENCHMARK_COMMAND = "python -m benchmarks."
 #: Every page whose links are checked.
 PAGES = [README, ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -170,7 +172,7 @@ def figures_against_their_sections(text: str, where: str) -> list[str]:
         for figure in figures(text)
         if not holds(section, figure)
     ]
-    if not re.search(r"(python benchmarks/\w+\.py|sippcache demo|bash benchmarks/gpu/)", section):
+    if not re.search(r"(python -m benchmarks(\.\w+)+|sippcache demo|bash benchmarks/gpu/)", section):
         problems.append(f"#{anchor}: the section spells no command")
     return problems
 
@@ -239,19 +241,19 @@ _DATE = re.compile(r"20\d\d-\d\d-\d\d")
 
 
 def test_each_benchmark_has_a_section_with_date_machine_and_goals() -> None:
-    """docs/benchmarks.md, the summary: a section per script in benchmarks/, naming its command,
-    with the date of its last run, listed in the table of goals, and linking to the section of
-    the same name in docs/benchmarks-log.md, which keeps every run (each section dated there too).
-    Both pages name the machines; the summary stays a summary."""
-    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+    """docs/benchmarks.md, the summary: a section per module in benchmarks/ and benchmarks/probes/,
+    naming its command, with the date of its last run, listed in the table of goals, and linking
+    to the section of the same name in docs/benchmarks-log.md, which keeps every run (each section
+    dated there too). Both pages name the machines; the summary stays a summary."""
+    scripts = benchmark_modules()
     for page in (BENCHMARKS, BENCHMARKS_LOG):
         text = page.read_text()
-        missing = [s for s in scripts if f"python benchmarks/{s}" not in text]
+        missing = [s for s in scripts if not re.search(rf"python -m {re.escape(s)}(?![\w.])", text)]
         assert not missing, f"no command for {missing} in {page.name}"
         undated = [
             anchor
             for anchor, section in benchmark_sections(level=2, page=page).items()
-            if "python benchmarks/" in section and not _DATE.search(section)
+            if BENCHMARK_COMMAND in section and not _DATE.search(section)
         ]
         assert not undated, f"sections of {page.name} with a command but no date: {undated}"
         assert "cores" in text and "Xeon" in text, page.name
@@ -263,7 +265,7 @@ def test_each_benchmark_has_a_section_with_date_machine_and_goals() -> None:
     log_anchors = anchors(BENCHMARKS_LOG)
     problems = []
     for anchor, section in benchmark_sections(level=2, leaves=True).items():
-        if "python benchmarks/" not in section:
+        if BENCHMARK_COMMAND not in section:
             continue
         if anchor not in listed:
             problems.append(f"#{anchor} is not in the table of goals")
@@ -287,7 +289,7 @@ def test_the_chart_is_generated_and_shown() -> None:
     readme = README.read_text()
     assert "](docs/ttft.svg)" in readme
     for page in (README, BENCHMARKS):
-        assert "python benchmarks/ttft_chart.py" in page.read_text(), page.name
+        assert "python -m benchmarks.ttft_chart" in page.read_text(), page.name
     assert "<svg" in chart.read_text()[:2000]
 
 
@@ -305,17 +307,25 @@ def test_pages_with_sippcache_commands_are_the_ones_run() -> None:
             assert page in COMMAND_PAGES, f"{page.name} spells {spelled} but test_doc_commands.py does not run it"
 
 
-_BENCH_COMMAND = re.compile(r"python (benchmarks/\w+\.py)((?: [\[\]\w,.:/=|-]+)*)")
+#: A module's name in lower case: `python -m benchmarks.NAME` in prose names none.
+_BENCH_COMMAND = re.compile(r"python -m (benchmarks(?:\.[a-z_][a-z0-9_]*)+)((?: [\[\]\w,.:/=|-]+)*)")
+
+
+def benchmark_modules() -> list[str]:
+    """Every benchmark's and probe's module name (benchmarks.ttft, benchmarks.probes.turn_floor)."""
+    folder = ROOT / "benchmarks"
+    paths = [*folder.glob("*.py"), *(folder / "probes").glob("*.py")]
+    return sorted(".".join(p.relative_to(ROOT).with_suffix("").parts) for p in paths if not p.name.startswith("_"))
 
 
 def test_benchmark_commands_name_real_scripts_and_options() -> None:
-    """Every `python benchmarks/NAME.py --option` in the pages names a script that exists and
+    """Every `python -m benchmarks.NAME --option` in the pages names a module that exists and
     an option its argument parser declares."""
     problems = []
     for page in PAGES:
         text = " ".join(page.read_text().split())
         for script, rest in _BENCH_COMMAND.findall(text):
-            path = ROOT / script
+            path = ROOT.joinpath(*script.split(".")).with_suffix(".py")
             if not path.is_file():
                 problems.append(f"{page.name}: {script} does not exist")
                 continue
