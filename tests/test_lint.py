@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: The installed code: the package and the Redis plugin's package.
 TYPED = ["sippcache", "plugins/sippcache-redis/sippcache_redis"]
 #: Everything of ours that is Python.
-LINTED = ["sippcache", "plugins", "tests", "benchmarks"]
+LINTED = ["sippcache", "plugins", "tests", "harness", "benchmarks"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
