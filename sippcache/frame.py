@@ -40,7 +40,7 @@ from .errors import CorruptEntry, UnsupportedEntry
 from .protocol import Blob
 
 if TYPE_CHECKING:
-    from .buffers import StateBuffers
+    from .state.buffers import StateBuffers
 
 MAGIC = b"SIPPKV\r\n"
 FORMAT_VERSION = 2

@@ -199,7 +199,7 @@ class CacheBackend(Protocol):
     ) -> list[Match]:
         """The entries stored under exactly ``tokens[:n]`` for each `n` of `lengths` (ascending,
         from 1 to ``len(tokens)``), in that order, up to the first one not stored: a chain of
-        chunks (`sippcache.chunks`) read in one call, not one lookup each (one read snapshot
+        chunks (`sippcache.state.chunks`) read in one call, not one lookup each (one read snapshot
         locally, one round trip to a server). Each match is released on its own; each hit
         counts as a use unless `touch` is False."""
 
@@ -238,7 +238,7 @@ class CacheBackend(Protocol):
 
     def namespaces(self) -> list[str]:
         """The namespaces holding at least one entry, sorted: a store's tenants (and its chunk
-        namespaces, `sippcache.chunks`) without listing every entry of each."""
+        namespaces, `sippcache.state.chunks`) without listing every entry of each."""
 
     def close(self) -> None:
         """Release files and memory; the handle is unusable afterwards."""

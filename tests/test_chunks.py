@@ -1,9 +1,9 @@
-"""sippcache.chunks on real llama.cpp states (llama-cpp-python, the tiny generated models).
+"""sippcache.state.chunks on real llama.cpp states (llama-cpp-python, the tiny generated models).
 
 A state stored as chunks and a tail comes back byte for byte; a second state sharing a prefix
 writes only its new chunks and its tail; four conversations over one system prompt store it once;
 a chunk gone under a reader gives the shorter run, never other bytes; whole entries (the proxy's
-before chunks, and what stateformat cannot cut) restore as they did. Every state is computed in
+before chunks, and what `sippcache.state` cannot cut) restore as they did. Every state is computed in
 batches that end at multiples of the chunk size, so two states sharing a prefix have the same K/V
 bytes for it (llama.cpp's values depend on the batch split: test_stateformat.py).
 """
@@ -30,9 +30,10 @@ import xxhash
 import sippcache
 from harness import tinymodel
 from harness.llama_tools import ROOT, last_logits, reference_logits
-from sippcache import chunks, frame
-from sippcache import stateformat as sf
+from sippcache import frame
+from sippcache import state as sf
 from sippcache.errors import CorruptEntry
+from sippcache.state import chunkentries, chunks
 from tests.test_llama_tiny import assert_close
 
 C = 64  # tokens a chunk: small, so that a few hundred tokens make a chain
@@ -98,8 +99,8 @@ def states(cache: sippcache.CacheBackend, **options: Any) -> chunks.ChunkedState
 def entries(cache: sippcache.CacheBackend) -> tuple[list[sippcache.EntryInfo], list[sippcache.EntryInfo]]:
     """(chunk entries, tail and whole entries)."""
     listed = list(cache.entries())
-    return [e for e in listed if chunks.is_chunk_namespace(e.namespace)], [
-        e for e in listed if not chunks.is_chunk_namespace(e.namespace)
+    return [e for e in listed if chunkentries.is_chunk_namespace(e.namespace)], [
+        e for e in listed if not chunkentries.is_chunk_namespace(e.namespace)
     ]
 
 
@@ -434,14 +435,11 @@ def test_checks_meanwhile_are_shared_among_the_spare_cores(
 ) -> None:
     """On a host with cores to spare the payload checks run on several threads at once
     (`check_threads`): their answer is every part's, a damaged chunk in any part fails it."""
-    monkeypatch.setattr(chunks.os, "cpu_count", lambda: 16)
-    monkeypatch.setattr(sf.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert chunks.check_threads() == chunks.CHECK_THREADS == 4
-    monkeypatch.setattr(chunks.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(sf.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert chunks.check_threads() == 1  # the caller and one gather helper take both cores
-    monkeypatch.setattr(chunks.os, "cpu_count", lambda: 16)
-    monkeypatch.setattr(sf.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
     tokens = prompt(500)
     data = state_of(llm, tokens)
     store = states(cache)
@@ -579,9 +577,9 @@ def test_a_chunk_frame_holds_its_own_tokens_and_the_chained_digest_of_its_key(
         with cache.lookup(entry.key, namespace=entry.namespace) as match:
             decoded = frame.decode(match.blob)
             assert decoded.tokens == tuple(entry.key[-C:])
-            assert chunks.chunk_matches_key(decoded, entry.key)
-            assert not chunks.chunk_matches_key(decoded, [*entry.key[:-1], entry.key[-1] ^ 1])
-            assert not chunks.chunk_matches_key(decoded, [entry.key[0] ^ 1, *entry.key[1:]])
+            assert chunkentries.chunk_matches_key(decoded, entry.key)
+            assert not chunkentries.chunk_matches_key(decoded, [*entry.key[:-1], entry.key[-1] ^ 1])
+            assert not chunkentries.chunk_matches_key(decoded, [entry.key[0] ^ 1, *entry.key[1:]])
             del decoded
     url = f"lmdb://{tmp_path}/verify"
     with sippcache.open(url) as disk:
@@ -610,7 +608,7 @@ def test_stats_shows_what_chunked_states_take_against_their_distinct_tokens(llm:
         for first, second in zip(chats, turns, strict=True):
             whole.store(first, state_of(llm, first), namespace="whole")
             whole.store(second, state_of(llm, second), namespace="whole")
-        (use,) = chunks.usage(cache.entries())
+        (use,) = chunkentries.usage(cache.entries())
     distinct = 256 + 4 * 70
     assert (use.namespace, use.states, use.distinct_tokens) == (NS, 4, distinct)
     assert use.chunks == 4 + 4  # the system prompt's 4 chunks once, and each conversation's 5th
@@ -662,7 +660,7 @@ _WRITER = """
 import sys
 sys.path.insert(0, sys.argv[2])
 import sippcache
-from sippcache import chunks
+from sippcache.state import chunks
 from tests.test_chunks import conversation, token_state
 with sippcache.open(sys.argv[1]) as cache:
     store = chunks.ChunkedStates(cache, fingerprint="fp", kind="test.seq", chunk_tokens=16)
@@ -725,7 +723,7 @@ def test_under_a_budget_no_chunk_outlives_the_chunk_before_it() -> None:
                 if back is not None:
                     back.release()
         assert cache.stats().evictions > 100
-        held = {tuple(e.key) for e in cache.entries() if chunks.is_chunk_namespace(e.namespace)}
+        held = {tuple(e.key) for e in cache.entries() if chunkentries.is_chunk_namespace(e.namespace)}
         tails = [tuple(e.key) for e in cache.entries(namespace="ns")]
     assert held and all(key[:-16] in held for key in held if len(key) > 16)
     assert len(tails) >= 10

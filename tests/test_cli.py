@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 import sippcache
-from sippcache import chunks, frame
+from sippcache import frame
 from sippcache.cli.output import short_size
+from sippcache.state import chunkentries, chunks
 from tests.test_chunks import conversation, token_state
 
 # The console script pip installed beside this interpreter (not whatever is first on PATH).
@@ -244,7 +245,7 @@ def test_stats_and_ls_take_any_namespace_that_looks_like_chunks(tmp_path: Path) 
     to `str.isdigit`, not to `int`) is listed, not a crash."""
     url = f"lmdb://{tmp_path}/store"
     with sippcache.open(url) as cache:
-        cache.store([1, 2, 3], b"abc", namespace=f"x{chunks.NAMESPACE_MARK}\u00b2/y")
+        cache.store([1, 2, 3], b"abc", namespace=f"x{chunkentries.NAMESPACE_MARK}\u00b2/y")
         cache.store([1, 2], b"ab", namespace="x")
     info = run_json("stats", url)
     assert info["entries"] == 2
@@ -359,7 +360,7 @@ def store_conversations(url: str, chats: range, *, namespace: str = PLAIN_NS, ch
 def chunk_sizes(url: str) -> dict[tuple[int, ...], int]:
     """The key and size of every chunk entry in the store (one chunk namespace)."""
     with sippcache.open(url) as cache:
-        listed = [e for e in cache.entries() if chunks.is_chunk_namespace(e.namespace)]
+        listed = [e for e in cache.entries() if chunkentries.is_chunk_namespace(e.namespace)]
     assert len({e.namespace for e in listed}) == 1
     return {e.key: e.size for e in listed}
 
@@ -391,7 +392,7 @@ def test_ls_shows_each_state_with_its_chain_and_the_chunks_it_shares(tmp_path: P
     # A chunk gone mid-chain (conversation 0's 11th): a restore stops before it, so ls does too.
     with sippcache.open(url) as cache:
         assert cache.delete(chats[1], namespace=PLAIN_NS)
-        namespace = next(e.namespace for e in cache.entries() if chunks.is_chunk_namespace(e.namespace))
+        namespace = next(e.namespace for e in cache.entries() if chunkentries.is_chunk_namespace(e.namespace))
         assert cache.delete(chats[0][: 11 * CHUNK], namespace=namespace)
     held = chunk_sizes(url)
     *rows, orphans = run_json("ls", url)

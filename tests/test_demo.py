@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import sippcache
-from sippcache.chunks import is_chunk_namespace
+from sippcache.state.chunkentries import is_chunk_namespace
 
 pytestmark = pytest.mark.gemma
 SCRIPT = Path(sys.executable).with_name("sippcache")

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sippcache import CorruptEntry, frame
-from sippcache.buffers import StateBuffers
+from sippcache.state.buffers import StateBuffers
 
 FIELDS = dict(fingerprint="model-abc", kind="llama.seq", versions={"llama_cpp": "0.3.36"}, meta={"n_ctx": 2048})
 

@@ -1,5 +1,5 @@
 """The llama-cpp-python layer restores a stored state only where it beats computing (`restore="auto"`):
-decided from llama.cpp's own prefill timings and the restores done (`sippcache.rates`). Here the rates
+decided from llama.cpp's own prefill timings and the restores done (`sippcache.state.rates`). Here the rates
 are preset to each side of the rule, and what llama.cpp evaluated (its own counters) shows which way
 it went; the logits are the never-cached path's either way."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from harness.llama_tools import last_logits, reference_logits, start_counting, tokens_evaluated
 from sippcache.llama import CacheOptions, PrefixCache, seqcache
-from sippcache.rates import MODE_ENVIRONMENT_VARIABLE, RATES_DIR_ENVIRONMENT_VARIABLE, mode_from_environment
+from sippcache.state.rates import MODE_ENVIRONMENT_VARIABLE, RATES_DIR_ENVIRONMENT_VARIABLE, mode_from_environment
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

@@ -16,9 +16,10 @@ import pytest
 
 import sippcache
 from harness.llama_tools import last_logits, prefill_in_new_process, reference_logits
-from sippcache import chunks, frame
+from sippcache import frame
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama import LlamaCache, PrefixCache
+from sippcache.state import chunkentries
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -201,7 +202,7 @@ def test_a_damaged_chunk_found_while_joining_is_a_miss_and_dropped(make_llama, t
     with PrefixCache(make_llama(tiny_model), cache) as pc:
         pc.prefill(tokens)
         pc.flush()
-    at = next(e.namespace for e in cache.entries() if chunks.is_chunk_namespace(e.namespace))
+    at = next(e.namespace for e in cache.entries() if chunkentries.is_chunk_namespace(e.namespace))
     flip_a_byte(cache, tokens[:128], at, -5)
     assert_a_miss_that_drops_one(make_llama, tiny_model, cache, tokens)
     with cache.lookup(tokens[:128], namespace=at) as again:  # type: ignore[union-attr]
@@ -247,7 +248,7 @@ def test_entries_are_framed_sequence_states(make_llama, tiny_model, chunk_tokens
     parts = [frame.decode(cache.lookup(e.key, namespace=e.namespace).blob) for e in cache.entries()]
     if chunk_tokens:
         assert entry.kind == "llama.seq.tail"
-        chunk_entries = [e for e in cache.entries() if chunks.is_chunk_namespace(e.namespace)]
+        chunk_entries = [e for e in cache.entries() if chunkentries.is_chunk_namespace(e.namespace)]
         assert sorted(len(e.key) for e in chunk_entries) == [128, 256]
         assert {p.kind for p in parts} == {"llama.seq.tail", "llama.seq.chunk"}
     else:
@@ -266,7 +267,7 @@ def test_checkpoints_and_min_tokens(make_llama, tiny_model, chunk_tokens) -> Non
         pc.prefill(prompt(5, seed=9))  # shorter than min_tokens: nothing stored
         pc.flush()
         assert pc.stats()["entries_written"] == 4
-        states = sorted(len(e.key) for e in cache.entries() if not chunks.is_chunk_namespace(e.namespace))
+        states = sorted(len(e.key) for e in cache.entries() if not chunkentries.is_chunk_namespace(e.namespace))
     assert states == ([256, 512, 768, 999] if not chunk_tokens else [999])
 
 

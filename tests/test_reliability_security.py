@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 import sippcache
 from harness.llama_tools import last_logits, reference_logits
 from sippcache import CorruptEntry, SippcacheError, frame
-from sippcache.chunks import is_chunk_namespace
+from sippcache.state.chunkentries import is_chunk_namespace
 from tests.reliability_tools import SLOW
 
 SCRIPT = Path(sys.executable).with_name("sippcache")

@@ -11,7 +11,7 @@ import pytest
 
 import sippcache
 from harness.servers import briefed, delta
-from sippcache.chunks import NAMESPACE_MARK
+from sippcache.state.chunkentries import NAMESPACE_MARK
 
 pytestmark = pytest.mark.gemma
 

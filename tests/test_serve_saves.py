@@ -28,7 +28,6 @@ import pytest
 
 import sippcache
 from harness.servers import Server
-from sippcache import chunks
 from sippcache.llama import CacheOptions
 from sippcache.llama.batch import BatchEngine, Job
 from sippcache.llama.fingerprint import llama_fingerprint
@@ -36,6 +35,7 @@ from sippcache.llama.pool import Sampling
 from sippcache.llama.seqcache import SequenceCache
 from sippcache.llama.states import MemoryKind
 from sippcache.server.settings import ModelOptions, ServeError
+from sippcache.state import chunkentries
 
 SLOT_CTX = 512
 MAX_TOKENS = 16
@@ -187,7 +187,7 @@ def test_chunk_tokens_sets_how_the_server_stores_states(
     assert server.stop() == 0
     with sippcache.open(store) as cache:
         spaces = {e.namespace for e in cache.entries()}
-    sizes = {parts[1] for ns in spaces if (parts := chunks.chunk_namespace_parts(ns)) is not None}
+    sizes = {parts[1] for ns in spaces if (parts := chunkentries.chunk_namespace_parts(ns)) is not None}
     assert sizes == ({chunk_tokens} if chunk_tokens else set()) and len(spaces) == len(sizes) + 1, spaces
 
     again = serve(servers, tiny_model, store, "--chunk_tokens", str(chunk_tokens))
@@ -298,7 +298,7 @@ def test_a_completion_ends_its_job_with_its_answer_however_late_its_reader(tiny_
         proxy.free()  # its scheduler parks both slots in the store, as a stop does
         pool.close()
     with sippcache.open(store) as cache:
-        keys = [e.key for e in cache.entries() if chunks.chunk_namespace_parts(e.namespace) is None]
+        keys = [e.key for e in cache.entries() if chunkentries.chunk_namespace_parts(e.namespace) is None]
     # Stored: the prompt's end (a new prompt) and, parked, the slot: the prompt and the answer but
     # its last token (sampled, never evaluated). Nothing beyond what the reader heard.
     assert sorted(map(len, keys)) == [len(heard) - MAX_TOKENS, len(heard) - 1], (len(heard), keys)

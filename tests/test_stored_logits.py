@@ -25,9 +25,10 @@ import pytest
 
 import sippcache
 from harness.llama_tools import last_logits
-from sippcache import chunks, frame
+from sippcache import frame
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama import LlamaCache, PrefillResult, PrefixCache
+from sippcache.state import chunkentries
 
 #: Sampler settings a caller may use; `seed` is set on the model first.
 SAMPLERS: dict[str, dict[str, Any]] = {
@@ -414,7 +415,7 @@ def test_pinned_prompt_survives_a_flood(make_llama, tiny_model) -> None:
         pc.flush()
         assert cache.stats().evictions > 10
         pinned = [e for e in cache.entries() if e.pinned]  # the prompt's tail and its chain of chunks
-        assert sorted((chunks.is_chunk_namespace(e.namespace), len(e.key)) for e in pinned) == [
+        assert sorted((chunkentries.is_chunk_namespace(e.namespace), len(e.key)) for e in pinned) == [
             (False, 400),
             *((True, n) for n in range(64, 400, 64)),
         ]

@@ -15,13 +15,13 @@ from rich.console import Console
 from rich.filesize import decimal as human_size
 from rich.table import Table
 
-from .. import chunks as _chunks
 from .. import frame as _frame
 from .. import tokens as _tokens
 from ..base import BaseBackend
 from ..protocol import CacheBackend, EntryInfo
 from ..registry import backends as list_backends
 from ..registry import redact_url
+from ..state import chunkentries
 from .absent import AbsentStore
 from .errors import one_line_errors, open_store
 from .output import (
@@ -106,7 +106,7 @@ def stats(url: str | None, cache_option: str | None, as_json: bool) -> None:
             counts = per_namespace.setdefault(entry.namespace, [0, 0])
             counts[0] += 1
             counts[1] += entry.size
-    chunked = _chunks.usage(listed)
+    chunked = chunkentries.usage(listed)
     namespaces: list[NamespaceRow] = []
     for namespace, (count, size) in sorted(per_namespace.items()):
         model, scope = split_namespace(namespace)
@@ -287,13 +287,13 @@ class _Chained:
 
 def _selected(cache: CacheBackend, namespace: str | None) -> list[EntryInfo]:
     """Every entry, least recently used first; with `namespace`, those of it and of its chunk
-    namespaces (the chunks its states are restored with live apart: `chunks.chunk_namespace`)."""
+    namespaces (the chunks its states are restored with live apart: `chunkentries.chunk_namespace`)."""
     listed = list(cache.entries())
     if namespace is None:
         return listed
 
     def wanted(entry: EntryInfo) -> bool:
-        owner = _chunks.chunk_namespace_parts(entry.namespace)
+        owner = chunkentries.chunk_namespace_parts(entry.namespace)
         return entry.namespace == namespace if owner is None else owner[0] == namespace
 
     return [entry for entry in listed if wanted(entry)]
@@ -304,12 +304,12 @@ def _chains(listed: list[EntryInfo]) -> tuple[list[_Chained], list[EntryInfo]]:
     reads it: the chunks under its first k*C tokens for k = 1, 2, ... while listed and k*C is
     less than its tokens, in a chunk namespace of its own namespace (of several, other sizes or
     layouts, the one holding most of it); and the chunk entries no state's chain holds. From the
-    listing alone, as `chunks.usage`: no entry is read, so ``ls`` costs what it always did."""
+    listing alone, as `chunkentries.usage`: no entry is read, so ``ls`` costs what it always did."""
     held: dict[str, dict[bytes, EntryInfo]] = {}  # chunk namespace -> its entries by key bytes
     sizes: dict[str, list[tuple[str, int]]] = {}  # a states' namespace -> (chunk namespace, C)
     states: list[EntryInfo] = []
     for entry in listed:
-        owner = _chunks.chunk_namespace_parts(entry.namespace)
+        owner = chunkentries.chunk_namespace_parts(entry.namespace)
         if owner is None:
             states.append(entry)
             continue
@@ -453,8 +453,8 @@ def _check_entry(cache: CacheBackend, entry: EntryInfo, secret: bytes | None) ->
             decoded = _frame.decode(match.blob, secret=secret)
         except Exception as exc:  # any failure to parse the blob makes the entry unusable
             return str(exc) or type(exc).__name__
-        if _chunks.is_chunk_namespace(entry.namespace):
-            same = _chunks.chunk_matches_key(decoded, entry.key)
+        if chunkentries.is_chunk_namespace(entry.namespace):
+            same = chunkentries.chunk_matches_key(decoded, entry.key)
         else:
             same = decoded.tokens == tuple(entry.key)
         del decoded  # its sections are views of the blob

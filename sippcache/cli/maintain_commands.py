@@ -10,12 +10,12 @@ import click
 from rich.filesize import decimal as human_size
 from rich.progress import Progress
 
-from ..chunks import pin_chain
 from ..errors import CacheFull
 from ..eviction import DEFAULT_POLICY
 from ..frame import secret_from_environment
 from ..protocol import CacheBackend, EntryInfo
 from ..registry import redact_url
+from ..state.chunkentries import pin_chain
 from .errors import CLIError, one_line_errors, open_store, same_store
 from .output import ID_LENGTH, byte_progress, echo_json, entries, entry_id
 from .params import json_option, parse_age, parse_size, resolve_url, url_argument

@@ -144,7 +144,7 @@ class PrefixCache:
         self.min_tokens, self.checkpoint_interval = options.min_tokens, options.checkpoint_interval
         self.secret, self.memory_kind = self._states.secret, self._states.kind
         #: The measured prefill and restore rates that decide whether a stored state is restored
-        #: (`CacheOptions.restore`; `sippcache.rates`), this cache's one place being "".
+        #: (`CacheOptions.restore`; `sippcache.state.rates`), this cache's one place being "".
         self.rates = self._states.rates
         #: The file the rates are kept in for the next process at the same place
         #: (`CacheOptions.rates_dir`), or None where they are not kept.

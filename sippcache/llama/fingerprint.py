@@ -5,7 +5,7 @@ same model with another K/V cache type, attention kernel, LoRA adapter or
 library version. The fingerprint is a hash over all of those, and it is part
 of every cache namespace, so a mismatch is a plain miss.
 
-The model file is identified by `sippcache.modelfile.file_digest` (its size,
+The model file is identified by `sippcache.state.modelfile.file_digest` (its size,
 head and tail), without reading a multi-GB file.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import xxhash
 
-from ..modelfile import file_digest
+from ..state.modelfile import file_digest
 
 #: The version of what a namespace's entries mean. Bump it only when entries
 #: written before must become invisible; a new frame format that still reads the
@@ -59,7 +59,7 @@ def llama_fingerprint(llm: Any) -> Fingerprint:
 def speed_facts(llm: Any) -> str:
     """What, beside the fingerprint, sets how fast a `llama_cpp.Llama` computes a prompt and loads
     a state: the host, where its layers and K/V run, its threads and batch sizes. Rates measured
-    under other facts (`sippcache.rates`) are not this one's."""
+    under other facts (`sippcache.state.rates`) are not this one's."""
     model, context = llm.model_params, llm.context_params
     facts = {
         "host": socket.gethostname(),

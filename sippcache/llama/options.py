@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from ..chunks import DEFAULT_CHUNK_TOKENS
 from ..frame import Secret
-from ..rates import MODES, Mode
+from ..state.chunks import DEFAULT_CHUNK_TOKENS
+from ..state.rates import MODES, Mode
 
 __all__ = [
     "DEFAULT_CHECKPOINT_INTERVAL",
@@ -58,16 +58,16 @@ class CacheOptions:
       It is left out of `repr`;
     - `restore`: ``"auto"`` restores a stored state only where loading it is
       expected to beat computing its tokens, from the rates this cache measures
-      (`sippcache.rates`: on a CPU restoring always wins; on a fast GPU it may
+      (`sippcache.state.rates`: on a CPU restoring always wins; on a fast GPU it may
       not); ``"always"``; ``"never"`` (states are still stored); None:
       ``SIPPCACHE_RESTORE``, read when the cache is made, else ``"auto"``;
     - `rates_dir`: the folder where those rates are kept for the next process
       with the same model, settings and store on this host, so a restart does
       not restore blindly until it has measured again; None:
       ``SIPPCACHE_RATES_DIR``, else ``rates/`` in the user cache folder
-      (`sippcache.rates.rates_dir`); ``""``: not kept;
+      (`sippcache.state.rates.rates_dir`); ``""``: not kept;
     - `chunk_tokens`: states are stored as chunks of that many tokens and a tail
-      (`sippcache.chunks`: a chat's next turn writes about its own tokens, and a
+      (`sippcache.state.chunks`: a chat's next turn writes about its own tokens, and a
       prompt shared by many conversations is stored once); 0 stores every state
       whole. States llama.cpp's format cannot be cut in (recurrent and hybrid
       models) are stored whole whatever it says.

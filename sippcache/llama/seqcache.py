@@ -7,7 +7,7 @@ follow the same rules and keep the same counters:
 - every call to the store is one that never fails a request: a backend error
   is logged, counted and answered as a miss;
 - candidates are peeked at first and only the entry restored is fetched;
-- a restored entry must check out (`sippcache.chunks.ChunkedStates.restore`), hold
+- a restored entry must check out (`sippcache.state.chunks.ChunkedStates.restore`), hold
   exactly its key's positions, and is cut back only where the model's memory
   (`states.MemoryKind`) can be cut exactly: anywhere with full attention, by one
   token with a sliding window, never for recurrent and hybrid models;
@@ -39,15 +39,16 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
-from .. import buffers, helpers
+from .. import helpers
 from .. import tokens as _tokens
-from ..buffers import StateBuffers
-from ..chunks import Assembled, ChunkedStates
 from ..errors import CorruptEntry, UnsupportedEntry
 from ..frame import secret_from_environment
 from ..protocol import CacheBackend, Peek
-from ..rates import RestoreRates, mode_from_environment, rates_dir, rates_file
 from ..registry import open as open_cache
+from ..state import buffers
+from ..state.buffers import StateBuffers
+from ..state.chunks import Assembled, ChunkedStates
+from ..state.rates import RestoreRates, mode_from_environment, rates_dir, rates_file
 from . import layout, states
 from .fingerprint import Fingerprint
 from .options import CacheOptions
@@ -106,7 +107,7 @@ class PrefixStats:
     backend_errors: int = 0  # lookups and deletes that failed (the request went on uncached)
     write_failures: int = 0  # background stores that failed
     #: Stored states that would have given more tokens but were not restored, the sum of the
-    #: skipped_* reasons below (`CacheOptions.restore`, `sippcache.rates`).
+    #: skipped_* reasons below (`CacheOptions.restore`, `sippcache.state.rates`).
     restores_skipped: int = 0
     skipped_slower_than_prefill: int = 0  # expected to load slower than computing its tokens ("auto")
     skipped_never: int = 0  # restore="never"
@@ -115,7 +116,7 @@ class PrefixStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def skip(self, reason: str) -> None:
-        """Count a restore not done, for `reason` (a declining `sippcache.rates.Decision`'s)."""
+        """Count a restore not done, for `reason` (a declining `sippcache.state.rates.Decision`'s)."""
         self.restores_skipped += 1
         name = f"skipped_{reason}"
         setattr(self, name, getattr(self, name) + 1)

@@ -24,7 +24,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from ..buffers import StateBuffers
+from ..state.buffers import StateBuffers
 
 #: The `kind` of entries holding one llama.cpp sequence's state.
 KIND = "llama.seq"

@@ -53,10 +53,10 @@ import llama_cpp
 import numpy as np
 
 from .. import frame
-from ..buffers import StateBuffers
 from ..errors import CorruptEntry
 from ..frame import secret_from_environment
 from ..protocol import CacheBackend
+from ..state.buffers import StateBuffers
 from .options import CacheOptions
 from .seqcache import PrefixStats, common_length, decode_or_drop
 

@@ -20,8 +20,8 @@ from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
 from llama_cpp.server.settings import ConfigFileSettings, ModelSettings, ServerSettings
 from llama_cpp.server.settings import Settings as UpstreamSettings
 
-from ..chunks import DEFAULT_CHUNK_TOKENS
 from ..llama.batch import DEFAULT_CHUNK
+from ..state.chunks import DEFAULT_CHUNK_TOKENS
 
 __all__ = [
     "CACHE_URL_KEY",

@@ -44,7 +44,7 @@ class PinTests(BackendFixtures):
         assert cache.stats().pinned == 0
 
     def test_peek_tells_a_pinned_entry_or_says_it_cannot(self, cache: CacheBackend) -> None:
-        """A caller deleting the entries a longer state supersedes (`sippcache.chunks`) keeps
+        """A caller deleting the entries a longer state supersedes (`sippcache.state.chunks`) keeps
         those a peek does not report as unpinned: a backend may answer None, never a wrong bool."""
         cache.store([1, 2], b"pinned", pinned=True)
         cache.store([1, 2, 3], b"not pinned")
