@@ -36,15 +36,37 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
+from .index import PrefixIndex
 from .protocol import EntryInfo
-
-if TYPE_CHECKING:  # the catalog imports this module
-    from .catalog import Catalog
 
 #: A place in the eviction order: tuples compare element by element, the lowest goes first.
 Rank = tuple[float, ...]
+
+
+class Retained(Protocol):
+    """One entry's retention state as a policy reads it (`sippcache.catalog.EntryState`)."""
+
+    @property
+    def tokens(self) -> int: ...
+
+    @property
+    def pinned(self) -> bool: ...
+
+    @property
+    def superseded(self) -> bool: ...
+
+
+class CatalogView(Protocol):
+    """What a policy reads of a store's catalog (`sippcache.catalog.Catalog`): its prefix index
+    and each entry's retention state. Named here, by what the policy needs, because the catalog
+    orders its entries by a policy: the catalog builds on this module, not the other way."""
+
+    @property
+    def index(self) -> PrefixIndex: ...
+
+    def get(self, eid: bytes) -> Retained | None: ...
 
 
 class EvictionPolicy(ABC):
@@ -60,7 +82,7 @@ class EvictionPolicy(ABC):
         from its retention state: superseded or not, its GreedyDual retention value,
         and its last use (any unit that grows with time)."""
 
-    def superseded_by(self, catalog: Catalog, namespace: str, key: bytes) -> bytes | None:
+    def superseded_by(self, catalog: CatalogView, namespace: str, key: bytes) -> bytes | None:
         """The id of the entry that storing `key` (token bytes) supersedes, if any.
         By default none: a policy that ranks by recency alone has no use for the mark."""
         return None
@@ -102,7 +124,7 @@ class GreedyDual(EvictionPolicy):
     def rank(self, superseded: bool, value: float, used: float) -> Rank:
         return (0.0 if superseded else 1.0, value, used)
 
-    def superseded_by(self, catalog: Catalog, namespace: str, key: bytes) -> bytes | None:
+    def superseded_by(self, catalog: CatalogView, namespace: str, key: bytes) -> bytes | None:
         """The entry `key` takes the place of in the index (see the module docstring),
         if it shares at least half of that entry's tokens and goes past them."""
         hit = catalog.index.branch_of(namespace, key)
