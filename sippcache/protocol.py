@@ -13,14 +13,11 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeAlias, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from . import tokens as _tokens
+from .blob import Blob as Blob  # a stored value; named here too, with the protocol it is part of
 from .tokens import Tokens
-
-#: A stored value: any bytes-like object on the way in; bytes, or a zero-copy
-#: view of the store's memory (LMDB), on the way out.
-Blob: TypeAlias = bytes | bytearray | memoryview
 
 
 class Match:

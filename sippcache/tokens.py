@@ -11,11 +11,11 @@ from array import array
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from .blob import Blob
+
 if TYPE_CHECKING:  # numpy is optional: only the type checker needs it here
     import numpy
     import numpy.typing
-
-    from .protocol import Blob
 
 #: Largest token id accepted (llama.cpp's ``llama_token`` is an int32).
 MAX_TOKEN_ID = 2**31 - 1
