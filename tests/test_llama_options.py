@@ -17,9 +17,10 @@ import sippcache
 from sippcache.llama import CacheOptions, LlamaCache, PrefixCache, Sampling, SessionPool, seqcache
 from sippcache.llama import Llama as SippLlama
 from sippcache.llama.batch import BatchEngine, Job
+from sippcache.llama.checkpoints import checkpoint_positions
 from sippcache.llama.fingerprint import llama_fingerprint
 from sippcache.llama.options import FIELDS, MAX_SCOPE_BYTES, CacheSettings
-from sippcache.llama.seqcache import Restored, SequenceCache, check_prompt, checkpoint_positions
+from sippcache.llama.seqcache import Restored, SequenceCache, check_prompt
 from sippcache.llama.states import MemoryKind
 
 

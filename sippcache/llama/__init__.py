@@ -19,9 +19,10 @@ Importing this package imports llama_cpp; the core (`import sippcache`) does not
 from __future__ import annotations
 
 from .adapter import KIND, Llama, LlamaCache, PrefillResult, PrefixCache
+from .checkpoints import CHECKPOINT_ALIGNMENT
 from .options import CacheOptions
 from .pool import Completion, Sampling, SessionPool
-from .seqcache import CHECKPOINT_ALIGNMENT, PrefixStats
+from .seqcache import PrefixStats
 
 __all__ = [
     "CHECKPOINT_ALIGNMENT",

@@ -55,7 +55,8 @@ import llama_cpp
 import numpy as np
 
 from . import states
-from .seqcache import CHECKPOINT_ALIGNMENT, CheckpointPlan, SequenceCache, check_prompt, common_length
+from .checkpoints import CHECKPOINT_ALIGNMENT, CheckpointPlan
+from .seqcache import SequenceCache, check_prompt, common_length
 
 log = logging.getLogger("sippcache")
 

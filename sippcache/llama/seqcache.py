@@ -50,19 +50,12 @@ from ..state.buffers import StateBuffers
 from ..state.chunks import Assembled, ChunkedStates
 from ..state.rates import RestoreRates, mode_from_environment, rates_dir, rates_file
 from . import layout, states
+from .checkpoints import CheckpointPlan, checkpoint_positions
 from .fingerprint import Fingerprint
 from .options import CacheOptions
 from .writer import BackgroundWriter
 
 log = logging.getLogger("sippcache")
-
-#: Checkpoints where a prompt leaves a stored one are rounded down to a multiple of
-#: this. llama.cpp's quantized kernels give results that depend on where a batch
-#: is split: measured on gemma-3-270m (q4_k_m, AVX-512), splitting an evaluation
-#: at a multiple of 8 tokens is bit-identical to not splitting it, while splitting
-#: at 999 or 1,001 moves logits by up to 1.1. Aligned, a checkpoint costs nothing
-#: in exactness (and at most 31 tokens of reuse).
-CHECKPOINT_ALIGNMENT = 32
 
 #: The largest state in chunks joined into a buffer kept for the next restore (`SequenceCache`):
 #: one of, say, 32K tokens of an 8B model (4 GB) is joined into a buffer of its own each time.
@@ -148,41 +141,6 @@ class Restored:
 
     length: int
     logits: np.ndarray | None = None
-
-
-@dataclass
-class CheckpointPlan:
-    """Where one prefill stores intermediate snapshots (`positions`, ascending) and the
-    bytes they may still take (`budget`; None: no limit). Made by `SequenceCache.plan`,
-    spent by `SequenceCache.checkpoint`."""
-
-    positions: list[int]
-    budget: int | None = None
-
-    def next_stop(self, position: int, end: int) -> int:
-        """The first checkpoint after `position`, else `end`."""
-        return next((b for b in self.positions if b > position), end)
-
-    def add(self, position: int) -> None:
-        """Stop (and store a checkpoint) at `position` too."""
-        if position not in self.positions:
-            self.positions = sorted([*self.positions, position])
-
-    def skip_to(self, position: int) -> None:
-        """Forget the checkpoints up to `position` (the sequence got there without them)."""
-        self.positions = [b for b in self.positions if b > position]
-
-
-def checkpoint_positions(start: int, branch: int, final: int, *, interval: int, min_tokens: int) -> list[int]:
-    """Where an evaluation from `start` to `final` stores intermediate snapshots, ascending:
-    every `interval` tokens, and where the prompt leaves the entry it shares most with
-    (`branch`, rounded down to `CHECKPOINT_ALIGNMENT`); none shorter than `min_tokens`.
-    The one plan `PrefixCache`, `SessionPool` and `BatchEngine` follow."""
-    found = {b for b in range((start // interval + 1) * interval, final, interval) if b >= min_tokens}
-    branch -= branch % CHECKPOINT_ALIGNMENT
-    if start < branch < final and branch >= min_tokens:
-        found.add(branch)
-    return sorted(found)
 
 
 def check_prompt(tokens: _tokens.Tokens, n_vocab: int, *, what: str = "") -> list[int]:
