@@ -28,22 +28,45 @@ from __future__ import annotations
 
 import inspect
 import queue
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar
 
 import llama_cpp
 import numpy as np
 import numpy.typing as npt
 from llama_cpp.llama_grammar import LlamaGrammar
 
+from ..llama import Llama
 from ..llama.batch import Job
-from .door import CURRENT
+from .door import CURRENT, RequestContext
 
-if TYPE_CHECKING:
-    from .model import ServedLlama
-    from .scheduler import Scheduler
+__all__ = ["BatchedLlama", "Batcher", "serialized_reason"]
 
-__all__ = ["BatchedLlama", "serialized_reason"]
+_T = TypeVar("_T")
+
+
+class Batcher(Protocol):
+    """What a request's `BatchedLlama` hands its work to: the model's scheduler
+    (`sippcache.server.scheduler.Scheduler`, which makes the requests, so builds on this module)."""
+
+    def submit(self, job: Job, request: RequestContext | None = None) -> None:
+        """Run `job`, batched with the others."""
+
+    def allow(self, job: Job, tokens: int) -> None:
+        """Let `job` sample up to `tokens` tokens."""
+
+    def cancel(self, job: Job) -> None:
+        """End `job` at the next step."""
+
+    def serialized(self, reason: str, call: Callable[[], _T]) -> _T:
+        """`call()` on the shared model, one at a time."""
+
+    def take_seed(self) -> int:
+        """The model's seed for a request that reads it."""
+
+    def give_seed(self, seed: int) -> None:
+        """A request set its seed: the shared model's from now on."""
+
 
 _COMPLETION_SIGNATURE = inspect.signature(llama_cpp.Llama.create_completion)
 
@@ -58,7 +81,7 @@ def serialized_reason(arguments: dict[str, Any]) -> str | None:
 class BatchedLlama(llama_cpp.Llama):
     """A `llama_cpp.Llama` for one request to `base`, generating through `scheduler`."""
 
-    def __init__(self, base: ServedLlama, scheduler: Scheduler) -> None:  # no super(): nothing to load
+    def __init__(self, base: Llama, scheduler: Batcher) -> None:  # no super(): nothing to load
         self.__dict__["_base"] = base  # before any attribute: `__getattr__` reads it
         self._scheduler = scheduler
         self._own_seed: int | None = None

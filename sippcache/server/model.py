@@ -2,8 +2,8 @@
 
 Upstream's loader makes a plain `llama_cpp.Llama`; `sippcache.server.stores`
 turns it into a `ServedLlama` (a ``__class__`` assignment: this class adds no
-state a constructor would set up) and gives it its cache and, with
-``--parallel``, its scheduler. `use_chat_format` picks a chat format for a
+state a constructor would set up) and gives it its cache (with ``--parallel``,
+a scheduler the pool keeps runs its requests). `use_chat_format` picks a chat format for a
 model file that carries no template (`chat_format_for`) and gives the model
 sippcache's own formats (`CHAT_HANDLERS`); `batching_obstacle` says why a
 model cannot run batched.
@@ -18,7 +18,7 @@ import ctypes
 import inspect
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -27,9 +27,6 @@ from llama_cpp.server.settings import ModelSettings
 
 from ..llama import Llama, LlamaCache
 from .door import CURRENT
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
 
 __all__ = [
     "ARCHITECTURE_CHAT_FORMATS",
@@ -131,8 +128,6 @@ class ServedLlama(Llama):
     sippcache_cache: LlamaCache | None = None
     #: Called once by `close()` before the model is freed.
     on_close: Callable[[ServedLlama], None] | None = None
-    #: Runs the model's requests batched (``--parallel``); None: one at a time, here.
-    scheduler: Scheduler | None = None
     #: Called when a completion generated here ends: (time to first token, time per output token).
     on_generated: Callable[[float, float | None], None] | None = None
     #: True from the start of a completion until upstream's generate() runs: the cache's prefill.

@@ -68,6 +68,9 @@ class CachePool:
         self._readers: dict[str, StoreReader] = {}
         self._models: dict[str, _Model] = {}
         self._lock = threading.Lock()
+        #: Each live model's scheduler, with ``--parallel`` (a model without one runs one request at
+        #: a time): kept here, by the pool that makes and closes them, not on the model.
+        self._schedulers: dict[ServedLlama, Scheduler] = {}
         self.metrics = ServeMetrics(self, [])
         self.admission = Admission({}, "")
         self.interrupting = False  # the server's interrupt_requests
@@ -122,7 +125,8 @@ class CachePool:
         """Whether `request`'s stream is to end for a request waiting for a slot of `alias`."""
         entry = self._models.get(alias)
         live = entry.live if entry is not None else None
-        return live is not None and live.scheduler is not None and live.scheduler.interrupted(request)
+        scheduler = self._schedulers.get(live) if live is not None else None
+        return scheduler is not None and scheduler.interrupted(request)
 
     # -- models coming and going ----------------------------------------------------------
 
@@ -162,7 +166,9 @@ class CachePool:
             if entry.obstacle is not None:
                 print(f"sippcache serve: {alias} runs one request at a time: {entry.obstacle}", file=sys.stderr)
             else:
-                served.scheduler = self._scheduler(served, entry)
+                scheduler = self._scheduler(served, entry)
+                with self._lock:
+                    self._schedulers[served] = scheduler
         with self._lock:
             entry.live = served
         return served
@@ -237,8 +243,9 @@ class CachePool:
         ``--parallel``, else the shared model."""
         if not isinstance(model, ServedLlama):
             return model
-        if model.scheduler is not None:
-            return model.scheduler.new_request()
+        scheduler = self._schedulers.get(model)
+        if scheduler is not None:
+            return scheduler.new_request()
         alias = self._alias_of(model)
         entry = self._models.get(alias) if alias is not None else None
         if entry is not None and entry.obstacle is not None:
@@ -252,7 +259,8 @@ class CachePool:
     def detach(self, model: ServedLlama, alias: str) -> None:
         """A model is being freed: stop its scheduler (parking its slots), write its pending
         entries, stop its writers, keep its counts."""
-        scheduler, model.scheduler = model.scheduler, None
+        with self._lock:
+            scheduler = self._schedulers.pop(model, None)
         cache, model.sippcache_cache = model.sippcache_cache, None
         model.cache = None  # also breaks the model <-> cache reference cycle
         final: dict[str, int | float] = {}
@@ -301,7 +309,7 @@ class CachePool:
             cache = live.sippcache_cache if live is not None else None
             if cache is not None:
                 totals = _added(totals, cache.prefix_cache().stats())
-            scheduler = live.scheduler if live is not None else None
+            scheduler = self._schedulers.get(live) if live is not None else None
             inside = self.admission.inside(entry.alias)
             running = scheduler.stats.running if scheduler is not None else min(inside, 1)
             prompt_rate = generated_rate = 0.0
