@@ -42,10 +42,24 @@ from typing import Any, ClassVar, NamedTuple
 import xxhash
 
 from sippcache import BadOption, BaseBackend, EntryInfo, Match, MissingDependency, Peek, Stats, StoreOptions
-from sippcache.catalog import UNSET, Budget, Change, Clear, Mark, Put, Remove, StorePlan
-from sippcache.engine import entry_id, hold_across_forks
-from sippcache.mirror import Limit, Mirror, OutOfStep, check_limits
-from sippcache.options import Size, coerce_options
+from sippcache.plugin import (
+    UNSET,
+    Budget,
+    Change,
+    Clear,
+    Limit,
+    Mark,
+    Mirror,
+    OutOfStep,
+    Put,
+    Remove,
+    Size,
+    StorePlan,
+    check_limits,
+    coerce_options,
+    entry_id,
+    hold_across_forks,
+)
 
 try:
     import redis

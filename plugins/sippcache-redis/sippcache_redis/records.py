@@ -16,8 +16,7 @@ from typing import Any, NamedTuple
 
 import msgpack  # type: ignore[import-untyped]  # msgpack ships no type information
 
-from sippcache.catalog import Budget, Change, Clear, EntryState, Mark, Op, Put, Remove, Use, Uses
-from sippcache.engine import entry_id
+from sippcache.plugin import Budget, Change, Clear, EntryState, Mark, Op, Put, Remove, Use, Uses, entry_id
 
 MIN_CHUNK_SIZE, MAX_CHUNK_SIZE = 1024, 256 * 1024**2
 

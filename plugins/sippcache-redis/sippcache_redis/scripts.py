@@ -42,7 +42,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from sippcache.catalog import Op
+from sippcache.plugin import Op
 
 #: Log records kept in the stream (approximately: XADD MAXLEN ~); a client further behind rebuilds.
 LOG_KEEP = 10_000

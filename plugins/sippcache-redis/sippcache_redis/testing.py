@@ -15,9 +15,7 @@ from typing import Any
 
 import xxhash
 
-from sippcache import tokens as _tokens
-from sippcache.catalog import EntryState
-from sippcache.engine import entry_id
+from sippcache.plugin import EntryState, encode_tokens, entry_id
 
 from .records import BlobRef, pack_meta, pack_values
 
@@ -52,7 +50,7 @@ def bulk_fill(client: Any, prefix: str, count: int, *, tokens: int = 8, blob: by
     checksum = xxhash.xxh3_64_intdigest(blob)
     pipe = client.pipeline(transaction=False)
     for i in range(count):
-        key = _tokens.encode([rng.randrange(2**31) for _ in range(tokens)])
+        key = encode_tokens([rng.randrange(2**31) for _ in range(tokens)])
         eid = entry_id("", key)
         ref = BlobRef(secrets.token_bytes(8), len(blob), 1024**2, checksum)
         state = EntryState("", tokens, len(blob) + len(key), float(tokens), now, now, now + i, 1.0)

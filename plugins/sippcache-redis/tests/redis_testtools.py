@@ -120,8 +120,7 @@ def open_with_clock(url: str, clock: Clock) -> Any:
     """`sippcache.open(url)` for a ``redis://`` URL, with the backoff on `clock`."""
     from sippcache_redis import RedisBackend
 
-    from sippcache.options import coerce_options
-    from sippcache.registry import parse_url
+    from sippcache.plugin import coerce_options, parse_url
 
     scheme, location, options = parse_url(url)
     assert scheme == "redis", url

@@ -11,14 +11,13 @@ import pytest
 from sippcache_redis.servers import ValkeyServer
 
 import sippcache
-from sippcache import tokens as _tokens
-from sippcache.engine import entry_id
+from sippcache.plugin import encode_tokens, entry_id
 
 KEYS = {tuple([i, i + 1, i + 2]): bytes([i]) * (3000 + i) for i in range(6)}
 
 
 def _eid(key: tuple[int, ...]) -> bytes:
-    return entry_id("", _tokens.encode(key))
+    return entry_id("", encode_tokens(key))
 
 
 def _garbage(prefix: str) -> dict[str, Callable[[Any], None]]:
@@ -56,7 +55,7 @@ def _garbage(prefix: str) -> dict[str, Callable[[Any], None]]:
             cat,
             first,
             c.hget(cat, first)[:8]
-            + msgpack.packb(["", _tokens.encode((0, 1, 2)), 3012, 1, 3.0, 1, 2**40, 5], use_bin_type=True),
+            + msgpack.packb(["", encode_tokens((0, 1, 2)), 3012, 1, 3.0, 1, 2**40, 5], use_bin_type=True),
         ),
         "val garbage": lambda c: c.hset(val, first, b"\xff" * 18),
         "val wrong length": lambda c: c.hset(val, first, b"\x00" * 5),

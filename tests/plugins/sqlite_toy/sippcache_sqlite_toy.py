@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import ClassVar
 
 from sippcache import KVBackend
-from sippcache.options import Size
+from sippcache.plugin import Size
 
 
 class _Txn:
