@@ -11,7 +11,7 @@ turns, so that the prompts are the same whatever either answered).
   so that its answers are computed as the proxy's llama-server computes them and can be compared
   token for token: without it llama-server's own rounding differs, and a near tie can flip);
 - sippcache: ``sippcache proxy`` attached to a llama-server started with the flags a managed one
-  gets (`sippcache.proxy.cli.MANAGED_FLAGS`, ``--slot-save-path``), so that this script can read
+  gets (`sippcache.proxy.launch.MANAGED_FLAGS`, ``--slot-save-path``), so that this script can read
   that llama-server's own counters too.
 
 Per turn: the prompt tokens llama-server computed (its own ``/metrics``,
@@ -41,7 +41,7 @@ from typing import Any
 from harness.proxy_tools import LlamaServer, ProxyServer, settle
 from harness.servers import parse_metrics
 from sippcache.demo.model import gemma_model_path
-from sippcache.proxy.cli import MANAGED_FLAGS
+from sippcache.proxy.launch import MANAGED_FLAGS
 
 TURNS, RESTART_AFTER = 8, 4
 MAX_TOKENS = 16

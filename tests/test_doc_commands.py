@@ -116,7 +116,7 @@ def test_each_command_parses_as_spelled(where: str, args: list[str], monkeypatch
         return
     assert handed == args[1:], f"{where}: the entry point changed the arguments"
     if args[0] == "proxy":
-        from sippcache.proxy.cli import build_parser
+        from sippcache.proxy.settings import build_parser
 
         parsed = build_parser().parse_args(handed)
         after = handed[handed.index("--") + 1 :] if "--" in handed else []

@@ -22,9 +22,10 @@ import pytest
 
 import sippcache
 from harness.proxy_tools import LlamaServer, ProxyServer, metric, settle
-from sippcache import chunks, frame
-from sippcache.proxy.cli import STAGING_PREFIX, _staging_base
+from sippcache import frame
 from sippcache.proxy.prompts import RETOKENIZED
+from sippcache.proxy.staging import STAGING_PREFIX, staging_base
+from sippcache.state.chunkentries import is_chunk_namespace
 from sippcache.testing.bounded import join_all
 
 SYSTEM = (
@@ -158,7 +159,7 @@ def conversation(question: str, name: str = "A") -> list[dict[str, str]]:
 
 def state_entries(store: sippcache.CacheBackend) -> list[sippcache.EntryInfo]:
     """The stored states a lookup starts from (tails and whole entries), their chunks aside."""
-    return [e for e in store.entries() if not chunks.is_chunk_namespace(e.namespace)]
+    return [e for e in store.entries() if not is_chunk_namespace(e.namespace)]
 
 
 # -- a hit is the cold answer ----------------------------------------------------------------------
@@ -223,7 +224,7 @@ def test_staging_files_made_ahead_take_at_most_half_the_folders_room() -> None:
     """A restarted proxy makes each slot's staging file ahead, as large as the largest state it saw:
     with many slots they would fill a RAM disk, and llama-server's saves into it would fail. Made
     ahead, in order, while they take at most half the room; the rest at their first restore."""
-    from sippcache.proxy.cli import made_ahead
+    from sippcache.proxy.staging import made_ahead
 
     wanted = [("http://a", slot, 300 << 20) for slot in range(4)]
     assert made_ahead(wanted, 2400 << 20) == wanted
@@ -234,11 +235,11 @@ def test_staging_files_made_ahead_take_at_most_half_the_folders_room() -> None:
 def test_a_slot_folder_without_room_for_a_large_state_is_warned_of(tmp_path: Path, caplog: Any) -> None:
     """Attach mode: the servers' --slot-save-path is the user's; one with under a gigabyte free
     (here a 1 MiB tmpfs) is named at start, with what follows from it."""
-    from sippcache.proxy.cli import _warn_if_cramped
+    from sippcache.proxy.staging import warn_if_cramped
     from tests.filesystems import in_small_tmpfs
 
-    code = "import logging, sys; logging.basicConfig(); from sippcache.proxy.cli import _warn_if_cramped; "
-    code += "_warn_if_cramped(sys.argv[1])"
+    code = "import logging, sys; logging.basicConfig(); from sippcache.proxy.staging import warn_if_cramped; "
+    code += "warn_if_cramped(sys.argv[1])"
     small = tmp_path / "slots"
     small.mkdir()
     done = subprocess.run(
@@ -246,7 +247,7 @@ def test_a_slot_folder_without_room_for_a_large_state_is_warned_of(tmp_path: Pat
     )
     assert done.returncode == 0, done.stderr
     assert f"{small} has 1 MiB free: a state larger than that is neither saved nor restored" in done.stderr
-    _warn_if_cramped(str(tmp_path))  # this machine's disk, with room: no warning
+    warn_if_cramped(str(tmp_path))  # this machine's disk, with room: no warning
     assert "neither saved nor restored" not in caplog.text
 
 
@@ -277,8 +278,10 @@ def test_the_proxy_says_whether_its_slot_folder_keeps_huge_pages(tmp_path: Path,
     names which its folder is at start, and where the other kind is set."""
     from tests.filesystems import in_small_tmpfs
 
-    code = "import logging, sys; logging.basicConfig(level=logging.INFO); from sippcache.proxy.cli import _note_pages; "
-    code += "_note_pages(sys.argv[1])"
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO); from sippcache.proxy.staging import note_pages; "
+    )
+    code += "note_pages(sys.argv[1])"
     slots = tmp_path / "slots"
     slots.mkdir()
     done = subprocess.run(
@@ -356,7 +359,7 @@ def test_a_text_prompt_reaches_llama_server_as_the_ids_the_proxy_made_of_it(
 def test_a_prompt_goes_as_ids_only_where_llama_server_reads_ids() -> None:
     """A chat has no token-id form; with a projector loaded (--mmproj, `/props` modalities),
     llama-server reads /v1/completions' prompt as a string (it fails on ids); /completion's never."""
-    from sippcache.proxy.app import _ids_for_text
+    from sippcache.proxy.completion import _ids_for_text
     from sippcache.proxy.upstream import Upstream
 
     plain, projector = Upstream("http://127.0.0.1:1", None), Upstream("http://127.0.0.1:2", None)  # type: ignore[arg-type]
@@ -371,7 +374,7 @@ def test_a_prompt_goes_as_ids_only_where_llama_server_reads_ids() -> None:
 def test_a_prompt_of_token_ids_is_a_list_of_ints_only() -> None:
     """What the proxy keys a completion by when its prompt is ids: a copy of the list; anything
     else (a bool, a float, a nested list, an empty list) is no prompt of ids, passed on as it is."""
-    from sippcache.proxy.app import _token_ids
+    from sippcache.proxy.completion import _token_ids
 
     ids = [1, 2**31 - 1, 0, 17]
     assert _token_ids(ids) == ids and _token_ids(ids) is not ids
@@ -428,10 +431,20 @@ def test_two_upstreams_behind_one_proxy_move_a_conversation_warm(procs: Any, mod
     first = conversation("which ship passed first?")
     chat(proxy.url, first)
     settle(proxy)
-    # Two requests at once: the one that finds the first conversation's slot busy runs on the other server,
-    # restored from the store.
-    results = chats_at_once(proxy.url, [conversation("what was the weather?", f"client {i}") for i in range(2)])
-    assert all(r[2]["cache_n"] >= len(SYSTEM) - 20 for r in results), results
+    # A second conversation takes the first one's slot and holds it (a long answer, its stream not read
+    # past its first event); a third, sent meanwhile, finds that slot busy and runs on the other server,
+    # restored from the store. (Sent from two threads at once, the first could end before the second came.)
+    held = http.client.HTTPConnection(proxy.url.removeprefix("http://"), timeout=600)
+    body = {"messages": conversation("what was the weather?", "client 0"), "stream": True, **GREEDY}
+    body |= {"max_tokens": 1024, "ignore_eos": True}  # long enough to be running when the third comes
+    held.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    stream = held.getresponse()
+    assert stream.status == 200 and stream.readline().startswith(b"data: ")  # its slot is taken
+    _, _, timings = chat(proxy.url, conversation("what was the weather?", "client 1"))
+    stream.read()
+    held.close()
+    settle(proxy)
+    assert timings["cache_n"] >= len(SYSTEM) - 20, timings
     assert metric(proxy, "sippcache_proxy_requests_total", upstream=a.url) >= 1
     assert metric(proxy, "sippcache_proxy_requests_total", upstream=b.url) >= 1
 
@@ -986,7 +999,7 @@ def test_a_conversation_back_in_a_slot_is_restored_from_the_file_llama_server_sa
     assert metric(proxy, "sippcache_proxy_ready_restores_total") == 2
     assert metric(proxy, "sippcache_proxy_restore_part_seconds_count", part="sippcache") == 0
     assert metric(proxy, "sippcache_proxy_ready_files") == 2  # alice's last turn and bob's
-    staging = glob.glob(os.path.join(_staging_base(), f"{STAGING_PREFIX}{proxy.process.pid}-*"))
+    staging = glob.glob(os.path.join(staging_base(), f"{STAGING_PREFIX}{proxy.process.pid}-*"))
     assert len(glob.glob(os.path.join(staging[0], "sippcache-ready-*"))) == 2
     proxy.stop()
     assert not os.path.exists(staging[0])  # they go with the proxy
@@ -1090,7 +1103,7 @@ def test_a_slot_grown_past_the_bound_is_saved_and_kill_9_loses_no_more(procs: An
     killed = proxy.process.pid
     proxy.process.kill()
     proxy.process.wait(60)
-    left = glob.glob(os.path.join(_staging_base(), f"{STAGING_PREFIX}{killed}-*"))
+    left = glob.glob(os.path.join(staging_base(), f"{STAGING_PREFIX}{killed}-*"))
     assert left  # SIGKILL: its staging directory (slot files in RAM) is left behind
     proxy = procs(managed(model, cache))
     assert not [path for path in left if os.path.exists(path)]  # the next proxy removed it

@@ -281,7 +281,7 @@ def test_gemma_agent_sessions_answer_as_llama_server_across_a_restart(
     next turns compute at most 2% of their prompts (llama-server's own counter). llama-server runs
     with --swa-full, as the managed one does: gemma's sliding-window layers are restored whole."""
     log = " ".join(f"Day {d}: the brig Eider passed at {d % 12 + 1} o'clock under a grey sky." for d in range(150))
-    flags = ("--swa-full", "--cache-ram", "0")  # the managed llama-server's (sippcache.proxy.cli.MANAGED_FLAGS)
+    flags = ("--swa-full", "--cache-ram", "0")  # the managed llama-server's (sippcache.proxy.launch.MANAGED_FLAGS)
     stack = Stack(gemma_model, tmp_path, started, *flags)
     reference = LlamaServer(gemma_model, tmp_path / "reference.log", "-c", str(2 * SLOT_CTX), "-np", "2", *flags)
     started.append(reference.start())

@@ -1,4 +1,4 @@
-"""Restore only when it beats recomputing: `sippcache.rates` on its own, the proxy's judgement of an
+"""Restore only when it beats recomputing: `sippcache.state.rates` on its own, the proxy's judgement of an
 ineffective restore, and the proxy in front of real llama-server processes (the tiny model) with
 its rates preset one way or the other. No timed assertions: the rates are preset or fed, never
 measured against a clock."""
@@ -24,13 +24,15 @@ import sippcache
 from harness.proxy_tools import LlamaServer, ProxyServer, llama_server_binary, metric, settle
 from harness.servers import parse_metrics
 from sippcache.protocol import CacheBackend
-from sippcache.proxy.app import MIN_FLIGHT_LEAD, REUSED_HEADER, Proxy, _Flight, _Restore
-from sippcache.proxy.cli import STAGING_PREFIX, _staging_base, build_parser
+from sippcache.proxy.app import REUSED_HEADER, Proxy
 from sippcache.proxy.metrics import ProxyMetrics
+from sippcache.proxy.restoring import Restore
+from sippcache.proxy.settings import build_parser
 from sippcache.proxy.slots import Origin, SlotTable
+from sippcache.proxy.staging import STAGING_PREFIX, staging_base
 from sippcache.proxy.store import Restored, SlotStore
 from sippcache.proxy.upstream import Upstream
-from sippcache.rates import KEEP_EVERY, MIN_PREFILL_TOKENS, RESTORE_PER_SERVER_SAVE, WINDOW, RestoreRates
+from sippcache.state.rates import KEEP_EVERY, MIN_PREFILL_TOKENS, RESTORE_PER_SERVER_SAVE, WINDOW, RestoreRates
 
 HERE = "http://127.0.0.1:8080"
 PARTS = ("sippcache", "llama_server")  # sippcache_proxy_restore_part_seconds' parts
@@ -465,7 +467,7 @@ def test_kept_rates_are_written_every_few_seconds_and_at_shutdown(
 ) -> None:
     path = tmp_path / "here.json"
     clock = [1000.0]
-    monkeypatch.setattr("sippcache.rates.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("sippcache.state.rates.time.monotonic", lambda: clock[0])
     rates = RestoreRates()
     rates.keep(HERE, path)
     rates.flush(force=True)
@@ -501,7 +503,7 @@ def test_a_kept_file_that_is_not_right_is_measured_again(tmp_path: Path, content
     path = tmp_path / "here.json"
     path.write_text(content)
     rates = RestoreRates()
-    with caplog.at_level(logging.WARNING, logger="sippcache.rates"):
+    with caplog.at_level(logging.WARNING, logger="sippcache.state.rates"):
         assert rates.keep(HERE, path) == 0
     assert str(path) in caplog.text
     assert rates.measured(HERE).prefill_samples == 0
@@ -516,7 +518,7 @@ def test_a_kept_file_that_cannot_be_written_is_logged_and_the_rates_stay(tmp_pat
     rates = RestoreRates()
     rates.keep(HERE, blocker / "here.json")
     rates.record_prefill(HERE, 1000, 1.0)
-    with caplog.at_level(logging.WARNING, logger="sippcache.rates"):
+    with caplog.at_level(logging.WARNING, logger="sippcache.state.rates"):
         rates.flush(force=True)
     assert "cannot write the restore rates" in caplog.text
     assert rates.measured(HERE).prefill_samples == 1
@@ -538,8 +540,8 @@ def bare_proxy(tmp_path: Path) -> Iterator[Proxy]:
     asyncio.run(client.aclose())
 
 
-def _restore(promised: int = 900) -> _Restore:
-    return _Restore(Restored(Origin(tuple(range(1000)), 900), nbytes=10**6, seconds=0.001), promised)
+def _restore(promised: int = 900) -> Restore:
+    return Restore(Restored(Origin(tuple(range(1000)), 900), nbytes=10**6, seconds=0.001), promised)
 
 
 def counted(proxy: Proxy, name: str, **labels: str) -> float:
@@ -555,9 +557,9 @@ def test_a_restore_llama_server_did_not_use_is_ineffective(bare_proxy: Proxy, ca
     proxy = bare_proxy
     proxy.rates.record_prefill(HERE, 1000, 1.0)
     with caplog.at_level(logging.DEBUG, logger="sippcache.proxy"):
-        proxy._learn(HERE, {"prompt_n": 905, "prompt_ms": 900.0, "cache_n": 0}, _restore())
-        proxy._learn(HERE, {"prompt_n": 905, "prompt_ms": 900.0, "cache_n": 3}, _restore())
-        proxy._learn(THERE, {"prompt_n": 5, "prompt_ms": 1.0, "cache_n": 899}, _restore())  # used: fine
+        proxy.restorer.learn(HERE, {"prompt_n": 905, "prompt_ms": 900.0, "cache_n": 0}, _restore())
+        proxy.restorer.learn(HERE, {"prompt_n": 905, "prompt_ms": 900.0, "cache_n": 3}, _restore())
+        proxy.restorer.learn(THERE, {"prompt_n": 5, "prompt_ms": 1.0, "cache_n": 899}, _restore())  # used: fine
     assert counted(proxy, "sippcache_proxy_restores_ineffective_total", upstream=HERE) == 2
     assert counted(proxy, "sippcache_proxy_restores_ineffective_total", upstream=THERE) == 0
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "reused" in r.getMessage()]
@@ -570,45 +572,21 @@ def test_a_restore_llama_server_did_not_use_is_ineffective(bare_proxy: Proxy, ca
 
 
 def test_a_restore_whose_answer_has_no_timings_counts_as_used(bare_proxy: Proxy) -> None:
-    bare_proxy._learn(HERE, {}, _restore())  # a client that left before the first event
+    bare_proxy.restorer.learn(HERE, {}, _restore())  # a client that left before the first event
     assert counted(bare_proxy, "sippcache_proxy_restores_ineffective_total") == 0
     assert bare_proxy.rates.measured(HERE).restore_bytes_per_second == pytest.approx(10**6 / 0.001)
 
 
 def test_no_wait_for_a_state_in_flight_that_would_not_be_restored(bare_proxy: Proxy) -> None:
-    """Step 1b waits for another request's state only to restore it."""
-    leader = _Flight("", list(range(5000)), asyncio.Event())
-    assert bare_proxy._would_restore(leader, 4000)  # nothing measured: it would be restored
-    for url in (HERE, THERE):
+    """A request waits for another request's state only to restore it."""
+    restorer, urls = bare_proxy.restorer, (HERE, THERE)
+    assert restorer.would_restore(5000, 4000, urls)  # nothing measured: it would be restored
+    for url in urls:
         bare_proxy.rates.record_prefill(url, 5000, 0.001)
         bare_proxy.rates.record_restore(url, nbytes=10**6, seconds=1.0, tokens=5000)
-    assert not bare_proxy._would_restore(leader, 4000)
+    assert not restorer.would_restore(5000, 4000, urls)
     bare_proxy.rates.mode = "always"
-    assert bare_proxy._would_restore(leader, 4000)
-
-
-def test_a_next_turn_waits_for_its_last_state_still_being_written(bare_proxy: Proxy) -> None:
-    """A request whose prefix another one computes waits only for a long lead (a prefill's worth);
-    once that one has answered and only its store write is left, a restore's worth is enough: a
-    conversation's next turn, sent before its last state landed, waits for that write instead of
-    computing again what it is about to store (it did so by chance before, under load)."""
-    prompt = list(range(100, 100 + MIN_FLIGHT_LEAD // 2))  # more than MIN_GAIN, less than MIN_FLIGHT_LEAD
-    turn = [*prompt, 7, 8, 9]
-
-    async def take_off(writing: bool) -> tuple[float, bool]:
-        leader = _Flight("", prompt, asyncio.Event(), writing=writing)
-        bare_proxy._flights.add(leader)
-        bare_proxy.flight_wait = 30.0
-        asyncio.get_running_loop().call_later(0.2, bare_proxy._land, leader)  # the write lands
-        waits = counted(bare_proxy, "sippcache_proxy_flight_waits_total")
-        flight = await bare_proxy._take_off(turn, "")
-        landed = leader.landed.is_set()
-        bare_proxy._land(flight)
-        bare_proxy._land(leader)  # gone either way before the next call: one leader at a time here
-        return counted(bare_proxy, "sippcache_proxy_flight_waits_total") - waits, landed
-
-    assert asyncio.run(take_off(writing=False)) == (0, False)  # still computing: too short a lead to wait
-    assert asyncio.run(take_off(writing=True)) == (1, True)  # only the write left: waited for it to land
+    assert restorer.would_restore(5000, 4000, urls)
 
 
 # -- in front of real llama-servers ----------------------------------------------------------------
@@ -839,7 +817,7 @@ def test_a_restarted_proxy_decides_from_the_rates_kept_before(tiny_model: Path, 
     try:
         second.wait_ready()
         # its slot's staging file made at start for the largest state the kept rates saw, before any request
-        pattern = os.path.join(_staging_base(), f"{STAGING_PREFIX}{second.process.pid}-*", "sippcache-restore-*")
+        pattern = os.path.join(staging_base(), f"{STAGING_PREFIX}{second.process.pid}-*", "sippcache-restore-*")
         deadline = time.monotonic() + 60
         while not (made := glob.glob(pattern)) or os.stat(made[0]).st_size < rates.largest_state("there"):
             assert time.monotonic() < deadline, "no staging file made ahead"

@@ -204,22 +204,23 @@ def test_ready_files_a_proxy_killed_outright_left_are_removed_unless_kept(tmp_pa
 
 def test_the_ready_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--ready-bytes takes a size (default: a quarter of the slot folder's room, at most 8 GiB), a
-    wrong one is refused in one line; --keep-ready's folder beside a managed proxy's staging
+    wrong one is refused in one line; --ready-keep's folder beside a managed proxy's staging
     folders is private, and one that is not is refused."""
-    from sippcache.proxy.cli import READY_BYTES, ProxyError, _kept_dir, build_parser, ready_budget
+    from sippcache.proxy.settings import build_parser
+    from sippcache.proxy.staging import READY_BYTES, kept_dir, ready_budget
 
     args = build_parser().parse_args(["--upstream", "u", "--slot-dir", "d", "--ready-bytes", "512MiB", "--keep-ready"])
-    assert args.ready_bytes == 512 << 20 and args.keep_ready
+    assert args.ready_bytes == 512 << 20 and args.ready_keep
     assert build_parser().parse_args(["--upstream", "u"]).ready_bytes is None  # the default, from the folder
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(["--ready-bytes", "lots"])
     assert exited.value.code == 2 and "'lots' is not a size" in capsys.readouterr().err
     assert ready_budget(4 << 30) == 1 << 30 and ready_budget(1 << 40) == READY_BYTES == 8 << 30
-    kept = _kept_dir(str(tmp_path))
-    assert os.stat(kept).st_mode & 0o777 == 0o700 and _kept_dir(str(tmp_path)) == kept
+    kept = kept_dir(str(tmp_path))
+    assert os.stat(kept).st_mode & 0o777 == 0o700 and kept_dir(str(tmp_path)) == kept
     os.chmod(kept, 0o755)
-    with pytest.raises(ProxyError, match="not a folder only this user may use"):
-        _kept_dir(str(tmp_path))
+    with pytest.raises(PermissionError, match="not a folder only this user may use"):
+        kept_dir(str(tmp_path))
 
 
 def test_a_kept_file_cut_short_or_changed_is_never_given_to_llama_server(tmp_path: Path, state: bytes) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sippcache.modelfile import read_metadata, read_model_facts
 from sippcache.proxy import slotfile
+from sippcache.state.modelfile import read_metadata, read_model_facts
 
 
 def test_build_then_parse_round_trips() -> None:

@@ -2,7 +2,7 @@
 one entry; a new conversation that parts from an entry within its prompt (over a shared system
 prompt) never deletes it. With real llama.cpp states: stored as chunks and a tail (a later save
 writes only its new chunks, conversations share a system prompt's), staged back as the very slot
-file llama-server wrote; what stateformat cannot cut, and entries stored whole, as before."""
+file llama-server wrote; what sippcache.state cannot cut, and entries stored whole, as before."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ from typing import Any
 import pytest
 
 import sippcache
-from sippcache import chunks
-from sippcache import stateformat as sf
+from sippcache import state as sf
 from sippcache.proxy import slotfile
 from sippcache.proxy.slots import SUPERSEDE_SLACK, Origin
-from sippcache.proxy.store import Saved, SlotStore, Snapshot, StagingFile, remove_stale_files
+from sippcache.proxy.staging import StagingFile, remove_stale_files
+from sippcache.proxy.store import Saved, SlotStore, Snapshot
+from sippcache.state import chunkentries, copier
 
 SYSTEM = tuple(range(1000, 1400))  # a 400-token system prompt
 
@@ -123,10 +124,10 @@ def test_a_saved_state_is_stored_byte_for_byte_in_the_sequence_form(store: SlotS
 @pytest.fixture(params=["one thread", "helper threads"])
 def copies(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """How a staged state's bytes are copied: on the calling thread (a small state), or in bands
-    and tables on helper threads too (`stateformat.PARALLEL_GATHER_BYTES`, 4 MiB, made 0)."""
+    and tables on helper threads too (`copier.PARALLEL_GATHER_BYTES`, 4 MiB, made 0)."""
     if request.param == "helper threads":
-        monkeypatch.setattr(sf, "PARALLEL_GATHER_BYTES", 0)
-        monkeypatch.setattr(sf.os, "cpu_count", lambda: 4)
+        monkeypatch.setattr(copier, "PARALLEL_GATHER_BYTES", 0)
+        monkeypatch.setattr(copier.os, "cpu_count", lambda: 4)
     return str(request.param)
 
 
@@ -401,11 +402,11 @@ def keep_real(
 
 def state_keys(store: SlotStore) -> list[tuple[int, ...]]:
     """The keys of the tails and whole entries (the chunks aside)."""
-    return sorted(tuple(e.key) for e in store.cache.entries() if not chunks.is_chunk_namespace(e.namespace))
+    return sorted(tuple(e.key) for e in store.cache.entries() if not chunkentries.is_chunk_namespace(e.namespace))
 
 
 def chunk_keys(store: SlotStore) -> list[int]:
-    return sorted(len(e.key) for e in store.cache.entries() if chunks.is_chunk_namespace(e.namespace))
+    return sorted(len(e.key) for e in store.cache.entries() if chunkentries.is_chunk_namespace(e.namespace))
 
 
 def tiny_tokens(n: int, seed: int) -> tuple[int, ...]:
@@ -446,7 +447,7 @@ def test_a_damaged_chunk_found_while_staging_leaves_no_slot_file(chunked: SlotSt
     tokens = (1, *tiny_tokens(499, 2))
     state = real_state(tiny_llm, tokens)
     keep_real(chunked, tiny_llm, tokens, len(tokens), None)
-    at = next(e.namespace for e in chunked.cache.entries() if chunks.is_chunk_namespace(e.namespace))
+    at = next(e.namespace for e in chunked.cache.entries() if chunkentries.is_chunk_namespace(e.namespace))
     with chunked.cache.lookup(tokens[: 3 * CHUNK], namespace=at) as match:  # type: ignore[union-attr]
         damaged = bytearray(match.blob)
     damaged[-5] ^= 0xFF
@@ -549,7 +550,7 @@ def test_a_restarted_store_makes_its_most_recently_used_states_ready_files(tmp_p
     listed = store.to_warm()
     assert [e.key for e in listed] == talks[::-1]  # the early turn was replaced; model g's are not listed
     assert [e.namespace for e in listed] == [store.namespace("tenant"), store.namespace(""), store.namespace("")]
-    assert any(chunks.is_chunk_namespace(n) for n in cache_again.namespaces())  # stored in chunks, not listed
+    assert any(chunkentries.is_chunk_namespace(n) for n in cache_again.namespaces())  # stored in chunks, not listed
     assert [store.warm(e) for e in listed] == [True, True, False]
     ready = sorted(store.ready._files, key=lambda f: f.used)
     assert [f.origin for f in ready] == [Origin(talks[1], 200), Origin(talks[2], 200)]

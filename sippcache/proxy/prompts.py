@@ -3,7 +3,7 @@
 The proxy needs a chat's tokens to pick a slot and a stored state; llama-server tokenizes the
 chat's text again as it runs it (a chat request has no token-id form). At 30K tokens of gemma-3
 the proxy's two token calls added 87 ms to a chat's next turn, outside llama-server's prompt
-processing (`benchmarks/prompt_ids.py`). A conversation's next prompt text begins with its last
+processing (`python -m benchmarks.probes.prompt_ids`). A conversation's next prompt text begins with its last
 one (the template renders the earlier turns the same way, then the answer and the new
 message), so that prompt's tokens are kept and only the new text is tokenized, with the last
 few tokens before it (a merge across the seam: a turn's closing "\n" and an answer's "\n\n").

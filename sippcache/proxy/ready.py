@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .. import stateformat
+from .. import state
 from ..processes import written_by_a_live_process
 from . import slotfile
 from .slots import Origin, common_prefix, keeps, reusable
@@ -295,14 +295,14 @@ def _stamp(path: str) -> tuple[int, int, int]:
 
 def _whole_slot_file(path: str) -> tuple[int, ...]:
     """The tokens of a slot file another process kept, once its state reads through to the file's
-    end (`stateformat.parse`, over a mapping: only its headers are read): a file cut short (a
+    end (`state.parse`, over a mapping: only its headers are read): a file cut short (a
     disk's last writes lost in a crash) would abort llama-server. Raises ValueError (or OSError)."""
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
     view, parsed = memoryview(mapped), None
     try:
         parsed = slotfile.parse(view)
-        stateformat.parse(parsed.state, header=False, version=parsed.version)
+        state.parse(parsed.state, header=False, version=parsed.version)
         return parsed.tokens
     finally:
         parsed = None

@@ -12,7 +12,7 @@ What a slot holds is a belief, not a fact: a slot whose server restarted, or
 that another client used, holds something else. A wrong belief costs only
 speed (llama-server compares tokens itself before reusing any), and
 `forget` drops the beliefs about a server that went away, or a slot a
-client erased or restored through the proxy (`Proxy.slot_action`).
+client erased or restored through the proxy (`Passthrough.slot_action`).
 """
 
 from __future__ import annotations

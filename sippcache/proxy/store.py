@@ -31,12 +31,12 @@ Which state is worth loading is the proxy's choice:
   length, so only the longest stored *prefix* of the prompt, and every entry is
   kept.
 
-With `chunk_tokens` (`sippcache.chunks.DEFAULT_CHUNK_TOKENS` by default; 0: whole)
-states are stored as chunks of that many tokens and a tail (`sippcache.chunks`):
+With `chunk_tokens` (`sippcache.state.chunks.DEFAULT_CHUNK_TOKENS` by default; 0: whole)
+states are stored as chunks of that many tokens and a tail (`sippcache.state.chunks`):
 a conversation's later save writes only the chunks the store lacks and its tail,
 and conversations over one system prompt share its chunks. A restore reads the
 tail with the longest common prefix and the chunks it needs, and writes the
-joined state into the staging file. What stateformat cannot cut, and every state
+joined state into the staging file. What sippcache.state cannot cut, and every state
 of a model whose memory is not chunked (`CHUNKED_KINDS`), is stored as one whole
 entry, as before; such entries, and those of proxies before chunks, restore as
 they always did.
@@ -49,28 +49,24 @@ import logging
 import math
 import mmap
 import os
-import shutil
-import stat
-import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import xxhash
 
-from .. import chunks
-from ..buffers import allocate, populate
-from ..engine.directory import free_bytes
 from ..errors import SippcacheError
-from ..modelfile import MemoryKind
-from ..processes import written_by_a_live_process
 from ..protocol import CacheBackend, EntryInfo, Peek
+from ..state import chunks
+from ..state.chunkentries import is_chunk_namespace
+from ..state.modelfile import MemoryKind
 from . import slotfile
 from .ready import READY_PREFIX, ReadyFile, ReadyFiles
 from .slots import Origin, keeps, reusable
+from .staging import StagingFile, remove_stale_files, unreadable_by_others
 from .upstream import Upstream, UpstreamRefused
 
 __all__ = [
@@ -82,8 +78,6 @@ __all__ = [
     "Saved",
     "SlotStore",
     "Snapshot",
-    "StagingFile",
-    "remove_stale_files",
 ]
 
 log = logging.getLogger("sippcache.proxy")
@@ -91,22 +85,10 @@ log = logging.getLogger("sippcache.proxy")
 #: The names of the slot files a proxy process makes in a staging directory, its pid after them:
 #: a save's (removed once stored) and each slot's restore file (removed when the proxy exits).
 SAVE_PREFIX, RESTORE_PREFIX = "sippcache-save-", "sippcache-restore-"
-#: A restore file's mode (less the umask): readable by a llama-server run as another user (a
-#: container of its own sharing the folder), as its own slot files are. Made 0600, every restore
-#: such a server was asked for was refused. Who else may read it is the folder's to say: a
-#: managed proxy's staging folder is its own (0700).
-STAGING_FILE_MODE = 0o644
-#: A staging file made ahead (`StagingFile.reserve`) is allocated this many bytes at a time: a
-#: restore that comes meanwhile waits for one such step at most, not for the whole file.
-ALLOCATE_SLICE = 64 << 20
-#: A staging file a restore must grow (where llama.cpp reads a longer file: `StagingFile.write`)
-#: grows by this share of the state more, so that a conversation's next, slightly longer state
-#: fits without growing it (and mapping it) again.
-GROWTH_SLACK = 1 / 8
 #: What a proxy entry's payload is: one llama.cpp sequence state (`llama_state_seq_get_data`'s form).
 #: Its chunks and tails are of kinds ``llama-server.seq.chunk`` and ``llama-server.seq.tail``.
 KIND = "llama-server.seq"
-#: The memory kinds whose states are stored as chunks (`sippcache.chunks`). A sliding-window
+#: The memory kinds whose states are stored as chunks (`sippcache.state.chunks`). A sliding-window
 #: model's (iSWA, run with --swa-full) are too: its full-attention layers are chunked and its
 #: window goes whole into each tail (docs/proxy.md, "Chunked states", has the measurement).
 #: Recurrent and hybrid memory cannot be cut: stored whole.
@@ -220,7 +202,7 @@ class SlotStore:
 
     @property
     def stored_whole(self) -> int:
-        """States stored whole although chunking is on: what stateformat could not cut."""
+        """States stored whole although chunking is on: what sippcache.state could not cut."""
         return self.states.stored_whole
 
     def namespace(self, scope: str) -> str:
@@ -278,7 +260,7 @@ class SlotStore:
                 upstream.url,
                 len(origin.tokens),
                 exc,
-                _unreadable_by_others(path),
+                unreadable_by_others(path),
             )
             raise RestoreRefused(exc, nbytes, time.perf_counter() - started, len(held)) from exc
         seconds = time.perf_counter() - started
@@ -298,7 +280,7 @@ class SlotStore:
                 upstream.url,
                 tokens,
                 exc,
-                _unreadable_by_others(file.path),
+                unreadable_by_others(file.path),
             )
             await asyncio.to_thread(self.ready.drop, file)
             raise RestoreRefused(exc, file.nbytes, time.perf_counter() - started, tokens) from exc
@@ -404,7 +386,7 @@ class SlotStore:
             listed = [
                 entry
                 for namespace in self.cache.namespaces()
-                if namespace.startswith(mine) and not chunks.is_chunk_namespace(namespace)
+                if namespace.startswith(mine) and not is_chunk_namespace(namespace)
                 for entry in self.cache.entries(namespace)
             ]
         except SippcacheError as exc:
@@ -483,7 +465,7 @@ class SlotStore:
     def _store(self, snapshot: Snapshot, supersedes: Origin | None, scope: str) -> chunks.Stored:
         """A saved slot file into the store. The file is mapped, not read: a whole entry copies the
         state once (into its frame); in chunks, only the new chunks are copied, once each (into their
-        frames, from views of the mapping: stateformat.cut), and the tail."""
+        frames, from views of the mapping: sippcache.state.cut), and the tail."""
         with open(snapshot.path, "rb") as f:  # mapped copy-on-write: writing the header spoils no file
             mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         view = memoryview(mapped)
@@ -517,171 +499,6 @@ class RestoreRefused(UpstreamRefused):
     def __init__(self, cause: UpstreamRefused, nbytes: int, seconds: float, tokens: int) -> None:
         super().__init__(cause.status, cause.message)
         self.nbytes, self.seconds, self.tokens = nbytes, seconds, tokens
-
-
-def _unreadable_by_others(path: str) -> str:
-    """A hint for a refused restore whose file only this user may read (a umask of 077): a
-    llama-server run as another user (a container of its own) cannot open it."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return ""
-    if mode & (stat.S_IRGRP | stat.S_IROTH):
-        return ""
-    return (
-        f" (the restore file is mode {stat.S_IMODE(mode):04o}, this process's umask taking the rest of"
-        f" {STAGING_FILE_MODE:04o}: a llama-server run as another user cannot read it; give the proxy"
-        " a umask of 022, or run both as one user)"
-    )
-
-
-class StagingFile:
-    """A slot's staging file, kept mapped between restores: each restore writes its state into
-    pages that are already there and mapped (mapping a gigabyte afresh, faulting its pages in and
-    unmapping it cost about half as much as the copy; docs/proxy.md has the figures). The
-    mapping is made again when the file must grow past it or is another file now (removed and
-    made again by someone else)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._mapped: mmap.mmap | None = None
-        self._file: tuple[int, int] = (0, 0)  # the mapped file's (device, inode)
-        self._lock = threading.Lock()  # a restore's write, and `reserve` from the proxy's start
-        self._wanted = threading.Event()  # a restore waits for the lock: `reserve` gives way
-
-    def reserve(self, size: int) -> bool:
-        """Make the file at least `size` bytes, its pages allocated and mapped, ahead of a restore
-        (`SlotStore.prepare`), a slice at a time. Nothing is written into it, and a file a restore
-        wrote (or one made ahead already) is left as it is: llama-server may be reading it. A
-        restore that comes meanwhile does not wait for all of it (a gigabyte takes a second or
-        more): the file is left as far as it got, for that restore to make the rest, and False is
-        returned."""
-        with self._lock:
-            if self._mapped is not None:
-                return True
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, STAGING_FILE_MODE)
-            try:
-                have = os.fstat(fd).st_size
-                for start in range(have, size, ALLOCATE_SLICE):  # pages, not a sparse file
-                    if self._wanted.is_set():
-                        return False
-                    allocate(fd, start, min(ALLOCATE_SLICE, size - start))
-                self._map(fd, max(size, have), self._wanted.is_set)
-            finally:
-                os.close(fd)
-            return not self._wanted.is_set()
-
-    def write(self, head: bytes, nbytes: int, fill: Callable[[memoryview], bool], *, exact: bool) -> bool:
-        """Make the file `head` (`slotfile.build`'s header and tokens) and then a state of `nbytes`
-        without its 8-byte sequence header: `fill` writes the state into the mapping once (joined
-        there, from chunks: `ChunkedStates.write_checked`), its 8-byte header then overwritten by
-        the end of `head`. False if `fill` says the state is not to be used (the file is then
-        left incomplete).
-
-        Unless `exact` (a llama.cpp that loads only a file as long as its state:
-        `slotfile.LONGER_FILE_VERSION`), a file longer than the state is left that long while
-        its folder has as much room again free (llama-server's saves go there too), and one that
-        must grow grows by `GROWTH_SLACK` more. Cut to a shorter state, a file frees the
-        pages past it, and the next longer state must allocate and fault them in again: a
-        restore of 268 MB after one of 67 MB took 244 ms that way, against 42 ms into pages kept
-        (docs/proxy.md)."""
-        self._wanted.set()  # a `reserve` under way stops at its next slice
-        with self._lock:
-            self._wanted.clear()
-            return self._write(head, nbytes, fill, exact)
-
-    def _map(self, fd: int, size: int, stop: Callable[[], bool] | None = None) -> mmap.mmap:
-        """The mapping of `fd`, `size` bytes at least: the one kept if it is that file and as large
-        (a new one's pages made, until `stop` says so)."""
-        info = os.fstat(fd)
-        if self._mapped is None or len(self._mapped) < size or self._file != (info.st_dev, info.st_ino):
-            self._unmap()
-            self._mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-            populate(self._mapped, stop)  # a slice at a time: the event loop runs meanwhile
-            self._file = (info.st_dev, info.st_ino)
-        return self._mapped
-
-    def _write(self, head: bytes, nbytes: int, fill: Callable[[memoryview], bool], exact: bool) -> bool:
-        start = len(head) - slotfile.SEQ_HEADER_BYTES
-        size = start + nbytes
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, STAGING_FILE_MODE)
-        try:
-            length = os.fstat(fd).st_size
-            if size > length:  # the pages it grows by, made first: no room is then an OSError, not a SIGBUS
-                grown = size if exact else size + int(size * GROWTH_SLACK)
-                try:
-                    allocate(fd, length, grown - length)
-                except OSError:
-                    if grown == size:
-                        raise
-                    grown = size  # room for the state, not for the slack
-                    allocate(fd, length, size - length)
-                length = grown
-            elif size < length and (exact or (free_bytes(os.path.dirname(self.path)) or 0) < length):
-                os.ftruncate(fd, size)  # its pages given back: llama-server's saves need that room
-                length = size
-            mapped = self._map(fd, length)
-        finally:
-            os.close(fd)
-        view = memoryview(mapped)
-        try:
-            if not fill(view[start:size]):
-                return False
-            slotfile.state_of(bytes(view[start : start + slotfile.SEQ_HEADER_BYTES]))  # it was a sequence state
-            view[: len(head)] = head
-        finally:
-            view.release()
-        return True
-
-    def close(self, *, remove: bool = True) -> None:
-        """Unmap the file and remove it (a later `write` makes it again), unless not `remove`."""
-        with self._lock:
-            self._unmap()
-            if remove:
-                slotfile.remove(self.path)
-
-    def _unmap(self) -> None:
-        mapped, self._mapped = self._mapped, None
-        if mapped is not None:
-            try:
-                mapped.close()
-            except BufferError:  # views of it in a traceback: unmapped when they go
-                pass
-
-
-def remove_stale_files(directory: str, prefixes: Sequence[str]) -> int:
-    """Remove the entries of `directory` named a prefix, a pid and "-" whose process is gone, and
-    that this user owns: what a proxy killed outright (SIGKILL, a crash) left, slot files of up
-    to gigabytes in RAM otherwise kept until a reboot. A live process's are kept, another
-    proxy's sharing the directory included; an entry last changed before the process now
-    holding its pid started is not that process's (`written_by_a_live_process`). Returns how
-    many were removed."""
-    removed = 0
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    for name in names:
-        prefix = next((p for p in prefixes if name.startswith(p)), None)
-        pid, dash, _ = name[len(prefix) :].partition("-") if prefix else ("", "", "")
-        if not (pid.isdigit() and dash):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            info = os.lstat(path)
-            if info.st_uid != os.getuid() or written_by_a_live_process(int(pid), info.st_mtime):
-                continue
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-        except OSError as exc:
-            log.warning("sippcache proxy: could not remove %s, left by a process that is gone: %s", path, exc)
-            continue
-        removed += 1
-    if removed:
-        log.info("sippcache proxy: removed %d file(s) in %s left by proxies that are gone", removed, directory)
-    return removed
 
 
 def _reported_seconds(answer: dict[str, Any], name: str) -> float | None:

@@ -20,6 +20,7 @@ from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
 from llama_cpp.server.settings import ConfigFileSettings, ModelSettings, ServerSettings
 from llama_cpp.server.settings import Settings as UpstreamSettings
 
+from ..flags import Flag, add_flags
 from ..llama.batch import DEFAULT_CHUNK
 from ..state.chunks import DEFAULT_CHUNK_TOKENS
 
@@ -29,6 +30,7 @@ __all__ = [
     "DEFAULT_PARALLEL",
     "DEFAULT_PREFILL_CHUNK",
     "DEFAULT_SAVE_IDLE",
+    "SERVE_FLAGS",
     "STATE_SETTINGS",
     "UPSTREAM_CACHE_SETTINGS",
     "ModelOptions",
@@ -75,6 +77,77 @@ STATE_SETTINGS = (
 UPSTREAM_CACHE_SETTINGS = ("cache", "cache_type", "cache_size")
 
 
+#: sippcache's own options of ``sippcache serve`` (the rest are upstream's), declared once
+#: (`sippcache.flags`): the parser and docs/serve.md's table come from here. Each default is None
+#: on the command line (a config file's model may set its own); `shown` says what a model gets.
+SERVE_GROUP = "sippcache"
+SERVE_FLAGS = (
+    Flag(
+        "--cache",
+        SERVE_GROUP,
+        "the store every model uses, unless the config file names one for it (cache_url): lmdb:///path, "
+        "diskcache:///path, ram://, redis://host, tiered://..., a plugin's URL; 'true' means the default, "
+        "'false' serves without a cache (upstream's cache_type and cache_size are ignored)",
+        shown="$SIPPCACHE_URL, else LMDB in the user cache folder",
+        metavar="URL",
+        dest=CACHE_URL_KEY,
+    ),
+    Flag(
+        "--parallel",
+        SERVE_GROUP,
+        "requests each model runs at once, batched in one llama.cpp context whose KV cache holds N x n_ctx "
+        "tokens; 1 serves one request at a time on upstream's own code path ('parallel' per model in a "
+        "config file)",
+        int,
+        shown=str(DEFAULT_PARALLEL),
+        metavar="N",
+        see="many-requests-at-once---parallel-n",
+    ),
+    Flag(
+        "--max-queue",
+        SERVE_GROUP,
+        "requests per model that may wait for a slot beyond the N running; more get 503 with Retry-After "
+        "('max_queue' per model in a config file)",
+        int,
+        shown=str(DEFAULT_MAX_QUEUE),
+        metavar="M",
+        aliases=("--max_queue",),
+    ),
+    Flag(
+        "--prefill-chunk",
+        SERVE_GROUP,
+        "with --parallel > 1: prompt tokens evaluated per step, at most, so a long new prompt holds the others' "
+        "decoding back by one chunk at most (a multiple of 32; 'prefill_chunk' per model in a config file)",
+        int,
+        shown=str(DEFAULT_PREFILL_CHUNK),
+        metavar="K",
+        aliases=("--prefill_chunk",),
+    ),
+    Flag(
+        "--save-idle",
+        SERVE_GROUP,
+        "with --parallel > 1: once a model has had no request for S seconds, what its slots hold beyond the "
+        "store is stored (0: as soon as no request runs; 'save_idle' per model in a config file)",
+        float,
+        shown=f"{DEFAULT_SAVE_IDLE:g}",
+        metavar="S",
+        aliases=("--save_idle",),
+        see="when-a-state-is-stored",
+    ),
+    Flag(
+        "--chunk-tokens",
+        SERVE_GROUP,
+        "states are stored in chunks of C tokens: a conversation's next turn writes only its new tokens, and a "
+        "prompt shared by several conversations is stored once (0: whole states; 'chunk_tokens' per model in a "
+        "config file)",
+        int,
+        shown=str(DEFAULT_CHUNK_TOKENS),
+        metavar="C",
+        aliases=("--chunk_tokens",),
+    ),
+)
+
+
 class ServeError(Exception):
     """A problem reported as one ``error: ...`` line, exit code 2."""
 
@@ -109,7 +182,7 @@ class ModelOptions:
 
 
 #: ModelOptions fields a config file's model may set (taken out before upstream validates it).
-OPTION_KEYS = (CACHE_URL_KEY, "parallel", "max_queue", "prefill_chunk", "save_idle", "chunk_tokens")
+OPTION_KEYS = tuple(flag.dest for flag in SERVE_FLAGS)  # cache_url, parallel, max_queue, ...
 
 
 @dataclass(frozen=True)
@@ -134,55 +207,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     add_args_from_model(parser, UpstreamSettings)
     parser.add_argument("--config_file", type=str, help="Path to a config file to load.")
-    parser.add_argument(
-        "--cache",
-        dest="cache_url",
-        metavar="URL",
-        help="The sippcache store every model uses (a model in --config_file may name its own with "
-        f"'{CACHE_URL_KEY}'): lmdb:///path, diskcache:///path, ram://, redis://host, tiered://... "
-        "(default: $SIPPCACHE_URL, else LMDB in the user cache folder). 'true' means the default; "
-        "'false' serves without a cache. Upstream's cache_type and cache_size are ignored.",
-    )
-    parser.add_argument(
-        "--parallel",
-        type=int,
-        metavar="N",
-        help="Requests each model runs at once, batched in one llama.cpp context whose KV cache holds N x n_ctx "
-        f"tokens (a model in --config_file may set its own 'parallel'). Default {DEFAULT_PARALLEL}; 1 serves one "
-        "request at a time, as llama-cpp-python's server does.",
-    )
-    parser.add_argument(
-        "--max_queue",
-        type=int,
-        metavar="M",
-        help=f"Requests per model that may wait beyond the N running; more get 503 with Retry-After "
-        f"(default {DEFAULT_MAX_QUEUE}; 'max_queue' per model in --config_file).",
-    )
-    parser.add_argument(
-        "--prefill_chunk",
-        type=int,
-        metavar="K",
-        help=f"With --parallel > 1: prompt tokens evaluated per step, at most, so a long new prompt holds the "
-        f"others' decoding back by one chunk at most (a multiple of 32; default {DEFAULT_PREFILL_CHUNK}; "
-        "'prefill_chunk' per model in --config_file).",
-    )
-    parser.add_argument(
-        "--save_idle",
-        type=float,
-        metavar="S",
-        help=f"With --parallel > 1: once a model has had no request for S seconds, what its slots hold beyond "
-        f"the store (a conversation's last turns) is stored; a conversation keeping its slot is otherwise stored "
-        f"when the slot goes to another one and on shutdown (default {DEFAULT_SAVE_IDLE:g}; 0: as soon as no "
-        "request runs; 'save_idle' per model in --config_file).",
-    )
-    parser.add_argument(
-        "--chunk_tokens",
-        type=int,
-        metavar="C",
-        help=f"States are stored in chunks of C tokens, so a conversation's next turn writes only its new "
-        f"tokens and a shared prompt is stored once (default {DEFAULT_CHUNK_TOKENS}; 0: whole states; "
-        "'chunk_tokens' per model in --config_file).",
-    )
+    add_flags(parser, SERVE_FLAGS)
     return parser
 
 
@@ -191,7 +216,7 @@ def load_settings(args: argparse.Namespace) -> Settings:
 
     As upstream: ``$CONFIG_FILE`` wins over ``--config_file``; with a config file,
     the other command-line settings are not used, except ours (``--cache``,
-    ``--parallel``, ``--max_queue``, ``--prefill_chunk``, ``--save_idle``, ``--chunk_tokens``), which are the defaults
+    ``--parallel``, ``--max-queue``, ``--prefill-chunk``, ``--save-idle``, ``--chunk-tokens``), which are the defaults
     of the models that do not set their own. Our keys are taken out of the models
     before upstream's models (which forbid unknown keys) validate them. Unlike
     upstream, ``interrupt_requests`` is off unless set: on, a request waiting for
@@ -199,8 +224,8 @@ def load_settings(args: argparse.Namespace) -> Settings:
     """
     defaults: dict[str, Any] = {
         name: getattr(args, name)
-        for name in ("parallel", "max_queue", "prefill_chunk", "save_idle", "chunk_tokens")
-        if getattr(args, name, None) is not None
+        for name in OPTION_KEYS
+        if name != CACHE_URL_KEY and getattr(args, name, None) is not None
     }
     config_file = os.environ.get("CONFIG_FILE", args.config_file)
     try:
