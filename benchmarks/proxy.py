@@ -54,8 +54,8 @@ from typing import Any
 
 import sippcache
 from harness.proxy_tools import LlamaServer, ProxyServer, free_port, llama_server_binary, settle
-from sippcache.chunks import usage
 from sippcache.demo.model import gemma_model_path
+from sippcache.state.chunkentries import usage
 
 #: A grammar for the tiny model's answers: letters, which its byte-level vocabulary tokenizes back
 #: as generated (a generated space is a byte token; the space in a prompt, "▁"), as a real model's

@@ -81,15 +81,16 @@ from typing import Any
 import xxhash
 
 import sippcache
-from sippcache import chunks, frame
-from sippcache import stateformat as sf
+from sippcache import frame
+from sippcache import state as sf
 from sippcache.backends.tiered import tiered_url
-from sippcache.chunks import DEFAULT_CHUNK_TOKENS, Assembled, ChunkedStates
 from sippcache.engine.directory import huge_pages, mount_of
 from sippcache.options import Size
 from sippcache.protocol import Blob
 from sippcache.proxy import slotfile
 from sippcache.proxy.store import KIND, SlotStore, Snapshot
+from sippcache.state import chunks, copier
+from sippcache.state.chunks import DEFAULT_CHUNK_TOKENS, Assembled, ChunkedStates
 
 KV_BYTES_PER_TOKEN = 32 * 1024  # Llama-3-8B, f16 K and V
 VOCAB = 128_256
@@ -154,7 +155,7 @@ def random_bytes(size: int, seed: int) -> bytes:
 
 def synthetic_state(n_tokens: int, seed: int, *, v_transposed: bool = False) -> bytes:
     """A slot file's state of `n_tokens` cells in llama.cpp's format (version `SLOT_VERSION`; what
-    `sippcache.stateformat` reads and cuts): Llama-3-8B's shape, 32 layers of f16 K and V rows of
+    `sippcache.state` reads and cuts): Llama-3-8B's shape, 32 layers of f16 K and V rows of
     512 bytes (8 KV heads of 128 over 4 layers' worth: the same bytes a token), random rows. With
     `v_transposed`, V as llama.cpp writes it with flash attention off: each layer's 256 dimensions,
     each a run of every cell's value (the same bytes, other headers)."""
@@ -554,18 +555,18 @@ def chunks_cut_alone() -> Iterator[None]:
 def runs_copied_byte_by_byte() -> Iterator[None]:
     """The transposed-V gather as it was before 2026-11-29 (second change that day): a group's
     stacked tables copied across the layer's rows as tables of bytes, each run a loop over its
-    bytes, where now each run is one element of its width (`stateformat._across`)."""
-    real = sf._across
+    bytes, where now each run is one element of its width (`copier._across`)."""
+    real = copier._across
 
     def across(band: Any, stacked: Any, chunks: int, width: int) -> None:
         across_bytes = band.reshape(band.shape[0], chunks, width)
         across_bytes[...] = stacked.reshape(chunks, band.shape[0], width).transpose(1, 0, 2)
 
-    sf._across = across
+    copier._across = across
     try:
         yield
     finally:
-        sf._across = real
+        copier._across = real
 
 
 @contextmanager

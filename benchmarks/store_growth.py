@@ -1,4 +1,4 @@
-"""How a store grows: whole states against chunked ones (`sippcache.chunks`), through the proxy
+"""How a store grows: whole states against chunked ones (`sippcache.state.chunks`), through the proxy
 (the default) or the llama-cpp-python layer (``--path dropin``: `sippcache.llama.Llama` with a
 bound `LlamaCache`; ``--path pool``: a one-slot `SessionPool`; both on LMDB, the same
 conversations as token lists, `run_llama`; ``--path serve``: ``sippcache serve --parallel 2``
@@ -18,7 +18,7 @@ Reported, per setting: bytes written (the proxy's own
 ``sippcache_proxy_stored_bytes_total``; the other paths' ``bytes_written``), bytes in the store at the end
 (``sippcache.open(url).stats()``: blobs and 4 bytes a key token), its entries,
 the prompt tokens llama-server reused (``timings.cache_n``), and each against U:
-the KV bytes of one token (read from a stored state with `sippcache.stateformat`)
+the KV bytes of one token (read from a stored state with `sippcache.state`)
 times the distinct tokens of all the conversations (a trie over each one's last
 prompt, plus its last answer), and each turn's time to first token. The answers of every run
 must be the same.
@@ -56,8 +56,9 @@ from typing import Any
 
 import sippcache
 from harness.proxy_tools import ProxyServer, llama_server_binary, metric, settle
-from sippcache import chunks, frame
-from sippcache import stateformat as sf
+from sippcache import frame
+from sippcache import state as sf
+from sippcache.state import chunkentries, chunks
 
 WRITTEN_GOAL, KEPT_GOAL = 2.0, 1.3
 #: Time to first token against whole states', turn by turn: "no worse", up to the machine's noise.
@@ -455,7 +456,7 @@ def kv_per_token(store: sippcache.CacheBackend) -> tuple[int, int]:
     sliding-window cache that holds only its window, which every state then holds whole (0 for full
     attention, and for a full-size window cache)."""
     best = max(
-        (e for e in store.entries() if not chunks.is_chunk_namespace(e.namespace)),
+        (e for e in store.entries() if not chunkentries.is_chunk_namespace(e.namespace)),
         key=lambda e: len(e.key),
         default=None,
     )
@@ -465,7 +466,7 @@ def kv_per_token(store: sippcache.CacheBackend) -> tuple[int, int]:
     assert match is not None
     with match:
         entry = frame.decode(match.blob)
-        if entry.kind.endswith(chunks.TAIL_SUFFIX):
+        if entry.kind.endswith(chunkentries.TAIL_SUFFIX):
             cells, unchunked = entry.section("cells"), entry.section("caches")
             size = int(entry.meta["chunk_tokens"])
             tail = len(entry.tokens) - (len(entry.tokens) - 1) // size * size

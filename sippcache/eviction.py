@@ -29,7 +29,7 @@ only that user had asked about. A key that branches off where other keys
 already branch (many conversations after one shared system prompt) is their
 sibling and supersedes nothing: an earlier rule that superseded there evicted
 live conversations first and reused up to 8% fewer tokens than LRU on a
-conversation workload (`python benchmarks/trace.py`).
+conversation workload (`python -m benchmarks.trace`).
 """
 
 from __future__ import annotations

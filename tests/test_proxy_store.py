@@ -348,7 +348,7 @@ def test_slot_files_a_proxy_killed_outright_left_are_removed(tmp_path: Path) -> 
     assert (tmp_path / "sippcache-proxy-ab_12").exists()
 
 
-# -- chunked states (sippcache.chunks), on real llama.cpp states --------------------------------------------
+# -- chunked states (sippcache.state.chunks), on real llama.cpp states --------------------------------------------
 
 CHUNK = 64
 

@@ -41,7 +41,7 @@ import lmdb
 
 import sippcache
 from benchmarks.state_path import SLOT_VERSION, synthetic_state
-from sippcache.chunks import DEFAULT_CHUNK_TOKENS, ChunkedStates
+from sippcache.state.chunks import DEFAULT_CHUNK_TOKENS, ChunkedStates
 
 #: (label, URL's sync option, LMDB's metasync): the settings, in the order they are timed.
 SETTINGS = (

@@ -17,7 +17,7 @@ these runs in another thread:
 
 - making a staging file ahead, one ``mmap(MAP_POPULATE)`` call (before 2026-11-28);
 - making it ahead as the proxy does now (`StagingFile.reserve`: 64 MiB allocation
-  steps, then `sippcache.buffers.populate`'s 2 MiB slices);
+  steps, then `sippcache.state.buffers.populate`'s 2 MiB slices);
 - `SlotStore.keep` of a llama-server slot file into LMDB, in chunks of 64 tokens;
 - `SlotStore._stage` of that state back into a staging file.
 

@@ -2,7 +2,7 @@
 `StateBuffers`, each reserved at twice its state; a 268-352 MB state in 37-60 ms, was 198-301 ms).
 
 Copying a sequence state out of llama.cpp (the llama-cpp-python layer's save): into new memory
-against into a buffer used before (`sippcache.buffers.StateBuffers`), and a memory copy of the same bytes.
+against into a buffer used before (`sippcache.state.buffers.StateBuffers`), and a memory copy of the same bytes.
 
 A snapshot is copied out of the context on the thread that computes (the next prefill waits for
 it), then framed and stored in the background. On a fast GPU a state's bytes are the whole cost
@@ -35,8 +35,8 @@ import llama_cpp
 import numpy as np
 
 from benchmarks.gpu import mkmodel
-from sippcache.buffers import StateBuffers
 from sippcache.llama import states
+from sippcache.state.buffers import StateBuffers
 
 
 def main() -> int:

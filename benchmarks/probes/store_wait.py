@@ -37,7 +37,7 @@ from pathlib import Path
 
 import sippcache
 from benchmarks.state_path import KV_BYTES_PER_TOKEN, SLOT_VERSION, parse_size, synthetic_state
-from sippcache import chunks
+from sippcache.state import chunks
 
 URLS = {
     "lmdb": "lmdb://{dir}/store?max_bytes=64GiB&sync=false",

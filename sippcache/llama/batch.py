@@ -64,7 +64,7 @@ __all__ = ["BatchEngine", "Job", "StepReport"]
 
 #: Prompt tokens evaluated per step by default: on gemma-3-270m, 2 cores, a prompt is
 #: prefilled about as fast in chunks of 64 as of 512, while the requests decoding
-#: beside it wait for each step (benchmarks/prefill_chunk.py, docs/serve.md "Tuning").
+#: beside it wait for each step (benchmarks/probes/prefill_chunk.py, docs/serve.md "Tuning").
 DEFAULT_CHUNK = 128
 
 

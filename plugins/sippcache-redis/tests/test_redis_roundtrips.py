@@ -95,7 +95,7 @@ def test_peek_is_one_round_trip_and_moves_no_blob(valkey_server: ValkeyServer, p
 
 
 def test_a_chain_of_chunks_is_read_in_two_round_trips(valkey_server: ValkeyServer, prefix: str) -> None:
-    """`lookup_prefixes` (a chunked state's restore, `sippcache.chunks`): the sync, then every
+    """`lookup_prefixes` (a chunked state's restore, `sippcache.state.chunks`): the sync, then every
     entry's GETs in one pipeline, however many entries; a gap ends the chain."""
     url = f"{valkey_server.url}?prefix={prefix}&max_bytes=1GiB"
     servers = [valkey_server.client()]
