@@ -13,7 +13,7 @@ import pytest
 # after the distributions are installed.
 collect_ignore = ["plugins"]
 
-# Whether a restore beats computing is measured (sippcache.rates), and on the tiny test model a
+# Whether a restore beats computing is measured (sippcache.state.rates), and on the tiny test model a
 # short gain is cheaper to compute than to load: a test of what a restore gives would depend on
 # the machine's speed. So every cache and proxy here restores what gains tokens, unless a test
 # names its mode; the "auto" rule has tests of its own (test_proxy_rates.py, test_llama_rates.py).
