@@ -10,11 +10,11 @@ them as GB/s and as a ratio to a plain memory copy of the same bytes measured in
   writing a new file and rewriting an existing one on the --dir filesystem, and a slot file read
   once through a mapping, unmapped and removed (the floor of a save's own part below: any save of
   llama-server's file pays it, and on a tmpfs of 4 KiB pages it is most of the cost);
-- chunks joined (`stateformat.joined(...).write_into` one kept buffer, as the llama-cpp-python
+- chunks joined (`sippcache.state.joined(...).write_into` one kept buffer, as the llama-cpp-python
   layer restores a state stored in chunks of ``--chunk-tokens``): V as rows (flash attention on)
   and V transposed (off: each dimension's runs of every chunk gathered; beside it, alternating,
   the gather as it was before 2026-11-29's second change, each run copied as bytes); and the
-  other way, chunks cut out (`stateformat.cut`, each chunk's pieces copied into a buffer, deepest
+  other way, chunks cut out (`sippcache.state.cut`, each chunk's pieces copied into a buffer, deepest
   first, as a first save frames them): V rows, and V transposed (a group of chunks at a time;
   beside it, alternating, each chunk's runs cut alone, as before 2026-11-29);
 - framing: `frame.encode` of a one-section state, `frame.decode` of it (checksum checked);
@@ -488,10 +488,10 @@ def proxy_chunked(
 
 
 def assembly(clock: Clock, n_tokens: int, seed: int, chunk_tokens: int, repeat: int) -> None:
-    """`stateformat.joined(...).write_into` of a state cut in chunks of `chunk_tokens`, into one
+    """`sippcache.state.joined(...).write_into` of a state cut in chunks of `chunk_tokens`, into one
     kept buffer: the llama-cpp-python layer's restore (the proxy writes the same parts into its
     staging file). V rows (flash attention on: every part one copy) and V transposed (off: each
-    dimension's runs of every chunk gathered). Before it, the other way: `stateformat.cut` of the
+    dimension's runs of every chunk gathered). Before it, the other way: `sippcache.state.cut` of the
     state, each chunk's pieces copied into a kept buffer of a chunk's size, deepest first (a first
     save, less its framing and store)."""
     for label, transposed in ((ASSEMBLE_ROWS, False), (ASSEMBLE_COLUMNS, True)):
