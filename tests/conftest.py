@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+import sys
+import types
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -108,3 +112,141 @@ def servers(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     yield start
     for server in started:
         server.stop()
+
+
+# -- test tiers ---------------------------------------------------------------------------------
+#
+# Every test is marked by what it needs (see CONTRIBUTING.md, "Running the tests"): nobody marks a
+# test by hand. What a test needs is read from the fixtures it uses (directly or through other
+# fixtures) and the names that its code, its fixtures' code and the helpers of ours they call
+# (in tests/, harness/, plugins/*/tests/, followed as far as they go) refer to. A test that needs
+# none of them and is not `slow` is `core`.
+
+#: marker: the fixture names, names referred to in code, or string constants that mean the need.
+NEEDS: dict[str, frozenset[str]] = {
+    "model": frozenset(
+        {"tiny_model", "tiny_model_other_weights", "write_tiny_model", "gemma_model", "gemma_model_path"}
+        | {"smollm2_model", "smollm2_model_path", "make_llama"}
+    ),
+    "gemma": frozenset({"gemma_model", "gemma_model_path"}),
+    "smollm2": frozenset({"smollm2_model", "smollm2_model_path"}),
+    "llama_server": frozenset({"llama_server_binary", "LlamaServer", "ProxyServer"}),
+    "redis": frozenset({"valkey_server", "valkey_cluster", "ValkeyServer", "ValkeyCluster"}),
+    "lint": frozenset({"mypy", "ruff"}),  # run as commands: `python -m mypy`, `python -m ruff`
+    "build": frozenset({"pip", "bdist_wheel", "sdist"}),  # `python -m pip install`, `setup.py sdist`
+    # Not a need but a cost: a test that starts processes of its own (the `sippcache` command, writers
+    # killed or forked) pays about a second for each Python that imports sippcache on 2 cores.
+    "slow": frozenset({"subprocess", "Popen", "multiprocessing", "get_context", "fork", "spawn"}),
+}
+#: Markers that imply a model (set by hand on tests that reach a model some other way, e.g. the demo).
+MODEL_MARKERS = ("gemma", "smollm2")
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def _ours(filename: str) -> bool:
+    """Code of the tests and their helpers: in this checkout, not in a package under test, not in
+    a virtual environment kept in it (.venv)."""
+    try:
+        parts = Path(filename).resolve().relative_to(_ROOT).parts
+    except ValueError:
+        return False
+    if not parts or parts[0] == "sippcache" or any(p.startswith(("sippcache_", ".")) for p in parts):
+        return False
+    return "site-packages" not in parts
+
+
+#: id of a function or class: its words (every one lives as long as the session).
+_WORDS: dict[int, frozenset[str]] = {}
+
+
+def _words(obj: Any) -> frozenset[str]:
+    """The names and string constants in `obj`'s code (a function, or a class's methods), and in
+    the code of our helpers it refers to by name."""
+    if id(obj) in _WORDS:
+        return _WORDS[id(obj)]
+    _WORDS[id(obj)] = frozenset()  # while being read: for a helper that refers back to it
+    found: set[str] = set()
+    if isinstance(obj, type):
+        for member in list(vars(obj).values()):  # a copy: looking a member up may add to the class
+            for func in (member, getattr(member, "__func__", None), getattr(member, "fget", None)):
+                if isinstance(func, types.FunctionType):
+                    found |= _words(func)
+    else:
+        func = inspect.unwrap(getattr(obj, "__func__", obj))
+        code = getattr(func, "__code__", None)
+        if code is not None and _ours(code.co_filename):
+            codes = [code]
+            while codes:
+                current = codes.pop()
+                found.update(current.co_names)
+                for const in current.co_consts:
+                    if isinstance(const, str):
+                        found.add(const)
+                    elif isinstance(const, types.CodeType):
+                        codes.append(const)
+            # Where a name may be defined: the function's module, and modules of ours it imports
+            # inside a function (`from harness.servers import Server`).
+            spaces = [func.__globals__]
+            spaces += [
+                vars(m) for n in found if (m := sys.modules.get(n)) and _ours(getattr(m, "__file__", None) or "")
+            ]
+            for name in sorted(n for n in found if n.isidentifier()):
+                for space in spaces:
+                    target = space.get(name)
+                    if isinstance(target, type | types.FunctionType):
+                        found |= _words(target)
+    _WORDS[id(obj)] = frozenset(found)
+    return _WORDS[id(obj)]
+
+
+def needs(item: pytest.Item) -> set[str]:
+    """The markers of what `item` needs (empty: a core test)."""
+    words = set(getattr(item, "fixturenames", ()))
+    # A fixture asked for by name (`request.getfixturevalue(request.param)`) is a parameter's value.
+    callspec = getattr(item, "callspec", None)
+    words |= {v for v in getattr(callspec, "params", {}).values() if isinstance(v, str)}
+    words |= _words(getattr(item, "obj", None))
+    fixtureinfo = getattr(item, "_fixtureinfo", None)
+    for defs in getattr(fixtureinfo, "name2fixturedefs", {}).values():
+        for fixturedef in defs:
+            words |= _words(fixturedef.func)
+    found = {marker for marker, signs in NEEDS.items() if words & signs}
+    found |= {m for m in MODEL_MARKERS if item.get_closest_marker(m) is not None}
+    if found & set(MODEL_MARKERS):
+        found.add("model")
+    return found
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for marker in sorted(needs(item)) or ["core"]:
+            item.add_marker(marker)
+        group = xdist_group(item)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+# -- running in parallel (pytest-xdist: `-n auto --dist loadgroup` in pyproject.toml's addopts) -----
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """`-n auto`: one worker a core (xdist's own count), but none for the tests of a single file."""
+    files = {str(arg).split("::")[0] for arg in config.args}
+    if len(files) == 1 and Path(files.pop()).is_file():
+        return 0
+    return None
+
+
+def xdist_group(item: pytest.Item) -> str | None:
+    """The tests that must run on one worker, one after another: those sharing a module-scoped
+    fixture of their own module (built once, not once a worker: tests/test_large_states.py's
+    1 GiB runs, tests/test_plugins.py's installs)."""
+    fixtureinfo = getattr(item, "_fixtureinfo", None)
+    module = getattr(getattr(item, "module", None), "__file__", None)
+    for defs in getattr(fixtureinfo, "name2fixturedefs", {}).values():
+        for fixturedef in defs:
+            if fixturedef.scope in ("module", "class", "package") and fixturedef.func.__code__.co_filename == module:
+                return item.nodeid.split("::")[0]
+    return None
