@@ -65,7 +65,8 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:
     """Add `flags` to `parser`, each in its group (groups made in the order they first appear)."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     for flag in flags:
-        group = groups.get(flag.group) or groups.setdefault(flag.group, parser.add_argument_group(flag.group))
+        if flag.group not in groups:
+            groups[flag.group] = parser.add_argument_group(flag.group)
         kwargs: dict[str, Any] = {"dest": flag.dest, "default": flag.default}
         if flag.action is not None:
             kwargs["action"] = flag.action
@@ -75,7 +76,9 @@ def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:
             kwargs["metavar"] = flag.metavar
         if flag.choices is not None:
             kwargs["choices"] = flag.choices
-        shown = "" if flag.default_text() == "none" else f" (default: {flag.default_text()})"
+        default = flag.default_text()
+        shown = "" if default == "none" else f" (default: {default})"
+        group = groups[flag.group]
         group.add_argument(flag.name, *flag.short, help=flag.help + shown, **kwargs)
         for alias in flag.aliases:  # the old spelling: parsed, not listed
             group.add_argument(alias, **{**kwargs, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS})

@@ -110,7 +110,7 @@ class Proxy:
         save_every: int = SAVE_EVERY,
         save_idle: float = SAVE_IDLE,
     ) -> None:
-        self.store, self.metrics = store, metrics
+        self.metrics = metrics
         self.rates = rates if rates is not None else RestoreRates()
         self.health = Health(upstreams, slots, metrics)
         policy = SavePolicy(save_every, save_idle, store.min_tokens, store.can_cut)
