@@ -126,13 +126,15 @@ def test_a_warm_prefill_transfers_one_entry(tiny_model: Path, valkey_server: Val
     with PrefixCache(llm, url, checkpoint_interval=512) as pc:
         entry = pc.cache.peek(tokens, namespace=pc.namespace)
         assert entry is not None and entry.key_length == 1500
+        # Listed before the prefill: its own snapshot (1540 tokens) supersedes the 1500-token
+        # tail once the writer thread stores it, which may be before a later listing.
+        listed = list(pc.cache.entries())
+        tail = next(e for e in listed if e.namespace == pc.namespace and len(e.key) == 1500)
+        chain = [e for e in listed if e.namespace != pc.namespace and len(e.key) < 1500]  # its chunks
         client = valkey_server.client()
         result: list[Any] = []
         counts = commands_during([client], lambda: result.append(pc.prefill(longer)))
         assert result[0].restored == 1500
-        listed = list(pc.cache.entries())
-        tail = next(e for e in listed if e.namespace == pc.namespace and len(e.key) == 1500)
-        chain = [e for e in listed if e.namespace != pc.namespace and len(e.key) < 1500]  # its chunks
     assert len(chain) == 1499 // 64
     pieces = sum(-(-(e.size - 4 * len(e.key)) // 65536) for e in [tail, *chain])
     assert counts.get("get", 0) == pieces  # the Redis chunks of the one state restored
