@@ -24,6 +24,14 @@ collect_ignore = ["plugins"]
 os.environ["SIPPCACHE_RESTORE"] = "always"
 # Rates a test measured are never kept for another (the tests of keeping them name a folder).
 os.environ["SIPPCACHE_RATES_DIR"] = ""
+# Under pytest-xdist every worker's llama.cpp (in process, and in the servers it starts, which inherit
+# this) gets its share of the cores: llama.cpp's OpenMP threads spin at every operation's barrier, and
+# two workers each running threads for every core took 344 s for six gemma tests that take 71 s with
+# a thread a worker (2 cores, 2 workers). A worker's environment is set before it loads llama.cpp.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault(
+        "OMP_THREAD_LIMIT", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    )
 
 
 @pytest.fixture(scope="session")
