@@ -28,10 +28,9 @@ os.environ["SIPPCACHE_RATES_DIR"] = ""
 # this) gets its share of the cores: llama.cpp's OpenMP threads spin at every operation's barrier, and
 # two workers each running threads for every core took 344 s for six gemma tests that take 71 s with
 # a thread a worker (2 cores, 2 workers). A worker's environment is set before it loads llama.cpp.
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    os.environ.setdefault(
-        "OMP_THREAD_LIMIT", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-    )
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_THREAD_LIMIT", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(scope="session")
